@@ -1,0 +1,302 @@
+"""Speculative decoding over ORT sessions: plain, draft (adaptive k), prompt lookup and tree.
+
+Every method proposes a tree of tokens (a chain is a tree of width 1) hanging off the last
+committed token, the target scores the whole tree in one pass with a tree attention mask, the
+longest accepted path is kept in the cache (rows compacted in place) and one more token comes
+from the target at the end of that path. Greedy acceptance follows the target's argmax, so the
+output equals plain decoding token for token: the graph's rows are bit-identical however they
+are batched (see ``onnx_lm``). Sampled acceptance uses the rejection rule in ``sampling``.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dspark.decoding.lm import KVCache, OnnxLM
+from dspark.decoding.sampling import (SamplingParams, SpeculativeParams, accept_among,
+                                      distribution, sample)
+
+PREFILL_CHUNK = 64
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+@dataclass
+class DecodeStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0  # target passes after the prefill
+    proposed: int = 0
+    accepted: int = 0
+    draft_calls: int = 0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    total_s: float = 0.0
+    finish_reason: str = ""
+    k_history: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per target pass (accepted drafts + the target's own token)."""
+        return self.generated_tokens / self.rounds if self.rounds else 0.0
+
+
+@dataclass
+class _Tree:
+    """Draft tokens below the root (the last committed token, row 0 of the verify pass)."""
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)  # -1 = root
+    depths: list[int] = field(default_factory=list)  # 1 = child of root
+    candidates: dict[int, list[int]] = field(default_factory=dict)  # node (-1=root) -> draws
+    q: dict[int, np.ndarray] = field(default_factory=dict)  # node -> draft dist of its children
+    draft_rows: dict[int, int] = field(default_factory=dict)  # node -> row in the draft cache
+
+    def add(self, token: int, parent: int) -> int:
+        for child in self.candidates.get(parent, []):
+            if self.tokens[child] == token:
+                self.candidates[parent].append(child)  # repeated draw of the same token
+                return child
+        node = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+        self.candidates.setdefault(parent, []).append(node)
+        return node
+
+    def children(self, node: int) -> list[int]:
+        return list(dict.fromkeys(self.candidates.get(node, [])))
+
+    def ancestors(self, node: int) -> list[int]:
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def mask(self) -> np.ndarray:
+        """(1 + n) x (1 + n) visibility of the verify pass: row 0 is the root."""
+        n = len(self.tokens)
+        m = np.zeros((n + 1, n + 1), bool)
+        m[:, 0] = True
+        for i in range(n):
+            m[i + 1, [a + 1 for a in self.ancestors(i)]] = True
+        return m
+
+
+class SpeculativeEngine:
+    """Token-level decoding; ``dspark.decoding.text`` adds the tokenizer, stop strings, streams."""
+
+    def __init__(self, target: OnnxLM, draft: OnnxLM | None = None, max_ngram: int = 3):
+        self.target = target
+        self.draft = draft
+        self.max_ngram = max_ngram
+        if draft is not None and draft.config.vocab != target.config.vocab:
+            raise ValueError("draft and target must share the tokenizer (vocab sizes differ)")
+
+    @property
+    def context(self) -> int:
+        return self.target.config.ctx
+
+    def generate(self, prompt: list[int], sampling: SamplingParams, spec: SpeculativeParams,
+                 stats: DecodeStats | None = None,
+                 cancelled: Callable[[], bool] | None = None) -> Iterator[list[int]]:
+        """Yield the newly committed tokens after each target pass."""
+        stats = stats if stats is not None else DecodeStats()
+        spec.validate()
+        sampling.validate()
+        if spec.method in ("draft", "tree") and self.draft is None:
+            raise ValueError(f"method {spec.method!r} needs a draft model")
+        if not prompt:
+            raise PromptTooLong("the prompt is empty; give at least one token")
+        if len(prompt) >= self.context:
+            raise PromptTooLong(f"prompt is {len(prompt)} tokens but the context is "
+                                f"{self.context}; shorten it to at most {self.context - 1}")
+        t0 = time.perf_counter()
+        rng = np.random.default_rng(sampling.seed)
+        stats.prompt_tokens = len(prompt)
+        history = list(prompt)
+        target_cache = self.target.new_cache(self.context)
+        t = time.perf_counter()
+        for s in range(0, len(prompt) - 1, PREFILL_CHUNK):
+            chunk = prompt[s:min(s + PREFILL_CHUNK, len(prompt) - 1)]
+            self.target.forward(target_cache, chunk, np.arange(s, s + len(chunk)))
+        stats.target_s += time.perf_counter() - t
+        draft_cache = self.draft.new_cache(self.context) if spec.method in ("draft", "tree") else None
+        k = spec.num_speculative_tokens
+        rate = 0.7  # running acceptance rate (per drafted token), an optimistic start
+        cost_ratio = 0.25  # running draft-call / target-pass time
+        generated = 0
+        while generated < sampling.max_tokens:
+            if cancelled is not None and cancelled():
+                stats.finish_reason = "cancelled"
+                break
+            room = self.context - 1 - target_cache.length  # rows left after the root
+            budget = min(sampling.max_tokens - generated, room)
+            if budget <= 0:
+                stats.finish_reason = "length"
+                break
+            depth = min(k, budget - 1)
+            t = time.perf_counter()
+            if spec.method == "none" or depth <= 0:
+                tree = _Tree()
+            elif spec.method == "ngram":
+                tree = self._ngram_tree(history, depth)
+            else:
+                width = spec.tree_width if spec.method == "tree" else 1
+                tree = self._draft_tree(draft_cache, history, depth, width, sampling, rng, stats)
+            t_draft = time.perf_counter() - t
+            stats.draft_s += t_draft
+            t = time.perf_counter()
+            new = self._verify(target_cache, history, tree, sampling, rng)
+            t_target = time.perf_counter() - t
+            stats.target_s += t_target
+            stats.rounds += 1
+            stats.proposed += len(tree.tokens) and max(tree.depths)
+            stats.accepted += len(new) - 1
+            if draft_cache is not None:
+                self._commit_draft(draft_cache, tree, new, len(history))
+            new = new[:sampling.max_tokens - generated]
+            history.extend(new)
+            generated += len(new)
+            stats.generated_tokens = generated
+            if spec.method == "draft" and spec.adaptive and tree.tokens:
+                rate = 0.8 * rate + 0.2 * (len(new) - 1) / len(tree.tokens)
+                if t_target > 0:
+                    cost_ratio = 0.8 * cost_ratio + 0.2 * (t_draft / len(tree.tokens)) / t_target
+                k = _best_k(rate, cost_ratio, spec.num_speculative_tokens)
+                stats.k_history.append(k)
+            yield new
+        else:
+            stats.finish_reason = "length"
+        stats.total_s += time.perf_counter() - t0
+
+    # -- proposals ---------------------------------------------------------------------------
+    def _ngram_tree(self, history: list[int], depth: int) -> _Tree:
+        """Prompt lookup: the tokens that followed the latest earlier match of the last n."""
+        tree = _Tree()
+        h = np.asarray(history)
+        for n in range(min(self.max_ngram, len(h) - 1), 0, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
+            hits = np.flatnonzero((windows == h[-n:]).all(axis=1))
+            if len(hits):
+                start = hits[-1] + n
+                parent = -1
+                for tok in h[start:start + depth]:
+                    parent = tree.add(int(tok), parent)
+                return tree
+        return tree
+
+    def _draft_tree(self, cache: KVCache, history: list[int], depth: int, width: int,
+                    sampling: SamplingParams, rng: np.random.Generator,
+                    stats: DecodeStats) -> _Tree:
+        """Greedy: a beam of ``width`` best paths by draft log-probability, level by level.
+        Sampled: ``width`` chains drawn i.i.d. from the draft (merged where they agree), so
+        every node's candidates are i.i.d. draws, as lossless tree verification needs."""
+        tree = _Tree()
+        catch_up = history[cache.length:]  # the root and anything committed since last round
+        logits = self.draft.forward(cache, catch_up, np.arange(cache.length, len(history)))[-1:]
+        stats.draft_calls += 1
+        committed = cache.length
+        root_pos = len(history) - 1
+        frontier = [-1]
+        scores = {-1: 0.0}
+        for level in range(1, depth + 1):
+            if level > 1:
+                nodes = frontier
+                past = np.zeros((len(nodes), cache.length), bool)
+                past[:, :committed] = True
+                for r, node in enumerate(nodes):
+                    past[r, [tree.draft_rows[a] for a in tree.ancestors(node)[:-1]]] = True
+                base = cache.length
+                logits = self.draft.forward(cache, [tree.tokens[n] for n in nodes],
+                                            [root_pos + tree.depths[n] for n in nodes],
+                                            tree_mask=np.eye(len(nodes), dtype=bool),
+                                            past_visible=past)
+                stats.draft_calls += 1
+                for r, node in enumerate(nodes):
+                    tree.draft_rows[node] = base + r
+            if sampling.greedy:
+                options = []
+                for r, node in enumerate(frontier):
+                    logp = logits[r] - np.logaddexp.reduce(logits[r].astype(np.float64))
+                    top = np.argpartition(-logp, width - 1)[:width] if width > 1 else [np.argmax(logp)]
+                    options += [(scores[node] + logp[tok], node, int(tok)) for tok in top]
+                options.sort(key=lambda o: -o[0])
+                nxt = []
+                for score, node, tok in options[:width]:
+                    child = tree.add(tok, node)
+                    scores[child] = score
+                    nxt.append(child)
+                frontier = nxt
+            else:
+                dists = {node: distribution(logits[r], sampling) for r, node in enumerate(frontier)}
+                tree.q.update(dists)
+                if level == 1:
+                    chains = [tree.add(sample(dists[-1], rng), -1) for _ in range(width)]
+                else:
+                    chains = [tree.add(sample(dists[c], rng), c) for c in chains]
+                frontier = list(dict.fromkeys(chains))
+        return tree
+
+    # -- verification ------------------------------------------------------------------------
+    def _verify(self, cache: KVCache, history: list[int], tree: _Tree,
+                sampling: SamplingParams, rng: np.random.Generator) -> list[int]:
+        """One target pass over root + tree; keep the accepted path; return the new tokens."""
+        base = cache.length
+        root_pos = len(history) - 1
+        ids = [history[-1]] + tree.tokens
+        positions = [root_pos] + [root_pos + d for d in tree.depths]
+        logits = self.target.forward(cache, ids, positions,
+                                     tree_mask=tree.mask() if tree.tokens else None)
+        node, path, out = -1, [], []
+        while True:
+            row = logits[node + 1]
+            kids = tree.children(node)
+            if sampling.greedy:
+                tok = int(np.argmax(row))
+                match = [c for c in kids if tree.tokens[c] == tok]
+                if not match:
+                    out.append(tok)
+                    break
+                node = match[0]
+            else:
+                p = distribution(row, sampling)
+                draws = tree.candidates.get(node, [])
+                q = tree.q.get(node)  # None for prompt lookup: a deterministic proposal
+                chosen, resampled = accept_among(p, q, [tree.tokens[c] for c in draws], rng)
+                if chosen < 0:
+                    out.append(resampled)
+                    break
+                node = draws[chosen]
+            path.append(node)
+            out.append(tree.tokens[node])
+        cache.keep_rows(base, np.array([0] + [n + 1 for n in path]))
+        return out
+
+    def _commit_draft(self, cache: KVCache, tree: _Tree, new: list[int], n_history: int) -> None:
+        """Keep the draft rows of the accepted path; rows never fed are caught up next round."""
+        committed = n_history  # history (incl. the root) is in the draft cache by now
+        rows, node = [], -1
+        for tok in new[:-1]:
+            node = next(c for c in tree.children(node) if tree.tokens[c] == tok)
+            if node not in tree.draft_rows:
+                break
+            rows.append(tree.draft_rows[node] - committed)
+        cache.keep_rows(committed, np.array(rows, dtype=np.int64))
+
+
+def _best_k(rate: float, cost_ratio: float, k_max: int) -> int:
+    """k maximising expected tokens per unit time: (1 - a^(k+1)) / (1 - a) / (1 + k c)."""
+    rate = min(max(rate, 0.01), 0.99)
+    ks = np.arange(1, k_max + 1)
+    gain = (1 - rate ** (ks + 1)) / (1 - rate) / (1 + ks * cost_ratio)
+    return int(ks[np.argmax(gain)])

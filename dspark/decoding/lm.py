@@ -1,0 +1,126 @@
+"""An ONNX Runtime session of a speculative LM plus its preallocated per-request KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from dspark.decoding.onnx_lm import LMConfig
+
+PAD_MULTIPLE = 16  # keys per call padded to this (see onnx_lm's note on bitwise equality)
+MIN_ROWS = 2
+
+
+def session_options(threads: int) -> ort.SessionOptions:
+    """Spinning off: two sessions (draft, target) spinning on 2 cores slow each other ~2x."""
+    try:
+        from dspark.engines.onnx_session import make_session_options
+        return make_session_options(intra_op_threads=threads, inter_op_threads=1)
+    except ImportError:  # the foundation's helper; same settings
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        return opts
+
+
+@dataclass
+class KVCache:
+    """Per-request cache: ``length`` rows are valid; rollback is setting a shorter length.
+
+    Rows beyond ``length`` may hold stale data; they are always masked out. ``visible_past``
+    (rows x length) is only set while uncommitted tree nodes sit in the cache.
+    """
+    keys: list[np.ndarray]
+    values: list[np.ndarray]
+    positions: np.ndarray
+    length: int = 0
+    capacity: int = 0
+    tree_rows: dict = field(default_factory=dict)  # cache slot -> ancestor slots (draft trees)
+
+    @classmethod
+    def allocate(cls, cfg: LMConfig, capacity: int) -> "KVCache":
+        slots = capacity + 2 * PAD_MULTIPLE
+        keys = [np.zeros((1, slots, cfg.n_head, cfg.head_dim), np.float32) for _ in range(cfg.n_layer)]
+        values = [np.zeros((1, slots, cfg.n_head, cfg.head_dim + 1), np.float32)
+                  for _ in range(cfg.n_layer)]
+        return cls(keys, values, np.zeros(slots, np.int64), 0, capacity)
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back cache of length {self.length} to {length}")
+        self.length = length
+
+    def keep_rows(self, start: int, rows: np.ndarray) -> None:
+        """Keep cache slots ``start + rows`` (ascending) as slots ``start, start+1, ...``."""
+        n = len(rows)
+        if n and not np.array_equal(rows, np.arange(n)):
+            src = start + np.asarray(rows)
+            for arr in (*self.keys, *self.values):
+                arr[:, start:start + n] = arr[:, src]
+            self.positions[start:start + n] = self.positions[src]
+        self.length = start + n
+
+
+class OnnxLM:
+    """One LM graph from ``onnx_lm.build_lm_onnx`` in an ORT session."""
+
+    def __init__(self, model: onnx.ModelProto | str | Path, threads: int = 1):
+        if not isinstance(model, onnx.ModelProto):
+            model = onnx.load(str(model))
+        props = {p.key: p.value for p in model.metadata_props}
+        self.config = LMConfig.from_json(props["dspark_lm_config"])
+        self.session = ort.InferenceSession(model.SerializeToString(), session_options(threads),
+                                            providers=["CPUExecutionProvider"])
+        self._outputs = [o.name for o in self.session.get_outputs()]
+        self.calls = 0
+        self.rows = 0
+
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        return KVCache.allocate(self.config, capacity or self.config.ctx)
+
+    def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray | None = None,
+                past_visible: np.ndarray | None = None, append: bool = True) -> np.ndarray:
+        """Run T new tokens against the cache; return logits ``[T, vocab]``.
+
+        ``tree_mask`` (T x T, default causal) says which new tokens see which; ``past_visible``
+        (T x length, default all) which cached rows they see. With ``append`` the new rows are
+        written into the cache after its current length.
+        """
+        tokens = np.asarray(tokens, np.int64)
+        positions = np.asarray(positions, np.int64)
+        t = len(tokens)
+        length = cache.length
+        if length + t > cache.capacity:
+            raise ValueError(f"context full: {length} cached + {t} new > {cache.capacity}")
+        # ORT's batched MatMul takes another kernel for a single query row, which changes the
+        # last bits of the attention; a second, ignored row keeps every call on one kernel.
+        rows = max(t, MIN_ROWS)
+        past = -(-(length + rows) // PAD_MULTIPLE) * PAD_MULTIPLE - rows  # >= length
+        mask = np.zeros((1, rows, past + rows), bool)
+        mask[0, :t, :length] = True if past_visible is None else past_visible
+        mask[0, :t, past:past + t] = np.tril(np.ones((t, t), bool)) if tree_mask is None else tree_mask
+        mask[0, t:, past + t:] = np.eye(rows - t, dtype=bool)
+        if rows > t:
+            tokens = np.concatenate([tokens, np.zeros(rows - t, np.int64)])
+            positions = np.concatenate([positions, np.full(rows - t, positions[-1])])
+        key_positions = np.concatenate([cache.positions[:past], positions])
+        feeds = {"input_ids": tokens[None], "positions": positions[None],
+                 "key_positions": key_positions[None], "attention_mask": mask}
+        for i in range(self.config.n_layer):
+            feeds[f"past_key_{i}"] = cache.keys[i][:, :past]
+            feeds[f"past_value_{i}"] = cache.values[i][:, :past]
+        out = self.session.run(self._outputs, feeds)
+        self.calls += 1
+        self.rows += t
+        if append:
+            for i in range(self.config.n_layer):
+                cache.keys[i][:, length:length + t] = out[1 + 2 * i][:, :t]
+                cache.values[i][:, length:length + t] = out[2 + 2 * i][:, :t]
+            cache.positions[length:length + t] = positions[:t]
+            cache.length = length + t
+        return out[0][0, :t]
