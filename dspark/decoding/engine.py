@@ -139,19 +139,19 @@ class SpeculativeEngine:
             if cancelled is not None and cancelled():
                 stats.finish_reason = "cancelled"
                 break
-            room = self.context - 1 - target_cache.length  # rows left after the root
-            budget = min(sampling.max_tokens - generated, room)
+            room = self.context - len(history)  # cache rows left after the root's
+            budget = min(sampling.max_tokens - generated, room + 1)
             if budget <= 0:
                 stats.finish_reason = "length"
                 break
-            depth = min(k, budget - 1)
+            width = spec.tree_width if spec.method == "tree" else 1
+            depth = min(k, budget - 1, room // width)
             t = time.perf_counter()
             if spec.method == "none" or depth <= 0:
                 tree = _Tree()
             elif spec.method == "ngram":
                 tree = self._ngram_tree(history, depth)
             else:
-                width = spec.tree_width if spec.method == "tree" else 1
                 tree = self._draft_tree(draft_cache, history, depth, width, sampling, rng, stats)
             t_draft = time.perf_counter() - t
             stats.draft_s += t_draft

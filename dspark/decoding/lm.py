@@ -94,6 +94,8 @@ class OnnxLM:
         tokens = np.asarray(tokens, np.int64)
         positions = np.asarray(positions, np.int64)
         t = len(tokens)
+        if t == 0:
+            return np.zeros((0, self.config.vocab), np.float32)
         length = cache.length
         if length + t > cache.capacity:
             raise ValueError(f"context full: {length} cached + {t} new > {cache.capacity}")

@@ -1,0 +1,178 @@
+"""The speculative engine on tiny random-weight models built by the same ONNX builder."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from dspark.decoding.engine import DecodeStats, PromptTooLong, SpeculativeEngine
+from dspark.decoding.lm import OnnxLM
+from dspark.decoding.onnx_lm import LMConfig, build_lm_onnx, random_weights
+from dspark.decoding.sampling import (SamplingParams, SpeculativeParams, accept_among,
+                                      distribution)
+
+CFG = LMConfig(n_layer=2, d_model=32, n_head=2, vocab=24, ctx=128)
+
+
+def engine_pair(seed: int, noise: float, cfg: LMConfig = CFG) -> SpeculativeEngine:
+    """A target and a draft that is the target plus noise (a partly agreeing draft)."""
+    weights = random_weights(cfg, seed=seed, scale=1.5)
+    rng = np.random.default_rng(seed + 1)
+    noisy = {k: v + noise * v.std() * rng.standard_normal(v.shape).astype(np.float32)
+             for k, v in weights.items()}
+    return SpeculativeEngine(OnnxLM(build_lm_onnx(weights, cfg)), OnnxLM(build_lm_onnx(noisy, cfg)))
+
+
+# seed 0: the draft is the target (everything accepted); then ever noisier drafts
+ENGINES = {seed: engine_pair(seed, noise) for seed, noise in ((0, 0.0), (1, 0.05), (2, 0.3), (3, 1.0))}
+
+
+def run(engine, prompt, sampling, spec, stats=None):
+    return [t for chunk in engine.generate(prompt, sampling, spec, stats) for t in chunk]
+
+
+@settings(max_examples=30, deadline=None)
+@given(engine_seed=st.sampled_from(sorted(ENGINES)),
+       prompt=st.lists(st.integers(0, CFG.vocab - 1), min_size=1, max_size=60),
+       method=st.sampled_from(["draft", "ngram", "tree"]),
+       k=st.integers(1, 6), width=st.integers(1, 4), adaptive=st.booleans(),
+       max_tokens=st.integers(1, 40))
+def test_greedy_speculation_equals_plain_decoding(engine_seed, prompt, method, k, width, adaptive,
+                                                  max_tokens):
+    engine = ENGINES[engine_seed]
+    sampling = SamplingParams(max_tokens=max_tokens)
+    plain = run(engine, prompt, sampling, SpeculativeParams("none"))
+    stats = DecodeStats()
+    spec = SpeculativeParams(method, num_speculative_tokens=k, tree_width=width, adaptive=adaptive)
+    assert run(engine, prompt, sampling, spec, stats) == plain
+    assert stats.generated_tokens == len(plain)
+    assert stats.rounds <= len(plain)
+
+
+def test_speculation_saves_target_passes_with_a_good_draft():
+    engine = ENGINES[0]
+    prompt = [1, 2, 3, 4, 5]
+    stats = {m: DecodeStats() for m in ("none", "draft", "tree")}
+    for method, s in stats.items():
+        run(engine, prompt, SamplingParams(max_tokens=60), SpeculativeParams(method, adaptive=False), s)
+    assert stats["none"].rounds == 60
+    assert stats["draft"].acceptance_rate == 1.0 and stats["tree"].acceptance_rate == 1.0
+    assert stats["draft"].rounds == stats["tree"].rounds == 12  # 4 drafts + 1 per pass
+
+
+def test_adaptive_k_shrinks_when_drafting_costs_as_much_as_verifying():
+    stats = DecodeStats()  # the draft is the target itself: all accepted, but each draft costs a pass
+    run(ENGINES[0], [1, 2, 3], SamplingParams(max_tokens=40), SpeculativeParams("draft", 6), stats)
+    assert stats.acceptance_rate == 1.0 and stats.k_history[-1] < 6
+
+
+def test_ngram_lookup_copies_a_repeated_passage():
+    engine = ENGINES[2]
+    prompt = list(np.random.default_rng(4).integers(0, CFG.vocab, 30))
+    plain = run(engine, prompt, SamplingParams(max_tokens=30), SpeculativeParams("none"))
+    text = prompt + plain + prompt[:5]  # the continuation of prompt[:5] is in the prompt
+    stats = DecodeStats()
+    out = run(engine, text, SamplingParams(max_tokens=30), SpeculativeParams("ngram"), stats)
+    assert out == run(engine, text, SamplingParams(max_tokens=30), SpeculativeParams("none"))
+    assert stats.accepted > 0
+
+
+
+
+@pytest.mark.parametrize("method,width", [("draft", 1), ("tree", 3), ("ngram", 1), ("none", 1)])
+def test_sampled_speculation_follows_the_target_distribution(method, width):
+    """Lossless sampling: the joint law of the first two tokens equals the target's (G-test
+    at alpha 0.001 over 1500 fixed-seed runs; a lossy rule, e.g. always accepting the draft,
+    fails it)."""
+    cfg = LMConfig(n_layer=1, d_model=16, n_head=2, vocab=6, ctx=32)
+    engine = engine_pair(5, 1.0, cfg)
+    prompt = [1, 2, 1, 3, 1]
+    sampling = SamplingParams(max_tokens=2, temperature=1.0)
+    expected = exact_two_token_distribution_small(engine, prompt, sampling, cfg.vocab)
+    counts = np.zeros_like(expected)
+    n = 1500
+    for seed in range(n):
+        s = SamplingParams(max_tokens=2, temperature=1.0, seed=seed)
+        x1, x2 = run(engine, prompt, s, SpeculativeParams(method, num_speculative_tokens=2,
+                                                            tree_width=width))
+        counts[x1, x2] += 1
+    assert g_test_p_value(counts, expected * n) > 1e-3
+
+
+def exact_two_token_distribution_small(engine, prompt, sampling, vocab) -> np.ndarray:
+    target = engine.target
+    cache = target.new_cache()
+    p1 = distribution(target.forward(cache, prompt, np.arange(len(prompt)))[-1], sampling)
+    joint = np.zeros((vocab, vocab))
+    for x1 in range(vocab):
+        cache.truncate(len(prompt))
+        joint[x1] = p1[x1] * distribution(target.forward(cache, [x1], [len(prompt)])[0], sampling)
+    return joint
+
+
+def g_test_p_value(observed: np.ndarray, expected: np.ndarray) -> float:
+    """Likelihood-ratio test; cells with expectation < 5 are pooled into one."""
+    from math import exp, lgamma, log
+
+    obs, exp_ = observed.ravel(), expected.ravel()
+    small = exp_ < 5
+    obs = np.append(obs[~small], obs[small].sum())
+    exp_ = np.append(exp_[~small], exp_[small].sum())
+    keep = exp_ > 0
+    obs, exp_ = obs[keep], exp_[keep]
+    nz = obs > 0
+    g = 2 * float((obs[nz] * np.log(obs[nz] / exp_[nz])).sum())
+    dof = len(obs) - 1
+    # survival function of chi2(dof) at g via the regularised upper gamma (series for small x)
+    a, x = dof / 2, g / 2
+    if x < a + 1:
+        term = total = 1 / a
+        for i in range(1, 500):
+            term *= x / (a + i)
+            total += term
+        return 1 - total * exp(-x + a * log(x) - lgamma(a))
+    f, c, d = 1.0, 1e300, 0.0  # continued fraction (Lentz)
+    b = x + 1 - a
+    d = 1 / b
+    f = d
+    for i in range(1, 500):
+        an = -i * (i - a)
+        b += 2
+        d = 1 / (an * d + b)
+        c = b + an / c
+        f *= d * c
+    return f * exp(-x + a * log(x) - lgamma(a))
+
+
+def test_accept_among_is_exact_for_iid_candidates():
+    """The recursive rejection rule over i.i.d. candidates from q emits exactly p."""
+    rng = np.random.default_rng(0)
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    q = np.array([0.1, 0.2, 0.3, 0.4])
+    counts = np.zeros(4)
+    n = 20000
+    for _ in range(n):
+        cands = [int(c) for c in rng.choice(4, size=3, p=q)]
+        idx, token = accept_among(p, q, cands, rng)
+        counts[cands[idx] if idx >= 0 else token] += 1
+    assert g_test_p_value(counts, p * n) > 1e-3
+
+
+def test_prompt_longer_than_context_is_refused_with_lengths():
+    engine = ENGINES[0]
+    with pytest.raises(PromptTooLong, match=f"prompt is {CFG.ctx} tokens but the context is {CFG.ctx}"):
+        run(engine, [1] * CFG.ctx, SamplingParams(), SpeculativeParams("none"))
+
+
+def test_generation_stops_at_the_context_end():
+    engine = ENGINES[1]
+    stats = DecodeStats()
+    out = run(engine, [1] * (CFG.ctx - 5), SamplingParams(max_tokens=50), SpeculativeParams("tree"), stats)
+    assert len(out) == 6 and stats.finish_reason == "length"  # the last one needs no cache row
+
+
+def test_cancellation_stops_between_passes():
+    engine = ENGINES[1]
+    calls = []
+    stats = DecodeStats()
+    out = [t for c in engine.generate([1, 2], SamplingParams(max_tokens=50), SpeculativeParams("none"),
+                                      stats, cancelled=lambda: calls.append(1) or len(calls) > 3) for t in c]
+    assert len(out) == 3 and stats.finish_reason == "cancelled"

@@ -1,0 +1,40 @@
+"""Build the speculative-decoding demo models from the committed weights (no torch, no download).
+
+tools/weights/spec_{target,draft}.npz (fp16, made by tools/spec_train.py) become
+model_repository/spec_target/1/model.onnx and spec_draft/1/model.onnx (graphs from
+dspark.decoding.onnx_lm), and the tokenizer is copied next to the speculative model spec_lm.
+Skips a model whose ONNX file is newer than its weights.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import onnx
+
+from dspark.decoding.onnx_lm import build_lm_onnx, load_weights_npz
+
+ROOT = Path(__file__).resolve().parent.parent
+WEIGHTS = ROOT / "tools" / "weights"
+REPOSITORY = ROOT / "model_repository"
+TOKENIZER = WEIGHTS / "spec_bpe.json"
+
+
+def build(role: str) -> Path:
+    source = WEIGHTS / f"spec_{role}.npz"
+    out = REPOSITORY / f"spec_{role}" / "1" / "model.onnx"
+    if out.exists() and out.stat().st_mtime >= source.stat().st_mtime:
+        return out
+    weights, cfg = load_weights_npz(source)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(build_lm_onnx(weights, cfg), str(out))
+    return out
+
+
+if __name__ == "__main__":
+    for role in ("target", "draft"):
+        print(f"built {build(role).relative_to(ROOT)}")
+    tokenizer = REPOSITORY / "spec_lm" / "1" / "tokenizer.json"
+    tokenizer.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(TOKENIZER, tokenizer)
+    print(f"copied {tokenizer.relative_to(ROOT)}")
