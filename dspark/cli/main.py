@@ -2,7 +2,7 @@
 import click
 
 from dspark import __version__
-from dspark.cli import bench, info, repo, serve
+from dspark.cli import bench, bench_spec, info, repo, serve  # noqa: F401 (bench_spec adds `bench spec`)
 
 COMMANDS = [
     serve.serve,
