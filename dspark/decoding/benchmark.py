@@ -113,10 +113,12 @@ def run_one(gen: TextGenerator, prompt: str, sampling: SamplingParams, spec: Spe
     start = last = time.perf_counter()
     for new in gen.engine.generate(ids, sampling, spec, stats):
         now = time.perf_counter()
-        per_token += [(now - last) * 1e3 / len(new)] * len(new)
+        spent = now - last - (stats.prefill_s if last == start else 0.0)
+        per_token += [spent * 1e3 / len(new)] * len(new)
         last = now
         tokens += new
-    return tokens, time.perf_counter() - start, per_token, stats
+    # decoding time: the prompt's prefill by the target is the same work for every method
+    return tokens, time.perf_counter() - start - stats.prefill_s, per_token, stats
 
 
 def run_inprocess(gen: TextGenerator, prompts: list[Prompt], methods: dict[str, SpeculativeParams],

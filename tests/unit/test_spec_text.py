@@ -1,0 +1,88 @@
+"""Tokenizer, request parsing and the text layer (stop strings, streaming) of the speculative
+backend."""
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from dspark.decoding.engine import SpeculativeEngine
+from dspark.decoding.lm import OnnxLM
+from dspark.decoding.onnx_lm import LMConfig, build_lm_onnx, random_weights
+from dspark.decoding.request import parse_sampling_parameters
+from dspark.decoding.sampling import InvalidParameter, SamplingParams, SpeculativeParams
+from dspark.decoding.text import TextGenerator
+from dspark.decoding.tokenizer import BPETokenizer
+from dspark.paths import project_root
+
+TOKENIZER = BPETokenizer.load(project_root() / "tools" / "weights" / "spec_bpe.json")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.one_of(st.text(), st.binary()))
+def test_tokenizer_round_trips_any_text_or_bytes(text):
+    ids = TOKENIZER.encode(text)
+    data = text.encode("utf-8") if isinstance(text, str) else text
+    assert TOKENIZER.decode(ids) == data
+    assert all(0 <= i < TOKENIZER.vocab_size for i in ids)
+
+
+def test_tokenizer_merges_common_code():
+    text = "    def __init__(self, name):\n        self.name = name\n"
+    assert len(TOKENIZER.encode(text)) < len(text) / 2
+
+
+@pytest.mark.parametrize("raw,field", [
+    (b"{nope", "sampling_parameters"),
+    (b"[1, 2]", "sampling_parameters"),
+    (json.dumps({"max_tokens": -3}), "max_tokens"),
+    (json.dumps({"max_tokens": "ten"}), "max_tokens"),
+    (json.dumps({"temperature": 11}), "temperature"),
+    (json.dumps({"top_k": -1}), "top_k"),
+    (json.dumps({"top_p": 0}), "top_p"),
+    (json.dumps({"seed": -1}), "seed"),
+    (json.dumps({"stop": [""]}), "stop"),
+    (json.dumps({"beam": 2}), "beam"),
+    (json.dumps({"speculative": {"method": "medusa"}}), "speculative.method"),
+    (json.dumps({"speculative": {"num_speculative_tokens": 0}}), "speculative.num_speculative_tokens"),
+    (json.dumps({"speculative": {"tree_width": 9}}), "speculative.tree_width"),
+    (json.dumps({"speculative": {"k": 2}}), "speculative.k"),
+    (json.dumps({"speculative": 3}), "speculative"),
+])
+def test_bad_sampling_parameters_name_the_field(raw, field):
+    with pytest.raises(InvalidParameter) as info:
+        parse_sampling_parameters(raw, SpeculativeParams())
+    assert info.value.field == field and field in str(info.value)
+
+
+def test_sampling_parameters_fill_defaults_and_override_the_method():
+    sampling, spec = parse_sampling_parameters(
+        json.dumps({"max_tokens": 7, "temperature": 0.8, "stop": "\n\n",
+                    "speculative": {"method": "ngram"}}), SpeculativeParams("tree", tree_width=3))
+    assert (sampling.max_tokens, sampling.temperature, sampling.stop) == (7, 0.8, ["\n\n"])
+    assert (spec.method, spec.tree_width) == ("ngram", 3)
+    assert parse_sampling_parameters(None, SpeculativeParams())[0] == SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def generator():
+    cfg = LMConfig(n_layer=1, d_model=32, n_head=2, vocab=TOKENIZER.vocab_size, ctx=256)
+    target = OnnxLM(build_lm_onnx(random_weights(cfg, seed=11, scale=2.0), cfg))
+    draft = OnnxLM(build_lm_onnx(random_weights(cfg, seed=12, scale=2.0), cfg))
+    return TextGenerator(SpeculativeEngine(target, draft), TOKENIZER)
+
+
+def test_stream_pieces_join_to_the_complete_text(generator):
+    sampling = SamplingParams(max_tokens=40)  # greedy: tree and plain agree token for token
+    pieces = list(generator.stream("import os\n", sampling, SpeculativeParams("tree")))
+    assert "".join(pieces) == generator.complete("import os\n", sampling, SpeculativeParams("none"))
+    assert len(pieces) > 1
+
+
+def test_stop_string_is_cut_with_everything_after_it(generator):
+    sampling = SamplingParams(max_tokens=60, temperature=1.0, seed=5)
+    whole = generator.complete("x = ", sampling, SpeculativeParams("none"))
+    stop = whole[20:23]
+    cut = generator.complete("x = ", SamplingParams(max_tokens=60, temperature=1.0, seed=5, stop=[stop]),
+                             SpeculativeParams("none"))
+    assert cut == whole[:whole.index(stop)]
