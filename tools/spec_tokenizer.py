@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+sys.path.insert(0, str(ROOT))
 from dspark.decoding.tokenizer import BPETokenizer  # noqa: E402
-from spec_data import split_documents, to_bytes  # noqa: E402
+from dspark.decoding.corpus import split_documents, to_bytes  # noqa: E402
 
 
 def main() -> None:

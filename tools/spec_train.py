@@ -23,9 +23,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark.decoding.tokenizer import BPETokenizer  # noqa: E402
-from spec_data import split_documents, to_bytes  # noqa: E402
+from dspark.decoding.corpus import split_documents, to_bytes  # noqa: E402
 
 CONFIGS = {
     "target": dict(n_layer=6, d_model=256, n_head=4, ctx=1024),
@@ -182,6 +182,7 @@ def main() -> None:
     ap.add_argument("--role", choices=sorted(CONFIGS), required=True)
     ap.add_argument("--minutes", type=float, required=True)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--init", type=Path, help="continue from these weights (fresh optimizer)")
     ap.add_argument("--teacher", type=Path, help="distil from this target's soft labels (draft)")
     ap.add_argument("--distill-weight", type=float, default=0.7)
     ap.add_argument("--batch", type=int, default=8)
@@ -201,7 +202,7 @@ def main() -> None:
     data, prose = corpus["train"], corpus["prose"]
     bpt = float(corpus["train_bytes_per_token"])
 
-    model = ByteLM(**CONFIGS[args.role])
+    model = ByteLM.from_numpy(args.init) if args.init else ByteLM(**CONFIGS[args.role])
     n_params = sum(p.numel() for p in model.parameters())
     teacher = None
     if args.teacher:
@@ -254,6 +255,10 @@ def main() -> None:
     print(f"done steps={step} tokens={tokens:,} wall={time.time() - t0:.0f}s "
           f"heldout_bpb={json.dumps({k: round(v, 3) for k, v in bpb.items()})}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.init:  # the schedule so far, for the record
+        prior = json.loads(str(np.load(args.init)["config"]))
+        step, tokens = step + prior["steps"], tokens + prior["tokens"]
+        args.minutes += prior["minutes"]
     meta = dict(model.config, role=args.role, steps=step, tokens=tokens, minutes=args.minutes,
                 heldout_bits_per_byte=bpb, teacher=str(args.teacher) if args.teacher else None,
                 params=n_params)

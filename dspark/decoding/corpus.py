@@ -62,7 +62,7 @@ def to_bytes(docs: list[Document]) -> bytes:
     return b"\0".join(d.text.encode("utf-8") for d in docs)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # corpus sizes per split
     train, heldout = split_documents()
     for name, docs in (("train", train), ("heldout", heldout)):
         for kind in ("prose", "code"):

@@ -228,9 +228,13 @@ class SpeculativeEngine:
             if sampling.greedy:
                 options = []
                 for r, node in enumerate(frontier):
-                    logp = logits[r] - np.logaddexp.reduce(logits[r].astype(np.float64))
-                    top = np.argpartition(-logp, width - 1)[:width] if width > 1 else [np.argmax(logp)]
-                    options += [(scores[node] + logp[tok], node, int(tok)) for tok in top]
+                    if width == 1:  # a chain: only the argmax matters
+                        options.append((0.0, node, int(np.argmax(logits[r]))))
+                        continue
+                    row = logits[r]
+                    top = np.argpartition(-row, width - 1)[:width]
+                    lse = row.max() + np.log(np.exp(row - row.max()).sum())
+                    options += [(scores[node] + float(row[tok] - lse), node, int(tok)) for tok in top]
                 options.sort(key=lambda o: -o[0])
                 nxt = []
                 for score, node, tok in options[:width]:
