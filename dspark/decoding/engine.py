@@ -173,7 +173,7 @@ class SpeculativeEngine:
                 rate = 0.8 * rate + 0.2 * (len(new) - 1) / len(tree.tokens)
                 if t_target > 0:
                     cost_ratio = 0.8 * cost_ratio + 0.2 * (t_draft / len(tree.tokens)) / t_target
-                k = _best_k(rate, cost_ratio, spec.num_speculative_tokens)
+                k = best_k(rate, cost_ratio, spec.num_speculative_tokens)
                 stats.k_history.append(k)
             yield new
         else:
@@ -299,7 +299,7 @@ class SpeculativeEngine:
         cache.keep_rows(committed, np.array(rows, dtype=np.int64))
 
 
-def _best_k(rate: float, cost_ratio: float, k_max: int) -> int:
+def best_k(rate: float, cost_ratio: float, k_max: int) -> int:
     """k maximising expected tokens per unit time: (1 - a^(k+1)) / (1 - a) / (1 + k c)."""
     rate = min(max(rate, 0.01), 0.99)
     ks = np.arange(1, k_max + 1)
