@@ -20,6 +20,8 @@ from dspark.decoding.sampling import (SamplingParams, SpeculativeParams, accept_
                                       distribution, sample)
 
 PREFILL_CHUNK = 64
+# Greedy trees add a side branch only where the draft gives its path at least this probability.
+LOG_MIN_PATH_PROB = float(np.log(0.05))
 
 
 class PromptTooLong(ValueError):
@@ -209,6 +211,7 @@ class SpeculativeEngine:
         committed = cache.length
         root_pos = len(history) - 1
         frontier = [-1]
+        chain_node = -1
         scores = {-1: 0.0}
         for level in range(1, depth + 1):
             if level > 1:
@@ -236,11 +239,19 @@ class SpeculativeEngine:
                     lse = row.max() + np.log(np.exp(row - row.max()).sum())
                     options += [(scores[node] + float(row[tok] - lse), node, int(tok)) for tok in top]
                 options.sort(key=lambda o: -o[0])
+                if width > 1:
+                    # The draft's own greedy chain always stays (the tree never accepts less
+                    # than the chain); other branches only where the draft gives their path
+                    # a fair chance, since every node is a row of the target's pass.
+                    chain = max((o for o in options if o[1] == chain_node), key=lambda o: o[0])
+                    options = [chain] + [o for o in options
+                                         if o is not chain and o[0] >= LOG_MIN_PATH_PROB]
                 nxt = []
                 for score, node, tok in options[:width]:
                     child = tree.add(tok, node)
                     scores[child] = score
                     nxt.append(child)
+                chain_node = nxt[0]
                 frontier = nxt
             else:
                 dists = {node: distribution(logits[r], sampling) for r, node in enumerate(frontier)}
