@@ -20,6 +20,9 @@ from dspark.decoding.sampling import (SamplingParams, SpeculativeParams, accept_
                                       distribution, sample)
 
 PREFILL_CHUNK = 64
+# Prompt lookup costs nothing to propose; each guess adds a row to the target's pass, about
+# this fraction of a pass on this CPU (17 rows ~ 1.6-2.4x one row).
+NGRAM_ROW_COST = 0.05
 # Greedy trees add a side branch only where the draft gives its path at least this probability.
 LOG_MIN_PATH_PROB = float(np.log(0.05))
 
@@ -171,11 +174,12 @@ class SpeculativeEngine:
             history.extend(new)
             generated += len(new)
             stats.generated_tokens = generated
-            if spec.method == "draft" and spec.adaptive and tree.tokens:
+            if spec.method in ("draft", "ngram") and spec.adaptive and tree.tokens:
                 rate = 0.8 * rate + 0.2 * (len(new) - 1) / len(tree.tokens)
-                if t_target > 0:
+                if spec.method == "draft" and t_target > 0:
                     cost_ratio = 0.8 * cost_ratio + 0.2 * (t_draft / len(tree.tokens)) / t_target
-                k = best_k(rate, cost_ratio, spec.num_speculative_tokens)
+                k = best_k(rate, cost_ratio if spec.method == "draft" else NGRAM_ROW_COST,
+                           spec.num_speculative_tokens)
                 stats.k_history.append(k)
             yield new
         else:
