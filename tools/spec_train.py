@@ -3,9 +3,12 @@
 Optional extra: needs torch (``pip install torch==2.13.0``); serving needs only numpy + ORT.
 The schedule is bounded by wall time (``--minutes``): the cosine learning-rate decay runs over
 the time budget, so a run ends on time whatever the machine's speed. Weights are written as an
-fp16 ``.npz`` in the layout ``tools/spec_onnx.py`` exports to ONNX.
+fp16 ``.npz`` in the layout ``dspark.decoding.onnx_lm`` builds ONNX from. The committed pair
+was made by (see docs/speculative.md):
 
-    python tools/spec_train.py --role target --minutes 20 --out tools/weights/spec_target.npz
+    python tools/spec_train.py --role target --minutes 21 --out /tmp/spec_target.npz
+    python tools/spec_train.py --role target --minutes 18 --lr 1.5e-3 --init /tmp/spec_target.npz \
+        --out tools/weights/spec_target.npz
     python tools/spec_train.py --role draft --minutes 7 --teacher tools/weights/spec_target.npz \
         --out tools/weights/spec_draft.npz
 """

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 import statistics
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -256,14 +255,3 @@ def category_rows(results: dict[str, MethodResult], prompts: list[Prompt]) -> li
 
     return [{"method": name, **{c: round(rate(r, c) / rate(plain, c), 2) for c in cats}}
             for name, r in results.items()]
-
-
-def to_json(obj) -> str:
-    def default(o):
-        if isinstance(o, MethodResult):
-            d = asdict(o)
-            d.pop("outputs")
-            d.pop("per_token_ms")
-            return d
-        raise TypeError(type(o))
-    return json.dumps(obj, default=default, indent=1)

@@ -1,7 +1,7 @@
 """An ONNX Runtime session of a speculative LM plus its preallocated per-request KV cache."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,15 +32,13 @@ def session_options(threads: int) -> ort.SessionOptions:
 class KVCache:
     """Per-request cache: ``length`` rows are valid; rollback is setting a shorter length.
 
-    Rows beyond ``length`` may hold stale data; they are always masked out. ``visible_past``
-    (rows x length) is only set while uncommitted tree nodes sit in the cache.
+    Rows beyond ``length`` may hold stale data; they are always masked out.
     """
     keys: list[np.ndarray]
     values: list[np.ndarray]
     positions: np.ndarray
     length: int = 0
     capacity: int = 0
-    tree_rows: dict = field(default_factory=dict)  # cache slot -> ancestor slots (draft trees)
 
     @classmethod
     def allocate(cls, cfg: LMConfig, capacity: int) -> "KVCache":

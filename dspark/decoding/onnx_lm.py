@@ -141,8 +141,7 @@ def build_lm_onnx(weights: dict[str, np.ndarray], cfg: LMConfig) -> onnx.ModelPr
 
         a = g.op("LayerNormalization", x, p + "ln1.w", p + "ln1.b", axis=-1, epsilon=1e-5)
         qkv = g.op("Add", g.op("MatMul", a, p + "qkv.w"), p + "qkv.b")
-        q, k, v = g.op("Split", qkv, axis=-1, num_outputs=3, n_out=3) if OPSET >= 18 else \
-            g.op("Split", qkv, g.const(p + "split", np.array([d, d, d], np.int64)), axis=-1, n_out=3)
+        q, k, v = g.op("Split", qkv, g.const(p + "split", np.array([d, d, d], np.int64)), axis=-1, n_out=3)
         q = g.op("Transpose", g.op("Reshape", q, shape_bthd), perm=[0, 2, 1, 3])  # [1,H,T,Dh]
         k = g.op("Reshape", k, shape_bthd)  # [1,T,H,Dh]
         v = g.op("Reshape", v, shape_bthd)

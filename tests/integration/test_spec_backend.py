@@ -2,7 +2,6 @@
 streaming, cancellation, concurrency, bad parameters and metrics."""
 import json
 import queue
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 

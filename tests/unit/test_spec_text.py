@@ -2,7 +2,6 @@
 backend."""
 import json
 
-import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
