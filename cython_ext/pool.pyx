@@ -1,5 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """BFC memory pool handing out numpy arrays (wrapped by dspark.kernels.pool)."""
+cimport cython
 import numpy as np
 cimport numpy as cnp
 from cpython.object cimport PyObject, PyTypeObject
@@ -31,6 +32,9 @@ cdef extern from "bfc_pool.h" nogil:
     void dspark_pool_get_stats(dspark_pool *p, dspark_pool_stats *s)
 
 
+cdef dict _DTYPES = {}  # dtype argument -> descr: np.dtype() is a third of an empty() call
+
+
 class PoolError(MemoryError):
     """The pool could not reserve or lock memory; the message says why and what to change."""
 
@@ -49,6 +53,7 @@ def _explain(int err, str what, size_t nbytes, bint locking):
     return PoolError(f"{what}: {os.strerror(err)} while reserving {nbytes} bytes")
 
 
+@cython.freelist(256)
 cdef class _Block:
     """Owns one pool block; the ndarray built on it keeps it alive as its base."""
     cdef RawPool pool
@@ -97,8 +102,12 @@ cdef class RawPool:
 
     def empty(self, shape, dtype=np.float32):
         """An uninitialised C-contiguous array whose memory returns to the pool when collected."""
-        cdef cnp.dtype descr = np.dtype(dtype)
-        cdef tuple shp = (shape,) if isinstance(shape, int) else tuple(shape)
+        cdef cnp.dtype descr = _DTYPES.get(dtype)
+        if descr is None:
+            descr = np.dtype(dtype)
+            if len(_DTYPES) < 64:
+                _DTYPES[dtype] = descr
+        cdef tuple shp = shape if type(shape) is tuple else ((shape,) if isinstance(shape, int) else tuple(shape))
         cdef int nd = len(shp)
         cdef cnp.npy_intp dims[32]
         cdef size_t nbytes = descr.itemsize

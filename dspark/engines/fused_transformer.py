@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -84,6 +85,28 @@ def save_weights(path: Path, config: TransformerConfig, weights: dict[str, np.nd
     np.savez(path, config_json=np.array(json.dumps(asdict(config))), **weights)
 
 
+def read_npz_into(path: Path, allocate, skip: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    """Read every array of an uncompressed .npz into memory from ``allocate(shape, dtype)``."""
+    arrays = {}
+    with zipfile.ZipFile(path) as archive:
+        for member in archive.namelist():
+            name = member.removesuffix(".npy")
+            if name in skip:
+                continue
+            with archive.open(member) as f:
+                version = np.lib.format.read_magic(f)
+                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0)
+                shape, fortran_order, dtype = read_header(f)
+                if fortran_order or dtype.hasobject:
+                    raise ValueError(f"{path}: {name} must be a C-order numeric array")
+                array = allocate(shape, dtype)
+                if f.readinto(array.reshape(-1).view(np.uint8)) != array.nbytes:
+                    raise ValueError(f"{path}: {name} is truncated")
+            arrays[name] = array
+    return arrays
+
+
 def layer_norm(x: np.ndarray, g: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
     mean = x.mean(-1, keepdims=True)
     var = x.var(-1, keepdims=True)
@@ -112,24 +135,19 @@ class FusedTransformer:
     def load(cls, path: Path, *, threads: int = 1, use_pool: bool = True, numa_node: int | None = None,
              pool_bytes: int = 64 << 20, lock_pages: bool = False, huge_pages: bool = True
              ) -> "FusedTransformer":
-        """Load weights from ``path`` (.npz). With ``numa_node`` the process is pinned to that
-        node first, so the pool's prefault (first touch) places weights and activations there."""
+        """Load weights from ``path`` (.npz). With the pool, each array is read straight into
+        pool memory. With ``numa_node`` the process is pinned to that node first and the pool
+        prefaults its arena, so first touch places weights and activations on that node."""
         if numa_node is not None:
             pin_process_to_node(numa_node)
-        pool = (MemoryPool(initial_bytes=pool_bytes, prefault=True, lock_pages=lock_pages,
-                           huge_pages=huge_pages) if use_pool else None)
+        pool = (MemoryPool(initial_bytes=pool_bytes, prefault=numa_node is not None,
+                           lock_pages=lock_pages, huge_pages=huge_pages) if use_pool else None)
         with np.load(path) as npz:
             config = TransformerConfig(**json.loads(str(npz["config_json"])))
-            weights = {}
-            for name in npz.files:
-                if name == "config_json":
-                    continue
-                src = npz[name]
-                if pool is None:
-                    weights[name] = np.ascontiguousarray(src, np.float32)
-                else:
-                    weights[name] = pool.empty(src.shape, np.float32)
-                    np.copyto(weights[name], src)
+            if pool is None:
+                weights = {name: npz[name] for name in npz.files if name != "config_json"}
+        if pool is not None:
+            weights = read_npz_into(path, pool.empty, skip=("config_json",))
         return cls(config, weights, threads=threads, pool=pool)
 
     def _empty(self, shape: tuple[int, ...]) -> np.ndarray:
