@@ -88,8 +88,9 @@ static void bin_remove(dspark_pool *p, chunk *c) {
     c->bin_prev = c->bin_next = NULL;
 }
 
-static int add_arena(dspark_pool *p, size_t min_bytes) {
-    size_t size = round_up(min_bytes > p->arena_bytes ? min_bytes : p->arena_bytes, HUGE_PAGE);
+/* A new arena of at least min_bytes: arena_bytes when growing, exactly min_bytes at creation. */
+static int add_arena(dspark_pool *p, size_t min_bytes, int exact) {
+    size_t size = round_up(exact || min_bytes > p->arena_bytes ? min_bytes : p->arena_bytes, HUGE_PAGE);
     if (p->max_bytes && p->st.bytes_reserved + size > p->max_bytes) {
         if (p->st.bytes_reserved + round_up(min_bytes, HUGE_PAGE) > p->max_bytes) return ENOMEM;
         size = p->max_bytes - p->st.bytes_reserved;
@@ -156,7 +157,7 @@ dspark_pool *dspark_pool_create(int policy, size_t arena_bytes, size_t max_bytes
     p->arena_bytes = arena_bytes ? arena_bytes : (64u << 20);
     p->max_bytes = max_bytes;
     if (initial_bytes) {
-        const int e = add_arena(p, initial_bytes);
+        const int e = add_arena(p, initial_bytes, 1);
         if (e) {
             dspark_pool_destroy(p);
             *err = e;
@@ -193,7 +194,7 @@ void *dspark_pool_alloc(dspark_pool *p, size_t nbytes, void **handle, int *err) 
     pthread_mutex_lock(&p->mu);
     chunk *c = p->policy == DSPARK_POOL_BEST_FIT ? find_best_fit(p, size) : find_first_fit(p, size);
     if (!c) {
-        const int e = add_arena(p, size);
+        const int e = add_arena(p, size, 0);
         if (e) {
             pthread_mutex_unlock(&p->mu);
             *err = e;
