@@ -1,8 +1,8 @@
 """Triton Python-based backend `fused_transformer`: a transformer encoder whose MLP blocks
 run through the fused LayerNorm+GELU+MatMul kernel, activations from the BFC pool.
 
-Config parameters (all optional): weights (file in the version folder, weights.npz),
-threads (BLAS threads, 1), numa_node (pin this instance's threads and its pool's first
+The weights file is `default_model_filename` or weights.npz in the version folder.
+Config parameters (all optional): threads (BLAS threads, 1), numa_node (pin this instance's threads and its pool's first
 touch to that node; unset = no pinning), use_pool (true), pool_bytes (67108864),
 lock_pages (false: mlock the pool), huge_pages (true: MADV_HUGEPAGE on the pool).
 """
@@ -22,11 +22,12 @@ class TritonPythonModel:
     def initialize(self, args):
         self.model_config = json.loads(args["model_config"])
         params = config_parameters(self.model_config)
-        path = Path(args["model_repository"]) / args["model_version"] / (params.get("weights") or "weights.npz")
+        filename = self.model_config.get("default_model_filename") or "weights.npz"
+        path = Path(args["model_repository"]) / args["model_version"] / filename
         if not path.is_file():
             raise pb_utils.TritonModelException(
                 f"fused_transformer: {path} does not exist: run tools/build_fused_transformer.py "
-                "or set the 'weights' parameter")
+                "or set default_model_filename")
         numa = params.get("numa_node")
         try:
             self.engine = FusedTransformer.load(

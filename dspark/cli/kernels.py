@@ -1,5 +1,6 @@
-"""`dspark bench kernels` and `dspark bench pool`: the fused layer against unfused
-numpy/scipy and ONNX Runtime, and the BFC pool against np.empty and first-fit."""
+"""Kernel parts of the CLI: `dspark bench kernels` and `dspark bench pool` (the fused layer
+against unfused numpy/scipy and ONNX Runtime; the BFC pool against np.empty and first-fit),
+and the SIMD dispatch / BLAS / NUMA lines of `dspark info`."""
 from __future__ import annotations
 
 import json
@@ -28,6 +29,24 @@ class KernelRow:
     fused_max_rel_err: float
     ort_max_rel_err: float
     simd_path: str
+
+
+def echo_kernel_info() -> None:
+    """Lines for `dspark info`: the fused kernel's dispatch, its BLAS, the NUMA topology."""
+    from dspark.kernels.dispatch import SIMD_ENV, dispatch_report
+    from dspark.kernels.numa import read_topology
+
+    report = dispatch_report()
+    click.echo(f"fused kernel  built for {', '.join(report.compiled)}; this CPU+OS runs "
+               f"{', '.join(report.supported)}; chosen: {report.chosen}"
+               + (f" ({SIMD_ENV}={report.override})" if report.override else " (auto; override with "
+                  f"{SIMD_ENV}=scalar|avx2|avx512)"))
+    click.echo(f"GEMM          {report.blas}, {report.blas_threads} threads")
+    topology = read_topology()
+    lines = topology.describe().splitlines()
+    click.echo(f"NUMA          {len(topology.nodes)} node(s) from {topology.source}")
+    for line in lines:
+        click.echo(f"              {line}")
 
 
 def _parse_shape(text: str) -> tuple[int, int, int]:
