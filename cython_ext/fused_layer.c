@@ -3,6 +3,10 @@
 #include <cblas.h>
 #include "fused_layer.h"
 
+/* Up to this many rows, one sgemv per row beats sgemm: OpenBLAS's sgemm packs all of W on
+ * every call, sgemv just streams it (measured 0.56 ms vs 1.9 ms at 1x768x3072). */
+#define DSPARK_GEMV_MAX_ROWS 3
+
 void dspark_fused_forward(const dspark_simd_kernels *k, const float *x, size_t rows, size_t d,
                           const float *gamma, const float *beta, float eps, int gelu_kind,
                           const float *w, size_t n, const float *bias, float *y,
@@ -13,6 +17,12 @@ void dspark_fused_forward(const dspark_simd_kernels *k, const float *x, size_t r
         float *yb = y + r0 * n;
         if (bias)
             for (size_t r = 0; r < br; r++) memcpy(yb + r * n, bias, n * sizeof(float));
+        if (br <= DSPARK_GEMV_MAX_ROWS) {
+            for (size_t r = 0; r < br; r++)
+                scipy_cblas_sgemv(CblasRowMajor, CblasTrans, (blasint)d, (blasint)n, 1.0f, w,
+                                  (blasint)n, scratch + r * d, 1, bias ? 1.0f : 0.0f, yb + r * n, 1);
+            continue;
+        }
         scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)br, (blasint)n,
                           (blasint)d, 1.0f, scratch, (blasint)d, w, (blasint)n,
                           bias ? 1.0f : 0.0f, yb, (blasint)n);
