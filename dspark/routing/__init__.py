@@ -1,0 +1,1 @@
+"""routing layer: see docs/ARCHITECTURE.md."""
