@@ -10,6 +10,8 @@ from pathlib import Path
 import click
 import numpy as np
 
+from dspark.cli.bench import bench
+
 DEFAULT_SHAPES = ("1x768x3072", "16x768x3072", "128x768x3072", "512x768x3072",
                   "1x1024x4096", "16x1024x4096", "128x1024x4096", "512x1024x4096")
 
@@ -228,3 +230,7 @@ def bench_pool(steps: int, seeds: int, headroom: float, weights: Path, json_path
         "request_loop_req_per_s": rates,
         "model_load_ms": {k: 1e3 * v for k, v in load.items()},
     })
+
+
+bench.add_command(bench_kernels)
+bench.add_command(bench_pool)
