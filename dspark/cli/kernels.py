@@ -79,9 +79,11 @@ def _print_table(headers: list[str], rows: list[list[str]]) -> None:
 @click.option("--shape", "shapes", multiple=True, help="ROWSxDxN (repeatable); default: decode and prefill shapes")
 @click.option("--threads", default=1, show_default=True, help="threads for every candidate")
 @click.option("--rounds", default=21, show_default=True, help="interleaved repeats per shape (median)")
+@click.option("--block-rows", type=int, default=None, help="rows per LayerNorm+GELU block (default: 2 MiB of rows)")
 @click.option("--json", "json_path", type=click.Path(path_type=Path),
               default=Path("bench-results/kernels.json"), show_default=True)
-def bench_kernels(shapes: tuple[str, ...], threads: int, rounds: int, json_path: Path) -> None:
+def bench_kernels(shapes: tuple[str, ...], threads: int, rounds: int, block_rows: int | None,
+                  json_path: Path) -> None:
     """Fused LayerNorm+GELU+MatMul vs unfused numpy/scipy vs ONNX Runtime (ORT_ENABLE_ALL)."""
     from threadpoolctl import threadpool_limits
 
@@ -106,7 +108,7 @@ def bench_kernels(shapes: tuple[str, ...], threads: int, rounds: int, json_path:
             beta = (0.1 * rng.standard_normal(d)).astype(np.float32)
             w = (rng.standard_normal((d, n)) / np.sqrt(d)).astype(np.float32)
             b = (0.1 * rng.standard_normal(n)).astype(np.float32)
-            layer = FusedLNGeluMatMul(gamma, beta, w, b, threads=threads)
+            layer = FusedLNGeluMatMul(gamma, beta, w, b, threads=threads, block_rows=block_rows)
             ort = OrtFusedLayer(gamma, beta, w, b, threads=threads)
             ort_fusions = ort.optimized_op_types
             out = np.empty((rows, n), np.float32)
@@ -141,6 +143,9 @@ def bench_kernels(shapes: tuple[str, ...], threads: int, rounds: int, json_path:
           f"{r.speedup_vs_numpy:.2f}", f"{r.speedup_vs_ort:.2f}", f"{r.fused_gflops:.1f}", f"{100 * r.share_of_sgemm_peak:.0f}", f"{r.fused_max_rel_err:.1e}"] for r in results])
     _write_json(json_path, {"threads": threads, "sgemm_peak_n": PEAK_N, "sgemm_peak_gflops": run_peak, "dispatch": asdict(report),
                             "ort_optimized_ops": ort_fusions, "rows": [asdict(r) for r in results]})
+
+
+LOOP_REQUESTS = 50  # per timed round of the request loop
 
 
 def _request_loop(allocate, requests: int, sizes: list[int]) -> float:
@@ -209,10 +214,10 @@ def bench_pool(steps: int, seeds: int, headroom: float, weights: Path, json_path
     sizes = [int(s) for s in (np.random.default_rng(0).integers(1, 8, 64) * (512 << 10))]
     loop_pools = {"pool": MemoryPool(initial_bytes=256 << 20),
                   "pool+hugepages": MemoryPool(initial_bytes=256 << 20, huge_pages=True, prefault=True)}
-    loops = {name: (lambda p: lambda: _request_loop(lambda n: p.empty(n // 4, np.float32), 200, sizes))(p)
+    loops = {name: (lambda p: lambda: _request_loop(lambda n: p.empty(n // 4, np.float32), LOOP_REQUESTS, sizes))(p)
              for name, p in loop_pools.items()}
-    loops["np.empty"] = lambda: _request_loop(lambda n: np.empty(n // 4, np.float32), 200, sizes)
-    rates = {name: 200 / t for name, t in interleaved_medians(loops, rounds=7, budget_s=30).items()}
+    loops["np.empty"] = lambda: _request_loop(lambda n: np.empty(n // 4, np.float32), LOOP_REQUESTS, sizes)
+    rates = {name: LOOP_REQUESTS / t for name, t in interleaved_medians(loops, rounds=31, budget_s=30).items()}
     click.echo("memory-bound request loop (3 buffers of 0.5-3.5 MiB per request, written and read): "
                + ", ".join(f"{name} {rate:.0f} req/s ({rate / rates['np.empty']:.2f}x np.empty)"
                            for name, rate in rates.items()))
