@@ -168,11 +168,12 @@ def _request_loop(allocate, requests: int, sizes: list[int]) -> float:
 @click.option("--seeds", default=3, show_default=True, help="traces (different seeds); medians are reported")
 @click.option("--headroom", default=1.25, show_default=True,
               help="bounded pools hold this many times the trace's peak bytes in use")
+@click.option("--rounds", default=31, show_default=True, help="interleaved rounds of the request loop and model load")
 @click.option("--weights", type=click.Path(path_type=Path),
               default=Path("model_repository/fused_transformer/1/weights.npz"), show_default=True)
 @click.option("--json", "json_path", type=click.Path(path_type=Path),
               default=Path("bench-results/pool.json"), show_default=True)
-def bench_pool(steps: int, seeds: int, headroom: float, weights: Path, json_path: Path) -> None:
+def bench_pool(steps: int, seeds: int, headroom: float, rounds: int, weights: Path, json_path: Path) -> None:
     """BFC pool vs first-fit vs np.empty on a serving-shaped trace, a request loop, model load."""
     import statistics
     import tempfile
@@ -217,7 +218,7 @@ def bench_pool(steps: int, seeds: int, headroom: float, weights: Path, json_path
     loops = {name: (lambda p: lambda: _request_loop(lambda n: p.empty(n // 4, np.float32), LOOP_REQUESTS, sizes))(p)
              for name, p in loop_pools.items()}
     loops["np.empty"] = lambda: _request_loop(lambda n: np.empty(n // 4, np.float32), LOOP_REQUESTS, sizes)
-    rates = {name: LOOP_REQUESTS / t for name, t in interleaved_medians(loops, rounds=31, budget_s=30).items()}
+    rates = {name: LOOP_REQUESTS / t for name, t in interleaved_medians(loops, rounds=rounds, budget_s=30).items()}
     click.echo("memory-bound request loop (3 buffers of 0.5-3.5 MiB per request, written and read): "
                + ", ".join(f"{name} {rate:.0f} req/s ({rate / rates['np.empty']:.2f}x np.empty)"
                            for name, rate in rates.items()))
@@ -232,7 +233,7 @@ def bench_pool(steps: int, seeds: int, headroom: float, weights: Path, json_path
         load = interleaved_medians({
             "with pool": lambda: FusedTransformer.load(weights, use_pool=True),
             "without pool": lambda: FusedTransformer.load(weights, use_pool=False),
-        }, rounds=21, budget_s=20)
+        }, rounds=rounds, budget_s=20)
     click.echo(f"fused_transformer load: with pool {1e3 * load['with pool']:.1f} ms, "
                f"without {1e3 * load['without pool']:.1f} ms")
     _write_json(json_path, {

@@ -55,3 +55,12 @@ def test_pool_gauge_is_exported(triton_server):
     line = next(line for line in metrics.splitlines()
                 if line.startswith("dspark_fused_pool_bytes_in_use") and 'model="fused_transformer"' in line)
     assert float(line.split()[-1]) > 0  # the weights live in the pool
+
+
+def test_log_says_how_it_was_loaded(triton_server):
+    from dspark.kernels.dispatch import dispatch_report
+
+    line = next(line for line in triton_server.log_text().splitlines()
+                if "fused_transformer: loaded fused_transformer " in line)
+    assert f"SIMD {dispatch_report().best}" in line
+    assert "pool on" in line and "numa_node 0" in line
