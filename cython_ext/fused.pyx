@@ -84,18 +84,21 @@ cdef float *_scratch(size_t n_floats) except NULL:
     return <float *>p
 
 
-def ln_gelu(const float[:, ::1] x, const float[::1] gamma, const float[::1] beta,
-            float[:, ::1] out, float eps=1e-5, int gelu_kind=0):
+def ln_gelu(const float[:, ::1] x not None, const float[::1] gamma not None,
+            const float[::1] beta not None, float[:, ::1] out not None, float eps=1e-5, int gelu_kind=0):
     """out = GELU(LayerNorm(x)) on the selected SIMD path; returns its name."""
     cdef const dspark_simd_kernels *k = _selected()
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        return k.name.decode()
     with nogil:
         k.ln_gelu_rows(&x[0, 0], x.shape[1], x.shape[0], x.shape[1], &gamma[0], &beta[0],
                        eps, gelu_kind, &out[0, 0], out.shape[1])
     return k.name.decode()
 
 
-def fused_forward(const float[:, ::1] x, const float[::1] gamma, const float[::1] beta,
-                  const float[:, ::1] w, const float[::1] bias, float[:, ::1] out,
+def fused_forward(const float[:, ::1] x not None, const float[::1] gamma not None,
+                  const float[::1] beta not None, const float[:, ::1] w not None,
+                  const float[::1] bias, float[:, ::1] out not None,
                   float eps=1e-5, int gelu_kind=0, size_t block_rows=64, int threads=0):
     """out = GELU(LayerNorm(x)) @ w + bias, GIL released; returns the SIMD path's name.
 

@@ -120,7 +120,7 @@ class FusedTransformer:
                  threads: int = 1, pool: MemoryPool | None = None) -> None:
         self.config = config
         self.pool = pool
-        self.w = weights
+        self.weights = weights
         eps = config.eps
         self.mlp = []
         for i in range(config.n_layers):
@@ -168,7 +168,7 @@ class FusedTransformer:
         return input_ids.astype(np.int64, copy=False)
 
     def _attention(self, x: np.ndarray, i: int) -> np.ndarray:
-        c, n, w = self.config, layer_names(i), self.w
+        c, n, w = self.config, layer_names(i), self.weights
         bsz, seq, d = x.shape
         a = layer_norm(x, w[n["ln1.g"]], w[n["ln1.b"]], c.eps)
         qkv = (a @ w[n["qkv.w"]] + w[n["qkv.b"]]).reshape(bsz, seq, 3, c.n_heads, c.head_dim)
@@ -184,7 +184,7 @@ class FusedTransformer:
         c = self.config
         bsz, seq = ids.shape
         x = self._empty((bsz, seq, c.d_model))
-        np.add(self.w["emb.tok"][ids], self.w["emb.pos"][:seq], out=x)
+        np.add(self.weights["emb.tok"][ids], self.weights["emb.pos"][:seq], out=x)
         u = self._empty((bsz, seq, c.d_ff))
         m = self._empty((bsz, seq, c.d_model))
         for i, (up, down) in enumerate(self.mlp):
@@ -192,7 +192,7 @@ class FusedTransformer:
             up(x, out=u)
             down(u, out=m)
             x += m
-        return layer_norm(x, self.w["final.g"], self.w["final.b"], c.eps).astype(np.float32, copy=False)
+        return layer_norm(x, self.weights["final.g"], self.weights["final.b"], c.eps).astype(np.float32, copy=False)
 
 
 def to_onnx(config: TransformerConfig, weights: dict[str, np.ndarray]):

@@ -1,8 +1,8 @@
 """Fused ``y = GELU(LayerNorm(x; gamma, beta)) @ W + b`` on float32 rows.
 
-LayerNorm and GELU run per row block into a cache-sized scratch block that feeds
-OpenBLAS's sgemm directly (2 MiB by default: see default_block_rows), so no full-size normalised or activated copy of ``x``
-exists. The GIL is released during the call. This is the order transformer layers
+LayerNorm and GELU run per row block into a scratch block (2 MiB by default, see
+default_block_rows) that feeds OpenBLAS's sgemm directly, so no full-size normalised or
+activated copy of ``x`` exists. The GIL is released during the call. This is the order transformer layers
 use (gamma/beta belong to the LayerNorm); the seed's listing applied gamma/beta
 after the MatMul, which is a different function.
 """
@@ -38,9 +38,11 @@ def _as_rows(name: str, a: np.ndarray, d: int | None = None) -> np.ndarray:
     return np.ascontiguousarray(a.reshape(-1, a.shape[-1]))
 
 
-def _vector(name: str, a: np.ndarray | None, n: int) -> np.ndarray | None:
+def _vector(name: str, a: np.ndarray | None, n: int, optional: bool = False) -> np.ndarray | None:
     if a is None:
-        return None
+        if optional:
+            return None
+        raise ValueError(f"{name}: required")
     a = np.ascontiguousarray(a, dtype=np.float32)
     if a.shape != (n,):
         raise ValueError(f"{name}: expected shape ({n},), got {a.shape}")
@@ -56,13 +58,13 @@ class FusedLNGeluMatMul:
         if gelu not in GELU_KINDS:
             raise ValueError(f"gelu={gelu!r}: expected one of {sorted(GELU_KINDS)}")
         weight = np.asarray(weight)
-        if weight.ndim != 2:
-            raise ValueError(f"weight: expected 2-D (d, n), got shape {weight.shape}")
+        if weight.ndim != 2 or 0 in weight.shape:
+            raise ValueError(f"weight: expected 2-D (d, n) with d, n >= 1, got shape {weight.shape}")
         self.d, self.n = weight.shape
         self.weight = np.ascontiguousarray(weight, dtype=np.float32)
         self.gamma = _vector("gamma", gamma, self.d)
         self.beta = _vector("beta", beta, self.d)
-        self.bias = _vector("bias", bias, self.n)
+        self.bias = _vector("bias", bias, self.n, optional=True)
         self.eps = float(eps)
         self.gelu = gelu
         self.threads = int(threads)
