@@ -5,6 +5,7 @@ import numpy as np
 cimport numpy as cnp
 from cpython.object cimport PyObject, PyTypeObject
 from cpython.ref cimport Py_INCREF
+from cpython.pyport cimport PY_SSIZE_T_MAX
 
 cnp.import_array()
 
@@ -117,6 +118,8 @@ cdef class RawPool:
         for i in range(nd):
             if shp[i] < 0:
                 raise ValueError(f"negative dimension in shape {shp}")
+            if shp[i] and nbytes > (<size_t>PY_SSIZE_T_MAX) // <size_t>shp[i]:
+                raise ValueError(f"shape {shp} of {descr} is too large")
             dims[i] = shp[i]
             nbytes *= <size_t>shp[i]
         cdef _Block block = _Block.__new__(_Block)

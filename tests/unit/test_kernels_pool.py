@@ -150,3 +150,5 @@ def test_bad_arguments_are_named():
         MemoryPool(policy="worst_fit")
     with pytest.raises(ValueError, match="negative dimension"):
         MemoryPool().empty((2, -1))
+    with pytest.raises(ValueError, match="too large"):
+        MemoryPool().empty((1 << 40, 1 << 40), np.float64)
