@@ -148,19 +148,15 @@ def bench_kernels(shapes: tuple[str, ...], threads: int, rounds: int, block_rows
 LOOP_REQUESTS = 50  # per timed round of the request loop
 
 
-def _request_loop(allocate, requests: int, sizes: list[int]) -> float:
-    """Requests per second of a memory-bound loop: each request takes activation buffers,
-    writes and reads them once, and gives them back."""
-    import time
-
-    start = time.perf_counter()
+def _request_loop(allocate, requests: int, sizes: list[int]) -> None:
+    """A memory-bound request loop: each request takes three activation buffers, writes and
+    reads them once, and gives them back."""
     for i in range(requests):
         bufs = [allocate(sizes[(i + j) % len(sizes)]) for j in range(3)]
         for buf in bufs:
             buf.fill(1.0)
         float(bufs[0][:: 1024].sum())
         del bufs
-    return requests / (time.perf_counter() - start)
 
 
 @click.command("pool")
@@ -179,6 +175,7 @@ def bench_pool(steps: int, seeds: int, headroom: float, rounds: int, weights: Pa
     import tempfile
     from dataclasses import asdict
 
+    from dspark.engines.fused_transformer import FusedTransformer, TransformerConfig, make_weights, save_weights
     from dspark.kernels.pool import MemoryPool
     from dspark.kernels.pool_trace import replay, serving_trace
     from dspark.kernels.timing import interleaved_medians
@@ -223,8 +220,6 @@ def bench_pool(steps: int, seeds: int, headroom: float, rounds: int, weights: Pa
                + ", ".join(f"{name} {rate:.0f} req/s ({rate / rates['np.empty']:.2f}x np.empty)"
                            for name, rate in rates.items()))
 
-    load = {}
-    from dspark.engines.fused_transformer import FusedTransformer, TransformerConfig, make_weights, save_weights
     with tempfile.TemporaryDirectory() as tmp:
         if not weights.is_file():
             weights = Path(tmp) / "weights.npz"
