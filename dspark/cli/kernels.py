@@ -89,7 +89,7 @@ def bench_kernels(shapes: tuple[str, ...], threads: int, rounds: int, block_rows
 
     from dspark.kernels.dispatch import dispatch_report
     from dspark.kernels.fused import FusedLNGeluMatMul, reference_fused, sgemm
-    from dspark.kernels.ort_layer import OrtFusedLayer, unfused_numpy
+    from dspark.engines.ort_layer import OrtFusedLayer, unfused_numpy
     from dspark.kernels.timing import interleaved_medians
 
     report = dispatch_report()

@@ -12,6 +12,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 from scipy.special import erf
 
+from dspark.engines.onnx_session import make_session_options
+
 
 def unfused_numpy(x, gamma, beta, w, b, eps: float = 1e-5) -> np.ndarray:
     """What a user writes without a fused kernel: separate LayerNorm, GELU, matmul."""
@@ -45,24 +47,11 @@ def layer_graph(gamma, beta, w, b, eps: float = 1e-5) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def session_options(threads: int) -> ort.SessionOptions:
-    try:
-        from dspark.engines.onnx_session import make_session_options
-    except ImportError:  # pragma: no cover - before the engines layer exists
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        return so
-    return make_session_options(threads, 1)
-
-
 class OrtFusedLayer:
     """The layer in ONNX Runtime at ORT_ENABLE_ALL; ``optimized_op_types`` shows its fusions."""
 
     def __init__(self, gamma, beta, w, b, *, threads: int = 1, eps: float = 1e-5) -> None:
-        so = session_options(threads)
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so = make_session_options(threads, 1, graph_optimization_level="all")
         with tempfile.TemporaryDirectory() as tmp:
             so.optimized_model_filepath = os.path.join(tmp, "opt.onnx")
             self.session = ort.InferenceSession(layer_graph(gamma, beta, w, b, eps).SerializeToString(),
