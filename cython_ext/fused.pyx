@@ -16,7 +16,9 @@ cdef extern from "dspark_simd.h" nogil:
         void (*ln_gelu_rows)(const float *x, size_t x_stride, size_t rows, size_t d,
                              const float *gamma, const float *beta, float eps,
                              int gelu_kind, float *out, size_t out_stride) noexcept nogil
+        size_t mr
     int DSPARK_ISA_COUNT
+    int DSPARK_NR
     const char *dspark_isa_name(int isa)
     int dspark_isa_compiled(int isa)
     int dspark_isa_supported(int isa)
@@ -30,6 +32,13 @@ cdef extern from "fused_layer.h" nogil:
                               const float *gamma, const float *beta, float eps, int gelu_kind,
                               const float *w, size_t n, const float *bias, float *y,
                               float *scratch, size_t block_rows)
+    size_t dspark_packed_w_floats(size_t d, size_t n)
+    void dspark_pack_weights(const float *w, size_t d, size_t n, size_t kc, float *packed)
+    int dspark_fused_forward_packed(const dspark_simd_kernels *k, const float *x, size_t rows,
+                                    size_t d, const float *gamma, const float *beta, float eps,
+                                    int gelu_kind, const float *w_packed, size_t n,
+                                    const float *bias_padded, float *y, size_t kc, size_t mc,
+                                    int threads)
     void dspark_blas_set_threads(int threads)
     int dspark_blas_get_threads()
     const char *dspark_blas_corename()
@@ -119,6 +128,46 @@ def fused_forward(const float[:, ::1] x not None, const float[::1] gamma not Non
                                  &w[0, 0], n, b, &out[0, 0], scratch, br)
     finally:
         free(scratch)
+    return k.name.decode()
+
+
+PANEL_WIDTH = DSPARK_NR
+
+
+def packed_weights_size(size_t d, size_t n):
+    """Floats in W packed as column panels (n rounded up to PANEL_WIDTH, times d)."""
+    return dspark_packed_w_floats(d, n)
+
+
+def pack_weights(const float[:, ::1] w not None, float[::1] packed not None, size_t kc):
+    """Pack w (d, n) into the panel layout of fused_forward_packed for K blocks of kc rows
+    (done once per layer)."""
+    if packed.shape[0] != dspark_packed_w_floats(w.shape[0], w.shape[1]):
+        raise ValueError(f"packed: expected {dspark_packed_w_floats(w.shape[0], w.shape[1])} floats")
+    with nogil:
+        dspark_pack_weights(&w[0, 0], w.shape[0], w.shape[1], kc, &packed[0])
+
+
+def fused_forward_packed(const float[:, ::1] x not None, const float[::1] gamma not None,
+                         const float[::1] beta not None, const float[::1] w_packed not None,
+                         size_t n, const float[::1] bias_padded, float[:, ::1] out not None,
+                         float eps=1e-5, int gelu_kind=0, size_t kc=256, size_t mc=144,
+                         int threads=1):
+    """out = GELU(LayerNorm(x)) @ W + bias over W packed by pack_weights with the same kc,
+    GIL released; returns the SIMD path's name. Shapes are checked by the Python wrapper."""
+    cdef const dspark_simd_kernels *k = _selected()
+    cdef const float *b = &bias_padded[0] if bias_padded is not None else NULL
+    cdef int rc
+    if x.shape[0] == 0:
+        return k.name.decode()
+    if kc == 0 or mc == 0:
+        raise ValueError("kc and mc must be positive")
+    with nogil:
+        rc = dspark_fused_forward_packed(k, &x[0, 0], x.shape[0], x.shape[1], &gamma[0], &beta[0],
+                                         eps, gelu_kind, &w_packed[0], n, b, &out[0, 0],
+                                         kc, mc, threads)
+    if rc != 0:
+        raise MemoryError("fused layer: could not allocate its work blocks or start its threads")
     return k.name.decode()
 
 

@@ -1,4 +1,6 @@
 /* Fused LayerNorm+GELU+MatMul driver over OpenBLAS (scipy-openblas32). */
+#include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 #include <cblas.h>
 #include "fused_layer.h"
@@ -27,6 +29,105 @@ void dspark_fused_forward(const dspark_simd_kernels *k, const float *x, size_t r
                           (blasint)d, 1.0f, scratch, (blasint)d, w, (blasint)n,
                           bias ? 1.0f : 0.0f, yb, (blasint)n);
     }
+}
+
+size_t dspark_packed_w_floats(size_t d, size_t n) {
+    return d * ((n + DSPARK_NR - 1) / DSPARK_NR) * DSPARK_NR;
+}
+
+void dspark_pack_weights(const float *w, size_t d, size_t n, size_t kc, float *packed) {
+    for (size_t pc = 0; pc < d; pc += kc) {
+        const size_t kb = d - pc < kc ? d - pc : kc;
+        for (size_t col = 0; col < n; col += DSPARK_NR) {
+            const size_t nc = n - col < DSPARK_NR ? n - col : DSPARK_NR;
+            for (size_t k = pc; k < pc + kb; k++, packed += DSPARK_NR) {
+                memcpy(packed, w + k * n + col, nc * sizeof(float));
+                memset(packed + nc, 0, (DSPARK_NR - nc) * sizeof(float));
+            }
+        }
+    }
+}
+
+typedef struct {
+    const dspark_simd_kernels *k;
+    const float *x, *gamma, *beta, *mean, *rstd, *w_packed, *bias;
+    float *y, *work;  /* work: mc * kc packed A + mr * kc activation rows */
+    size_t rows, d, n, kc, mc, panel_begin, panel_end;
+    int gelu_kind;
+} packed_job;
+
+static void run_packed_job(const packed_job *j) {
+    const dspark_simd_kernels *k = j->k;
+    const size_t panels = (j->n + DSPARK_NR - 1) / DSPARK_NR;
+    float *a_block = j->work, *tmp = j->work + j->mc * j->kc;
+    for (size_t pc = 0; pc < j->d; pc += j->kc) {
+        const size_t kc = j->d - pc < j->kc ? j->d - pc : j->kc;
+        for (size_t ic = 0; ic < j->rows; ic += j->mc) {
+            const size_t mc = j->rows - ic < j->mc ? j->rows - ic : j->mc;
+            k->pack_ln_gelu(j->x + ic * j->d + pc, j->d, mc, kc, j->mean + ic, j->rstd + ic,
+                            j->gamma + pc, j->beta + pc, j->gelu_kind, a_block, tmp);
+            for (size_t p = j->panel_begin; p < j->panel_end; p++) {
+                const size_t col = p * DSPARK_NR;
+                const size_t ncols = j->n - col < DSPARK_NR ? j->n - col : DSPARK_NR;
+                const float *b = j->w_packed + (pc * panels + p * kc) * DSPARK_NR;
+                const float *a = a_block;
+                for (size_t ir = 0; ir < mc; ir += k->mr) {
+                    const size_t m = mc - ir < k->mr ? mc - ir : k->mr;
+                    k->gemm_tile[m](kc, a, b, j->y + (ic + ir) * j->n + col, j->n, ncols, pc > 0,
+                                    j->bias ? j->bias + col : NULL);
+                    a += m * kc;
+                }
+            }
+        }
+    }
+}
+
+static void *packed_job_thread(void *arg) {
+    run_packed_job((const packed_job *)arg);
+    return NULL;
+}
+
+#define DSPARK_MAX_THREADS 64
+
+int dspark_fused_forward_packed(const dspark_simd_kernels *k, const float *x, size_t rows,
+                                size_t d, const float *gamma, const float *beta, float eps,
+                                int gelu_kind, const float *w_packed, size_t n,
+                                const float *bias_padded, float *y, size_t kc, size_t mc,
+                                int threads) {
+    const size_t panels = (n + DSPARK_NR - 1) / DSPARK_NR;
+    if (kc > d) kc = d;
+    if (mc > rows) mc = rows;
+    mc = (mc + k->mr - 1) / k->mr * k->mr;
+    size_t nt = threads < 1 ? 1 : (size_t)threads;
+    if (nt > DSPARK_MAX_THREADS) nt = DSPARK_MAX_THREADS;
+    if (nt > panels) nt = panels;
+    const size_t work_floats = (mc + k->mr) * kc + 16; /* + 16: keep each thread's block 64-B apart */
+    float *mem = NULL;
+    if (posix_memalign((void **)&mem, 64, (2 * rows + nt * work_floats) * sizeof(float)) != 0)
+        return -1;
+    float *mean = mem + nt * work_floats, *rstd = mean + rows;
+    k->row_stats(x, d, rows, d, eps, mean, rstd);
+
+    packed_job jobs[DSPARK_MAX_THREADS];
+    pthread_t tids[DSPARK_MAX_THREADS];
+    size_t started = 0;
+    int rc = 0;
+    for (size_t t = 0; t < nt; t++) {
+        jobs[t] = (packed_job){k, x, gamma, beta, mean, rstd, w_packed, bias_padded, y,
+                               mem + t * work_floats, rows, d, n, kc, mc,
+                               panels * t / nt, panels * (t + 1) / nt, gelu_kind};
+    }
+    for (size_t t = 1; t < nt; t++) {
+        if (pthread_create(&tids[t], NULL, packed_job_thread, &jobs[t]) != 0) {
+            rc = -1;
+            break;
+        }
+        started = t;
+    }
+    if (rc == 0) run_packed_job(&jobs[0]);
+    for (size_t t = 1; t <= started; t++) pthread_join(tids[t], NULL);
+    free(mem);
+    return rc;
 }
 
 void dspark_blas_set_threads(int threads) { scipy_openblas_set_num_threads(threads); }

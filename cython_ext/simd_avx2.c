@@ -38,6 +38,9 @@ static inline __m256i tail_mask(size_t n) {
 
 #include "simd_ln_gelu.inc"
 
-static const dspark_simd_kernels kernels = {"avx2", ln_gelu_rows};
+#define MR 6
+#include "simd_gemm.inc"
+
+DSPARK_SIMD_TABLE(kernels, "avx2");
 
 const dspark_simd_kernels *dspark_simd_avx2(void) { return &kernels; }

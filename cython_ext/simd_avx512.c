@@ -29,6 +29,9 @@ static inline __mmask16 tail_mask(size_t n) { return (__mmask16)((1u << n) - 1u)
 
 #include "simd_ln_gelu.inc"
 
-static const dspark_simd_kernels kernels = {"avx512", ln_gelu_rows};
+#define MR 14
+#include "simd_gemm.inc"
+
+DSPARK_SIMD_TABLE(kernels, "avx512");
 
 const dspark_simd_kernels *dspark_simd_avx512(void) { return &kernels; }

@@ -18,6 +18,8 @@ GELU_KINDS = {"erf": 0, "tanh": 1}
 
 
 SCRATCH_BYTES = 2 << 20
+DEFAULT_KC = 256  # K block of the packed path: a 256 x 16 panel of W is 16 KiB, L1-resident
+DEFAULT_MC = 144  # row block: 144 x 256 activated floats, 144 KiB of packed A in L2
 
 
 def default_block_rows(d: int) -> int:
@@ -49,26 +51,57 @@ def _vector(name: str, a: np.ndarray | None, n: int, optional: bool = False) -> 
     return a
 
 
+GEMMS = ("auto", "packed", "openblas")
+
+
+def _aligned_empty(n_floats: int) -> np.ndarray:
+    """A float32 vector whose data starts on a 64-byte (cache line) boundary."""
+    buf = np.empty(n_floats + 16, np.float32)
+    start = (-buf.ctypes.data % 64) // 4
+    return buf[start:start + n_floats]
+
+
 class FusedLNGeluMatMul:
-    """One fused layer with its weights held contiguous; call it on (..., d) float32 input."""
+    """One fused layer; call it on (..., d) float32 input.
+
+    ``gemm="packed"`` (the default through ``"auto"``) packs W once, here, into the column
+    panels of our register-blocked micro-kernel and fuses LayerNorm+GELU into the packing of
+    each block of rows; ``gemm="openblas"`` runs the row blocks through OpenBLAS's sgemm
+    (which repacks W on every call) and keeps W as given. ``kc``/``mc`` are the packed
+    path's K and row block sizes (defaults: see DEFAULT_KC / DEFAULT_MC)."""
 
     def __init__(self, gamma: np.ndarray, beta: np.ndarray, weight: np.ndarray,
                  bias: np.ndarray | None = None, *, eps: float = 1e-5, gelu: str = "erf",
-                 threads: int = 1, block_rows: int | None = None) -> None:
+                 threads: int = 1, block_rows: int | None = None, gemm: str = "auto",
+                 kc: int = 0, mc: int = 0) -> None:
         if gelu not in GELU_KINDS:
             raise ValueError(f"gelu={gelu!r}: expected one of {sorted(GELU_KINDS)}")
+        if gemm not in GEMMS:
+            raise ValueError(f"gemm={gemm!r}: expected one of {list(GEMMS)}")
         weight = np.asarray(weight)
         if weight.ndim != 2 or 0 in weight.shape:
             raise ValueError(f"weight: expected 2-D (d, n) with d, n >= 1, got shape {weight.shape}")
         self.d, self.n = weight.shape
-        self.weight = np.ascontiguousarray(weight, dtype=np.float32)
         self.gamma = _vector("gamma", gamma, self.d)
         self.beta = _vector("beta", beta, self.d)
         self.bias = _vector("bias", bias, self.n, optional=True)
         self.eps = float(eps)
         self.gelu = gelu
         self.threads = int(threads)
+        self.gemm = "packed" if gemm == "auto" else gemm
         self.block_rows = int(block_rows) if block_rows else default_block_rows(self.d)
+        self.kc = int(kc) or DEFAULT_KC
+        self.mc = int(mc) or DEFAULT_MC
+        weight = np.ascontiguousarray(weight, dtype=np.float32)
+        if self.gemm == "openblas":
+            self.weight = weight
+            return
+        self.weight_packed = _aligned_empty(_fused.packed_weights_size(self.d, self.n))
+        _fused.pack_weights(weight, self.weight_packed, self.kc)
+        self.bias_padded = None
+        if self.bias is not None:
+            self.bias_padded = np.zeros(-(-self.n // _fused.PANEL_WIDTH) * _fused.PANEL_WIDTH, np.float32)
+            self.bias_padded[:self.n] = self.bias
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         rows = _as_rows("x", x, self.d)
@@ -77,9 +110,14 @@ class FusedLNGeluMatMul:
             out = np.empty(shape, np.float32)
         elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise ValueError(f"out: expected C-contiguous float32 {shape}, got {out.dtype} {out.shape}")
-        _fused.fused_forward(rows, self.gamma, self.beta, self.weight, self.bias,
-                             out.reshape(-1, self.n), self.eps, GELU_KINDS[self.gelu],
-                             self.block_rows, self.threads)
+        if self.gemm == "packed":
+            _fused.fused_forward_packed(rows, self.gamma, self.beta, self.weight_packed, self.n,
+                                        self.bias_padded, out.reshape(-1, self.n), self.eps,
+                                        GELU_KINDS[self.gelu], self.kc, self.mc, self.threads)
+        else:
+            _fused.fused_forward(rows, self.gamma, self.beta, self.weight, self.bias,
+                                 out.reshape(-1, self.n), self.eps, GELU_KINDS[self.gelu],
+                                 self.block_rows, self.threads)
         return out
 
     @property
