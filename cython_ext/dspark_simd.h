@@ -40,6 +40,9 @@ typedef struct {
     void (*pack_ln_gelu)(const float *x, size_t x_stride, size_t rows, size_t kc,
                          const float *mean, const float *rstd, const float *gamma,
                          const float *beta, int gelu_kind, float *dst, float *tmp);
+    /* One row against four adjacent full panels (panel_stride floats apart) at once. */
+    void (*gemv_4panels)(size_t kc, const float *a, const float *b, size_t panel_stride,
+                         float *c, int accumulate, const float *bias);
     size_t mr;                                   /* rows per micro-tile */
     dspark_gemm_tile_fn gemm_tile[DSPARK_MR_MAX + 1];  /* [m] computes m <= mr rows */
 } dspark_simd_kernels;

@@ -60,16 +60,23 @@ static void run_packed_job(const packed_job *j) {
     const dspark_simd_kernels *k = j->k;
     const size_t panels = (j->n + DSPARK_NR - 1) / DSPARK_NR;
     float *a_block = j->work, *tmp = j->work + j->mc * j->kc;
-    for (size_t pc = 0; pc < j->d; pc += j->kc) {
-        const size_t kc = j->d - pc < j->kc ? j->d - pc : j->kc;
-        for (size_t ic = 0; ic < j->rows; ic += j->mc) {
-            const size_t mc = j->rows - ic < j->mc ? j->rows - ic : j->mc;
+    /* Row blocks outermost: the C rows of one block stay in cache across its K blocks. */
+    for (size_t ic = 0; ic < j->rows; ic += j->mc) {
+        const size_t mc = j->rows - ic < j->mc ? j->rows - ic : j->mc;
+        for (size_t pc = 0; pc < j->d; pc += j->kc) {
+            const size_t kc = j->d - pc < j->kc ? j->d - pc : j->kc;
             k->pack_ln_gelu(j->x + ic * j->d + pc, j->d, mc, kc, j->mean + ic, j->rstd + ic,
                             j->gamma + pc, j->beta + pc, j->gelu_kind, a_block, tmp);
             for (size_t p = j->panel_begin; p < j->panel_end; p++) {
                 const size_t col = p * DSPARK_NR;
                 const size_t ncols = j->n - col < DSPARK_NR ? j->n - col : DSPARK_NR;
                 const float *b = j->w_packed + (pc * panels + p * kc) * DSPARK_NR;
+                if (mc == 1 && p + 4 <= j->panel_end && col + 4 * DSPARK_NR <= j->n) {
+                    k->gemv_4panels(kc, a_block, b, kc * DSPARK_NR, j->y + ic * j->n + col,
+                                    pc > 0, j->bias ? j->bias + col : NULL);
+                    p += 3;
+                    continue;
+                }
                 const float *a = a_block;
                 for (size_t ir = 0; ir < mc; ir += k->mr) {
                     const size_t m = mc - ir < k->mr ? mc - ir : k->mr;
