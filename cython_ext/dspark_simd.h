@@ -21,9 +21,12 @@
 #define DSPARK_MR_MAX 16
 
 /* c[r, j] (+)= sum_k a[k * mr + r] * b[k * DSPARK_NR + j] for r < mr, j < ncols; with
- * accumulate == 0 the tile is overwritten (plus bias[j] when bias is not NULL). */
+ * accumulate == 0 the tile is overwritten (plus bias[j] when bias is not NULL). b_next, when
+ * not NULL, is the next panel of W, prefetched alongside (the driver passes it with the
+ * first tile of each panel, so W streams from memory while this panel computes). */
 typedef void (*dspark_gemm_tile_fn)(size_t kc, const float *a, const float *b, float *c,
-                                    size_t ldc, size_t ncols, int accumulate, const float *bias);
+                                    size_t ldc, size_t ncols, int accumulate, const float *bias,
+                                    const float *b_next);
 
 typedef struct {
     const char *name;

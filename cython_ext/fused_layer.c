@@ -81,7 +81,8 @@ static void run_packed_job(const packed_job *j) {
                 for (size_t ir = 0; ir < mc; ir += k->mr) {
                     const size_t m = mc - ir < k->mr ? mc - ir : k->mr;
                     k->gemm_tile[m](kc, a, b, j->y + (ic + ir) * j->n + col, j->n, ncols, pc > 0,
-                                    j->bias ? j->bias + col : NULL);
+                                    j->bias ? j->bias + col : NULL,
+                                    ir == 0 && p + 1 < j->panel_end ? b + kc * DSPARK_NR : NULL);
                     a += m * kc;
                 }
             }
