@@ -38,7 +38,7 @@ cdef extern from "fused_layer.h" nogil:
                                     size_t d, const float *gamma, const float *beta, float eps,
                                     int gelu_kind, const float *w_packed, size_t n,
                                     const float *bias_padded, float *y, size_t kc, size_t mc,
-                                    int threads)
+                                    size_t nc, size_t mb, int threads)
     void dspark_blas_set_threads(int threads)
     int dspark_blas_get_threads()
     const char *dspark_blas_corename()
@@ -151,8 +151,8 @@ def pack_weights(const float[:, ::1] w not None, float[::1] packed not None, siz
 def fused_forward_packed(const float[:, ::1] x not None, const float[::1] gamma not None,
                          const float[::1] beta not None, const float[::1] w_packed not None,
                          size_t n, const float[::1] bias_padded, float[:, ::1] out not None,
-                         float eps=1e-5, int gelu_kind=0, size_t kc=256, size_t mc=144,
-                         int threads=1):
+                         float eps=1e-5, int gelu_kind=0, size_t kc=384, size_t mc=144,
+                         size_t nc=128, size_t mb=1024, int threads=1):
     """out = GELU(LayerNorm(x)) @ W + bias over W packed by pack_weights with the same kc,
     GIL released; returns the SIMD path's name. Shapes are checked by the Python wrapper."""
     cdef const dspark_simd_kernels *k = _selected()
@@ -165,7 +165,7 @@ def fused_forward_packed(const float[:, ::1] x not None, const float[::1] gamma 
     with nogil:
         rc = dspark_fused_forward_packed(k, &x[0, 0], x.shape[0], x.shape[1], &gamma[0], &beta[0],
                                          eps, gelu_kind, &w_packed[0], n, b, &out[0, 0],
-                                         kc, mc, threads)
+                                         kc, mc, nc, mb, threads)
     if rc != 0:
         raise MemoryError("fused layer: could not allocate its work blocks or start its threads")
     return k.name.decode()

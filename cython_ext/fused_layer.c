@@ -51,39 +51,55 @@ void dspark_pack_weights(const float *w, size_t d, size_t n, size_t kc, float *p
 typedef struct {
     const dspark_simd_kernels *k;
     const float *x, *gamma, *beta, *mean, *rstd, *w_packed, *bias;
-    float *y, *work;  /* work: mc * kc packed A + mr * kc activation rows */
-    size_t rows, d, n, kc, mc, panel_begin, panel_end;
+    float *y, *work;  /* work: mb * kc packed A + mr * kc activation rows */
+    size_t rows, d, n, kc, mc, nc_panels, mb, panel_begin, panel_end;
     int gelu_kind;
 } packed_job;
 
-static void run_packed_job(const packed_job *j) {
+/* One mc x (panels p0..p1) block: the panels of W (kc x DSPARK_NR each) stream through L1
+ * while the block's packed rows stay in L2. */
+static void packed_block(const packed_job *j, const float *a_block, size_t mc, size_t kc,
+                         const float *w_block, size_t p0, size_t p1, float *y, int accumulate) {
     const dspark_simd_kernels *k = j->k;
+    for (size_t p = p0; p < p1; p++) {
+        const size_t col = p * DSPARK_NR;
+        const size_t ncols = j->n - col < DSPARK_NR ? j->n - col : DSPARK_NR;
+        const float *b = w_block + p * kc * DSPARK_NR;
+        const float *bias = j->bias && !accumulate ? j->bias + col : NULL;
+        if (mc == 1 && p + 4 <= p1 && col + 4 * DSPARK_NR <= j->n) {
+            k->gemv_4panels(kc, a_block, b, kc * DSPARK_NR, y + col, accumulate, bias);
+            p += 3;
+            continue;
+        }
+        const float *a = a_block;
+        for (size_t ir = 0; ir < mc; ir += k->mr) {
+            const size_t m = mc - ir < k->mr ? mc - ir : k->mr;
+            k->gemm_tile[m](kc, a, b, y + ir * j->n + col, j->n, ncols, accumulate, bias,
+                            ir == 0 && p + 1 < p1 ? b + kc * DSPARK_NR : NULL);
+            a += m * kc;
+        }
+    }
+}
+
+/* Goto/BLIS loop nest: mb rows at a time (W streams from memory once per mb rows), K blocks
+ * (LayerNorm+GELU packed once per element), nc_panels panels of W at a time (kc x nc in L2,
+ * reused by every mc block of rows), mc rows (in L2), then one panel at a time (in L1). */
+static void run_packed_job(const packed_job *j) {
     const size_t panels = (j->n + DSPARK_NR - 1) / DSPARK_NR;
-    float *a_block = j->work, *tmp = j->work + j->mc * j->kc;
-    /* Row blocks outermost: the C rows of one block stay in cache across its K blocks. */
-    for (size_t ic = 0; ic < j->rows; ic += j->mc) {
-        const size_t mc = j->rows - ic < j->mc ? j->rows - ic : j->mc;
+    float *a_rows = j->work, *tmp = j->work + j->mb * j->kc;
+    for (size_t i0 = 0; i0 < j->rows; i0 += j->mb) {
+        const size_t mb = j->rows - i0 < j->mb ? j->rows - i0 : j->mb;
         for (size_t pc = 0; pc < j->d; pc += j->kc) {
             const size_t kc = j->d - pc < j->kc ? j->d - pc : j->kc;
-            k->pack_ln_gelu(j->x + ic * j->d + pc, j->d, mc, kc, j->mean + ic, j->rstd + ic,
-                            j->gamma + pc, j->beta + pc, j->gelu_kind, a_block, tmp);
-            for (size_t p = j->panel_begin; p < j->panel_end; p++) {
-                const size_t col = p * DSPARK_NR;
-                const size_t ncols = j->n - col < DSPARK_NR ? j->n - col : DSPARK_NR;
-                const float *b = j->w_packed + (pc * panels + p * kc) * DSPARK_NR;
-                if (mc == 1 && p + 4 <= j->panel_end && col + 4 * DSPARK_NR <= j->n) {
-                    k->gemv_4panels(kc, a_block, b, kc * DSPARK_NR, j->y + ic * j->n + col,
-                                    pc > 0, j->bias ? j->bias + col : NULL);
-                    p += 3;
-                    continue;
-                }
-                const float *a = a_block;
-                for (size_t ir = 0; ir < mc; ir += k->mr) {
-                    const size_t m = mc - ir < k->mr ? mc - ir : k->mr;
-                    k->gemm_tile[m](kc, a, b, j->y + (ic + ir) * j->n + col, j->n, ncols, pc > 0,
-                                    j->bias ? j->bias + col : NULL,
-                                    ir == 0 && p + 1 < j->panel_end ? b + kc * DSPARK_NR : NULL);
-                    a += m * kc;
+            j->k->pack_ln_gelu(j->x + i0 * j->d + pc, j->d, mb, kc, j->mean + i0, j->rstd + i0,
+                               j->gamma + pc, j->beta + pc, j->gelu_kind, a_rows, tmp);
+            const float *w_block = j->w_packed + pc * panels * DSPARK_NR;
+            for (size_t p0 = j->panel_begin; p0 < j->panel_end; p0 += j->nc_panels) {
+                const size_t p1 = j->panel_end - p0 < j->nc_panels ? j->panel_end : p0 + j->nc_panels;
+                for (size_t ic = 0; ic < mb; ic += j->mc) {
+                    const size_t mc = mb - ic < j->mc ? mb - ic : j->mc;
+                    packed_block(j, a_rows + ic * kc, mc, kc, w_block, p0, p1,
+                                 j->y + (i0 + ic) * j->n, pc > 0);
                 }
             }
         }
@@ -101,15 +117,18 @@ int dspark_fused_forward_packed(const dspark_simd_kernels *k, const float *x, si
                                 size_t d, const float *gamma, const float *beta, float eps,
                                 int gelu_kind, const float *w_packed, size_t n,
                                 const float *bias_padded, float *y, size_t kc, size_t mc,
-                                int threads) {
+                                size_t nc, size_t mb, int threads) {
     const size_t panels = (n + DSPARK_NR - 1) / DSPARK_NR;
     if (kc > d) kc = d;
-    if (mc > rows) mc = rows;
-    mc = (mc + k->mr - 1) / k->mr * k->mr;
+    mc = (mc + k->mr - 1) / k->mr * k->mr;       /* micro-panel offsets need mr | mc */
+    if (mb < mc) mb = mc;
+    mb = mb / mc * mc;
+    if (mb > rows) mb = (rows + k->mr - 1) / k->mr * k->mr;
+    size_t nc_panels = nc ? (nc + DSPARK_NR - 1) / DSPARK_NR : panels;
     size_t nt = threads < 1 ? 1 : (size_t)threads;
     if (nt > DSPARK_MAX_THREADS) nt = DSPARK_MAX_THREADS;
     if (nt > panels) nt = panels;
-    const size_t work_floats = (mc + k->mr) * kc + 16; /* + 16: keep each thread's block 64-B apart */
+    const size_t work_floats = (mb + k->mr) * kc + 16; /* + 16: keep each thread's block 64-B apart */
     float *mem = NULL;
     if (posix_memalign((void **)&mem, 64, (2 * rows + nt * work_floats) * sizeof(float)) != 0)
         return -1;
@@ -122,7 +141,7 @@ int dspark_fused_forward_packed(const dspark_simd_kernels *k, const float *x, si
     int rc = 0;
     for (size_t t = 0; t < nt; t++) {
         jobs[t] = (packed_job){k, x, gamma, beta, mean, rstd, w_packed, bias_padded, y,
-                               mem + t * work_floats, rows, d, n, kc, mc,
+                               mem + t * work_floats, rows, d, n, kc, mc, nc_panels, mb,
                                panels * t / nt, panels * (t + 1) / nt, gelu_kind};
     }
     for (size_t t = 1; t < nt; t++) {

@@ -18,16 +18,17 @@ size_t dspark_packed_w_floats(size_t d, size_t n);
 void dspark_pack_weights(const float *w, size_t d, size_t n, size_t kc, float *packed);
 
 /* y[rows, n] = GELU(LayerNorm(x)) @ W + bias over the packed W, blocked like a Goto/BLIS GEMM:
- * K in kc blocks (a kc x DSPARK_NR panel of W stays in L1), rows in mc blocks (the packed,
- * activated mc x kc block of A stays in L2); LayerNorm+GELU run while packing A, each element
- * once per thread; kc must be the one W was packed with. bias_padded (n rounded up to DSPARK_NR, or NULL) is added in the epilogue.
- * threads > 1 splits the panels of W across that many threads. Returns 0, or -1 when memory
- * or a thread could not be had. */
+ * mb rows at a time are activated and packed per K block of kc (LayerNorm+GELU run while
+ * packing, each element once per thread); then nc columns of W at a time (kc x nc, meant for
+ * L2), mc rows at a time (meant for L2), one kc x DSPARK_NR panel at a time (L1). kc must be
+ * the one W was packed with; nc = 0 means all columns. bias_padded (n rounded up to
+ * DSPARK_NR, or NULL) is added in the epilogue. threads > 1 splits the panels of W across
+ * that many threads. Returns 0, or -1 when memory or a thread could not be had. */
 int dspark_fused_forward_packed(const dspark_simd_kernels *k, const float *x, size_t rows,
                                 size_t d, const float *gamma, const float *beta, float eps,
                                 int gelu_kind, const float *w_packed, size_t n,
                                 const float *bias_padded, float *y, size_t kc, size_t mc,
-                                int threads);
+                                size_t nc, size_t mb, int threads);
 
 void dspark_blas_set_threads(int threads);
 int dspark_blas_get_threads(void);

@@ -1,8 +1,11 @@
 """Fused ``y = GELU(LayerNorm(x; gamma, beta)) @ W + b`` on float32 rows.
 
-LayerNorm and GELU run per row block into a scratch block (2 MiB by default, see
-default_block_rows) that feeds OpenBLAS's sgemm directly, so no full-size normalised or
-activated copy of ``x`` exists. The GIL is released during the call. This is the order transformer layers
+By default (``gemm="packed"``) W is packed once, when the layer is built, into the column
+panels of our own register-blocked micro-kernels (one per instruction set), and LayerNorm+GELU
+run while each cache-sized block of rows is packed for them. With ``gemm="openblas"`` they run
+per row block into a scratch block (2 MiB, see default_block_rows) that feeds OpenBLAS's sgemm,
+which repacks W on every call. Either way no full-size normalised or activated copy of ``x``
+exists, and the GIL is released during the call. This is the order transformer layers
 use (gamma/beta belong to the LayerNorm); the seed's listing applied gamma/beta
 after the MatMul, which is a different function.
 """
@@ -17,9 +20,14 @@ from dspark._ext import fused as _fused
 GELU_KINDS = {"erf": 0, "tanh": 1}
 
 
-SCRATCH_BYTES = 2 << 20
-DEFAULT_KC = 256  # K block of the packed path: a 256 x 16 panel of W is 16 KiB, L1-resident
-DEFAULT_MC = 144  # row block: 144 x 256 activated floats, 144 KiB of packed A in L2
+SCRATCH_BYTES = 2 << 20  # the openblas path's LayerNorm+GELU block
+# Block sizes of the packed path (Zen 3: 32 KiB L1d, 512 KiB L2 per core), chosen by the
+# sweep in docs/kernels.md: a 384 x 16 panel of W is 24 KiB (L1); 144 x 384 packed rows
+# (216 KiB) and 384 x 128 of W (192 KiB) share L2.
+DEFAULT_KC = 384
+DEFAULT_MC = 144
+DEFAULT_NC = 128
+DEFAULT_MB = 1024  # rows activated and packed per K block: W streams once per 1024 rows
 
 
 def default_block_rows(d: int) -> int:
@@ -51,7 +59,7 @@ def _vector(name: str, a: np.ndarray | None, n: int, optional: bool = False) -> 
     return a
 
 
-GEMMS = ("auto", "packed", "openblas")
+GEMMS = ("packed", "openblas")
 
 
 def _aligned_empty(n_floats: int) -> np.ndarray:
@@ -64,16 +72,17 @@ def _aligned_empty(n_floats: int) -> np.ndarray:
 class FusedLNGeluMatMul:
     """One fused layer; call it on (..., d) float32 input.
 
-    ``gemm="packed"`` (the default through ``"auto"``) packs W once, here, into the column
+    ``gemm="packed"`` (the default: faster than OpenBLAS at every measured shape) packs W once, here, into the column
     panels of our register-blocked micro-kernel and fuses LayerNorm+GELU into the packing of
     each block of rows; ``gemm="openblas"`` runs the row blocks through OpenBLAS's sgemm
     (which repacks W on every call) and keeps W as given. ``kc``/``mc`` are the packed
-    path's K and row block sizes (defaults: see DEFAULT_KC / DEFAULT_MC)."""
+    path's K and row block sizes, ``nc`` its column block (0: all columns), ``mb`` the rows
+    activated per K block (defaults: DEFAULT_KC, DEFAULT_MC, DEFAULT_NC, DEFAULT_MB)."""
 
     def __init__(self, gamma: np.ndarray, beta: np.ndarray, weight: np.ndarray,
                  bias: np.ndarray | None = None, *, eps: float = 1e-5, gelu: str = "erf",
-                 threads: int = 1, block_rows: int | None = None, gemm: str = "auto",
-                 kc: int = 0, mc: int = 0) -> None:
+                 threads: int = 1, block_rows: int | None = None, gemm: str = "packed",
+                 kc: int = 0, mc: int = 0, nc: int = -1, mb: int = 0) -> None:
         if gelu not in GELU_KINDS:
             raise ValueError(f"gelu={gelu!r}: expected one of {sorted(GELU_KINDS)}")
         if gemm not in GEMMS:
@@ -88,10 +97,12 @@ class FusedLNGeluMatMul:
         self.eps = float(eps)
         self.gelu = gelu
         self.threads = int(threads)
-        self.gemm = "packed" if gemm == "auto" else gemm
+        self.gemm = gemm
         self.block_rows = int(block_rows) if block_rows else default_block_rows(self.d)
         self.kc = int(kc) or DEFAULT_KC
         self.mc = int(mc) or DEFAULT_MC
+        self.nc = DEFAULT_NC if nc < 0 else int(nc)
+        self.mb = int(mb) or DEFAULT_MB
         weight = np.ascontiguousarray(weight, dtype=np.float32)
         if self.gemm == "openblas":
             self.weight = weight
@@ -113,7 +124,8 @@ class FusedLNGeluMatMul:
         if self.gemm == "packed":
             _fused.fused_forward_packed(rows, self.gamma, self.beta, self.weight_packed, self.n,
                                         self.bias_padded, out.reshape(-1, self.n), self.eps,
-                                        GELU_KINDS[self.gelu], self.kc, self.mc, self.threads)
+                                        GELU_KINDS[self.gelu], self.kc, self.mc, self.nc, self.mb,
+                                        self.threads)
         else:
             _fused.fused_forward(rows, self.gamma, self.beta, self.weight, self.bias,
                                  out.reshape(-1, self.n), self.eps, GELU_KINDS[self.gelu],
