@@ -26,12 +26,20 @@ def test_info_shows_the_override(monkeypatch):
 def test_bench_kernels_prints_a_table_and_writes_json(tmp_path):
     out = tmp_path / "k.json"
     result = CliRunner().invoke(cli, ["bench", "kernels", "--shape", "4x64x128", "--shape", "2x32x16",
-                                      "--rounds", "5", "--json", str(out)])
+                                      "--rounds", "5", "--blocks", "32/12/64/24", "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert "LayerNormalization + com.microsoft.Gelu + Gemm" in result.output
+    assert "openblas x ORT" in result.output
     data = json.loads(out.read_text())
+    assert data["packed_blocks"] == {"kc": 32, "mc": 12, "nc": 64, "mb": 24}
     assert [(r["rows"], r["d"], r["n"]) for r in data["rows"]] == [(4, 64, 128), (2, 32, 16)]
-    assert all(r["fused_max_rel_err"] < 1e-5 and r["fused_ms"] > 0 for r in data["rows"])
+    assert all(r["fused_max_rel_err"] < 1e-5 and r["fused_ms"] > 0 and r["openblas_ms"] > 0
+               for r in data["rows"])
+
+
+def test_bench_kernels_names_bad_blocks():
+    result = CliRunner().invoke(cli, ["bench", "kernels", "--shape", "2x32x16", "--blocks", "32/x"])
+    assert result.exit_code != 0 and "'32/x': expected KC/MC/NC/MB" in result.output
 
 
 def test_bench_kernels_names_a_bad_shape():
