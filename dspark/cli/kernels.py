@@ -81,13 +81,15 @@ def _print_table(headers: list[str], rows: list[list[str]]) -> None:
 @click.option("--shape", "shapes", multiple=True, help="ROWSxDxN (repeatable); default: decode and prefill shapes")
 @click.option("--threads", default=1, show_default=True, help="threads for every candidate")
 @click.option("--rounds", default=21, show_default=True, help="interleaved repeats per shape (median)")
+@click.option("--budget", default=10.0, show_default=True,
+              help="seconds per shape; fewer rounds (at least 5) when they would take longer")
 @click.option("--block-rows", type=int, default=None,
               help="openblas path: rows per LayerNorm+GELU block (default: 2 MiB of rows)")
 @click.option("--blocks", default=None, metavar="KC/MC/NC/MB",
               help="packed path: K, row, column and outer-row block sizes (default: the library's)")
 @click.option("--json", "json_path", type=click.Path(path_type=Path),
               default=Path("bench-results/kernels.json"), show_default=True)
-def bench_kernels(shapes: tuple[str, ...], threads: int, rounds: int, block_rows: int | None,
+def bench_kernels(shapes: tuple[str, ...], threads: int, rounds: int, budget: float, block_rows: int | None,
                   blocks: str | None, json_path: Path) -> None:
     """Fused LayerNorm+GELU+MatMul vs unfused numpy/scipy vs ONNX Runtime (ORT_ENABLE_ALL)."""
     from threadpoolctl import threadpool_limits
@@ -131,7 +133,7 @@ def bench_kernels(shapes: tuple[str, ...], threads: int, rounds: int, block_rows
                 "numpy": lambda: unfused_numpy(x, gamma, beta, w, b),
                 "ort": lambda: ort(x),
                 "peak": lambda: sgemm(big, big),
-            }, rounds=rounds)
+            }, rounds=rounds, budget_s=budget)
             peak = 2 * PEAK_N ** 3 / times["peak"] / 1e9
             ref = reference_fused(x, gamma, beta, w, b)
             scale = np.abs(ref).max()
