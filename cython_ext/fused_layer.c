@@ -51,7 +51,7 @@ void dspark_pack_weights(const float *w, size_t d, size_t n, size_t kc, float *p
 typedef struct {
     const dspark_simd_kernels *k;
     const float *x, *gamma, *beta, *mean, *rstd, *w_packed, *bias;
-    float *y, *work;  /* work: mb * kc packed A + mr * kc activation rows */
+    float *y, *work;  /* work: mb * d packed A + mr * kc activation rows */
     size_t rows, d, n, kc, mc, nc_panels, mb, panel_begin, panel_end;
     int gelu_kind;
 } packed_job;
@@ -81,24 +81,29 @@ static void packed_block(const packed_job *j, const float *a_block, size_t mc, s
     }
 }
 
-/* Goto/BLIS loop nest: mb rows at a time (W streams from memory once per mb rows), K blocks
- * (LayerNorm+GELU packed once per element), nc_panels panels of W at a time (kc x nc in L2,
- * reused by every mc block of rows), mc rows (in L2), then one panel at a time (in L1). */
+/* Goto/BLIS loop nest: mb rows at a time are activated and packed for every K block (W
+ * streams from memory once per mb rows; LayerNorm+GELU run once per element); then nc_panels
+ * panels of W at a time, with the K blocks inside, so the C block those panels produce stays
+ * in cache across K blocks; per K block, kc x nc of W (L2) serves every mc block of rows (L2),
+ * one kc x DSPARK_NR panel (L1) at a time. */
 static void run_packed_job(const packed_job *j) {
     const size_t panels = (j->n + DSPARK_NR - 1) / DSPARK_NR;
-    float *a_rows = j->work, *tmp = j->work + j->mb * j->kc;
+    float *a_rows = j->work, *tmp = j->work + j->mb * j->d;
     for (size_t i0 = 0; i0 < j->rows; i0 += j->mb) {
         const size_t mb = j->rows - i0 < j->mb ? j->rows - i0 : j->mb;
-        for (size_t pc = 0; pc < j->d; pc += j->kc) {
+        for (size_t pc = 0; pc < j->d; pc += j->kc) {  /* K block pc starts at a_rows + pc * mb */
             const size_t kc = j->d - pc < j->kc ? j->d - pc : j->kc;
             j->k->pack_ln_gelu(j->x + i0 * j->d + pc, j->d, mb, kc, j->mean + i0, j->rstd + i0,
-                               j->gamma + pc, j->beta + pc, j->gelu_kind, a_rows, tmp);
-            const float *w_block = j->w_packed + pc * panels * DSPARK_NR;
-            for (size_t p0 = j->panel_begin; p0 < j->panel_end; p0 += j->nc_panels) {
-                const size_t p1 = j->panel_end - p0 < j->nc_panels ? j->panel_end : p0 + j->nc_panels;
+                               j->gamma + pc, j->beta + pc, j->gelu_kind, a_rows + pc * mb, tmp);
+        }
+        for (size_t p0 = j->panel_begin; p0 < j->panel_end; p0 += j->nc_panels) {
+            const size_t p1 = j->panel_end - p0 < j->nc_panels ? j->panel_end : p0 + j->nc_panels;
+            for (size_t pc = 0; pc < j->d; pc += j->kc) {
+                const size_t kc = j->d - pc < j->kc ? j->d - pc : j->kc;
+                const float *w_block = j->w_packed + pc * panels * DSPARK_NR;
                 for (size_t ic = 0; ic < mb; ic += j->mc) {
                     const size_t mc = mb - ic < j->mc ? mb - ic : j->mc;
-                    packed_block(j, a_rows + ic * kc, mc, kc, w_block, p0, p1,
+                    packed_block(j, a_rows + pc * mb + ic * kc, mc, kc, w_block, p0, p1,
                                  j->y + (i0 + ic) * j->n, pc > 0);
                 }
             }
@@ -112,6 +117,7 @@ static void *packed_job_thread(void *arg) {
 }
 
 #define DSPARK_MAX_THREADS 64
+#define DSPARK_MAX_PACKED_A ((size_t)1 << 20) /* floats: 4 MiB of packed rows per thread */
 
 int dspark_fused_forward_packed(const dspark_simd_kernels *k, const float *x, size_t rows,
                                 size_t d, const float *gamma, const float *beta, float eps,
@@ -124,11 +130,13 @@ int dspark_fused_forward_packed(const dspark_simd_kernels *k, const float *x, si
     if (mb < mc) mb = mc;
     mb = mb / mc * mc;
     if (mb > rows) mb = (rows + k->mr - 1) / k->mr * k->mr;
+    if (mb > mc && mb * d > DSPARK_MAX_PACKED_A) /* keep the packed rows L3-sized */
+        mb = DSPARK_MAX_PACKED_A / d / mc * mc > mc ? DSPARK_MAX_PACKED_A / d / mc * mc : mc;
     size_t nc_panels = nc ? (nc + DSPARK_NR - 1) / DSPARK_NR : panels;
     size_t nt = threads < 1 ? 1 : (size_t)threads;
     if (nt > DSPARK_MAX_THREADS) nt = DSPARK_MAX_THREADS;
     if (nt > panels) nt = panels;
-    const size_t work_floats = (mb + k->mr) * kc + 16; /* + 16: keep each thread's block 64-B apart */
+    const size_t work_floats = mb * d + k->mr * kc + 16; /* + 16: keep each thread's block 64-B apart */
     float *mem = NULL;
     if (posix_memalign((void **)&mem, 64, (2 * rows + nt * work_floats) * sizeof(float)) != 0)
         return -1;
