@@ -16,7 +16,6 @@ cdef extern from "dspark_simd.h" nogil:
         void (*ln_gelu_rows)(const float *x, size_t x_stride, size_t rows, size_t d,
                              const float *gamma, const float *beta, float eps,
                              int gelu_kind, float *out, size_t out_stride) noexcept nogil
-        size_t mr
     int DSPARK_ISA_COUNT
     int DSPARK_NR
     const char *dspark_isa_name(int isa)
