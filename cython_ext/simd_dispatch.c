@@ -1,5 +1,5 @@
-/* Run-time choice of the per-ISA kernel table: CPUID (via __builtin_cpu_supports)
- * plus OS support of the register state (XGETBV), overridable by DSPARK_SIMD. */
+/* Run-time choice of the per-ISA kernel table: CPUID plus OS support of the register state
+ * (XGETBV), from cpu_features.h, overridable by DSPARK_SIMD. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,27 +17,13 @@ int dspark_isa_compiled(int isa) {
 }
 
 #if DSPARK_HAVE_X86_TUS
-#include <cpuid.h>
-
-static unsigned long long xcr0(void) {
-    unsigned int eax, ebx, ecx, edx;
-    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & bit_OSXSAVE)) return 0;
-    unsigned int lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    return ((unsigned long long)hi << 32) | lo;
-}
+#include "cpu_features.h"
 
 int dspark_isa_supported(int isa) {
-    __builtin_cpu_init();
-    const unsigned long long xcr = xcr0();
-    const int os_ymm = (xcr & 0x6) == 0x6;     /* SSE + AVX state */
-    const int os_zmm = (xcr & 0xe6) == 0xe6;   /* + opmask, ZMM_Hi256, Hi16_ZMM */
     switch (isa) {
     case DSPARK_ISA_SCALAR: return 1;
-    case DSPARK_ISA_AVX2:
-        return os_ymm && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case DSPARK_ISA_AVX512:
-        return os_zmm && __builtin_cpu_supports("avx512f");
+    case DSPARK_ISA_AVX2: return dspark_cpu_runs_avx2();
+    case DSPARK_ISA_AVX512: return dspark_cpu_runs_avx512();
     default: return 0;
     }
 }
