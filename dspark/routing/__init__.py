@@ -1,0 +1,1 @@
+"""QoS routing: tier scheduling, traffic graying and shadow traffic (no pb_utils here)."""
