@@ -48,6 +48,7 @@ class ShadowPolicy:
     atol: float = 0.0
     rtol: float = 0.0
     max_inflight: int = 2
+    ignore_outputs: tuple[str, ...] = ()  # outputs left out of the comparison (e.g. a version tag)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ class RoutingConfig:
         out = asdict(self)
         out["tiers"] = {name: asdict(t) for name, t in self.tiers.items()}
         out["shares"] = {int(v): float(s) for v, s in self.shares.items()}
+        out["shadow"]["ignore_outputs"] = list(self.shadow.ignore_outputs)
         return out
 
     @classmethod
@@ -240,7 +242,12 @@ def _build(cls: type, name: str, spec: Any) -> Any:
         if key not in fields:
             raise ConfigError(f"{name}.{key}: unknown field (known: {', '.join(fields)})")
         kind = {"int": int, "float": float, "int | None": int}.get(str(fields[key].type), float)
-        kwargs[key] = None if value is None else _typed(f"{name}.{key}", value, kind)
+        if str(fields[key].type).startswith("tuple[str"):
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"{name}.{key}: must be a list of names, got {value!r}")
+            kwargs[key] = tuple(value)
+        else:
+            kwargs[key] = None if value is None else _typed(f"{name}.{key}", value, kind)
     try:
         return cls(**kwargs)
     except TypeError as exc:

@@ -63,9 +63,12 @@ def shadow_sampled(key: str, percent: float) -> bool:
 
 
 def outputs_agree(
-    primary: Mapping[str, np.ndarray], shadow: Mapping[str, np.ndarray], atol: float = 0.0, rtol: float = 0.0
+    primary: Mapping[str, np.ndarray], shadow: Mapping[str, np.ndarray], atol: float = 0.0, rtol: float = 0.0,
+    ignore: tuple[str, ...] = (),
 ) -> tuple[bool, str]:
     """Compare two sets of output tensors; returns (agree, reason when not)."""
+    primary = {k: v for k, v in primary.items() if k not in ignore}
+    shadow = {k: v for k, v in shadow.items() if k not in ignore}
     if set(primary) != set(shadow):
         return False, f"output names differ: {sorted(primary)} vs {sorted(shadow)}"
     for name in sorted(primary):

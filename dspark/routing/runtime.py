@@ -18,7 +18,7 @@ from typing import Any, Awaitable, Callable, Mapping
 
 import numpy as np
 
-from dspark.routing.config import ConfigWatcher, RoutingConfig
+from dspark.routing.config import ConfigWatcher, RoutingConfig, ShadowPolicy
 from dspark.routing.graying import VersionSplitter, outputs_agree, routing_key, shadow_sampled
 from dspark.routing.scheduler import Pending, QueueFull, TierScheduler, UnknownTier
 
@@ -58,6 +58,31 @@ class RouterMetrics:
     def config_version(self, version: int) -> None: ...
 
 
+class _DeferredMetrics:
+    """Queues metric calls and flushes them once the loop is idle, off the request's path
+    (each pb_utils metric update is a round trip to the Triton process)."""
+
+    def __init__(self, target: RouterMetrics, loop: asyncio.AbstractEventLoop):
+        self._target = target
+        self._loop = loop
+        self._calls: list[tuple[str, tuple]] = []
+
+    def __getattr__(self, name: str):
+        def record(*args):
+            if not self._calls:
+                self._loop.call_soon(self.flush)
+            self._calls.append((name, args))
+        return record
+
+    def flush(self) -> None:
+        calls, self._calls = self._calls, []
+        for name, args in calls:
+            try:
+                getattr(self._target, name)(*args)
+            except Exception:
+                log.exception("metric update %s failed", name)
+
+
 @dataclass
 class _Routed:
     job: Job
@@ -79,14 +104,14 @@ class RouterCore:
         self.watcher = config if isinstance(config, ConfigWatcher) else None
         self.config = self.watcher.config if self.watcher else config
         self.call_target = call_target
-        self.metrics = metrics or RouterMetrics()
+        self.loop = asyncio.new_event_loop()
+        self.metrics = _DeferredMetrics(metrics or RouterMetrics(), self.loop)
         self.clock = clock
         self.poll_interval_s = poll_interval_s
         self.name = name
         self.scheduler: TierScheduler[_Routed] = TierScheduler(self.config, clock())
         self.splitter = VersionSplitter(self.config.shares)
         self.shadow_inflight = 0
-        self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -234,9 +259,10 @@ class RouterCore:
             self.metrics.shadow(shadow.version, "skipped", None)
             return
         self.shadow_inflight += 1
-        self._spawn(self._shadow(routed.job.payload, shadow.version, primary, shadow.atol, shadow.rtol))
+        self._spawn(self._shadow(routed.job.payload, primary, shadow))
 
-    async def _shadow(self, payload: Any, version: int, primary: Outputs, atol: float, rtol: float) -> None:
+    async def _shadow(self, payload: Any, primary: Outputs, policy: ShadowPolicy) -> None:
+        version = policy.version
         start = self.clock()
         try:
             outputs = await self.call_target(payload, version)
@@ -246,7 +272,7 @@ class RouterCore:
             return
         finally:
             self.shadow_inflight -= 1
-        agree, why = outputs_agree(primary, outputs, atol, rtol)
+        agree, why = outputs_agree(primary, outputs, policy.atol, policy.rtol, policy.ignore_outputs)
         self.metrics.shadow(version, "agree" if agree else "disagree", self.clock() - start)
         if not agree:
             log.info("%s: shadow version %d disagrees: %s", self.name, version, why)
@@ -265,3 +291,4 @@ class RouterCore:
                         RouteError(f"router '{self.name}' is shutting down", reason="shutdown"))
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        self.metrics.flush()

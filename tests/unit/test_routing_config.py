@@ -15,7 +15,7 @@ tiers:
   gold: {weight: 3, deadline_ms: 500, max_queue: 50}
 fluctuation: {window_s: 5, short_window_s: 0.5, min: -0.25, max: 2}
 shares: {1: 80, 2: 20}
-shadow: {version: 2, percent: 5, atol: 0.001}
+shadow: {version: 2, percent: 5, atol: 0.001, ignore_outputs: [version]}
 """
 
 
@@ -27,7 +27,7 @@ def test_load_and_round_trip(tmp_path):
     assert cfg.tiers["gold"].max_queue == 50 and cfg.tiers["diamond"].deadline_ms == 200
     assert cfg.shares == {1: 80.0, 2: 20.0}
     assert cfg.shadow.version == 2 and cfg.shadow.atol == 0.001
-    assert cfg.fluctuation.min == -0.25
+    assert cfg.fluctuation.min == -0.25 and cfg.shadow.ignore_outputs == ("version",)
     cfg.save(path)
     assert RoutingConfig.load(path) == cfg
 
