@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
@@ -59,28 +61,31 @@ class RouterMetrics:
 
 
 class _DeferredMetrics:
-    """Queues metric calls and flushes them once the loop is idle, off the request's path
-    (each pb_utils metric update is a round trip to the Triton process)."""
+    """Hands metric calls to a background thread, off the request's path and off the event
+    loop (each pb_utils metric update is a round trip to the Triton process)."""
 
-    def __init__(self, target: RouterMetrics, loop: asyncio.AbstractEventLoop):
+    def __init__(self, target: RouterMetrics):
         self._target = target
-        self._loop = loop
-        self._calls: list[tuple[str, tuple]] = []
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._drain, name="router-metrics", daemon=True)
+        self._thread.start()
 
     def __getattr__(self, name: str):
         def record(*args):
-            if not self._calls:
-                self._loop.call_soon(self.flush)
-            self._calls.append((name, args))
+            self._calls.put((name, args))
         return record
 
-    def flush(self) -> None:
-        calls, self._calls = self._calls, []
-        for name, args in calls:
+    def _drain(self) -> None:
+        while (call := self._calls.get()) is not None:
+            name, args = call
             try:
                 getattr(self._target, name)(*args)
             except Exception:
                 log.exception("metric update %s failed", name)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._calls.put(None)
+        self._thread.join(timeout_s)
 
 
 @dataclass
@@ -105,7 +110,7 @@ class RouterCore:
         self.config = self.watcher.config if self.watcher else config
         self.call_target = call_target
         self.loop = asyncio.new_event_loop()
-        self.metrics = _DeferredMetrics(metrics or RouterMetrics(), self.loop)
+        self.metrics = _DeferredMetrics(metrics or RouterMetrics())
         self.clock = clock
         self.poll_interval_s = poll_interval_s
         self.name = name
@@ -137,6 +142,7 @@ class RouterCore:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout_s)
+            self.metrics.close()
 
     def apply(self, config: RoutingConfig) -> None:
         """Apply a new config (thread-safe); queued and in-flight requests are unaffected."""
@@ -146,6 +152,9 @@ class RouterCore:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
+        # pb_utils' async_exec runs the blocking BLS call in the loop's default executor, whose
+        # default size (cores + 4) would cap the calls in flight; threads start only when needed.
+        self.loop.set_default_executor(ThreadPoolExecutor(max_workers=128, thread_name_prefix=f"{self.name}-bls"))
         self.loop.call_soon(self._apply, self.config)
         self.loop.call_soon(self._tick)
         self.loop.run_forever()
@@ -291,4 +300,3 @@ class RouterCore:
                         RouteError(f"router '{self.name}' is shutting down", reason="shutdown"))
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout_s)
-        self.metrics.flush()

@@ -55,6 +55,14 @@ class Client:
         assert self.done.wait(timeout), f"{self.expected - len(self.answers)} requests never answered"
 
 
+def eventually(condition, timeout=3.0):
+    """Metrics and shadow calls happen after the answer; wait for them."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
 def make_target(service_s=0.01, behaviour=None):
     log = []
 
@@ -132,7 +140,7 @@ def test_deadline_and_queue_full_give_explained_errors(run_core):
         assert e.code == "UNAVAILABLE"
         if e.reason == "deadline":
             assert "past the tier's queue deadline of 80 ms" in str(e) and "'standard' queue" in str(e)
-    assert metrics.count("rejection", "standard", "deadline") == reasons["deadline"]
+    assert eventually(lambda: metrics.count("rejection", "standard", "deadline") == reasons["deadline"])
 
 
 def test_unknown_tier_is_invalid_argument(run_core):
@@ -179,11 +187,8 @@ def test_shadow_that_sleeps_or_fails_never_delays_the_primary(run_core):
         assert time.monotonic() - start < 0.5
         assert all(e is None for _, e, _ in client.answers.values())
         if outcome:
-            deadline = time.monotonic() + 2
-            while metrics.count("shadow", 2, "error") < 20 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert metrics.count("shadow", 2, "error") == 20
-        assert calls.count(2) == 20
+            assert eventually(lambda: metrics.count("shadow", 2, "error") == 20)
+        assert eventually(lambda: calls.count(2) == 20)
 
 
 def test_shadow_comparison_counts_disagreements(run_core):
@@ -198,10 +203,7 @@ def test_shadow_comparison_counts_disagreements(run_core):
         for i in range(10):
             core.submit(client.job(f"r{i}"))
         client.wait()
-        deadline = time.monotonic() + 2
-        while metrics.count("shadow", 2) < 10 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert metrics.count("shadow", 2, outcome) == 10
+        assert eventually(lambda: metrics.count("shadow", 2, outcome) == 10)
 
 
 def test_live_reconfiguration_keeps_every_request(run_core):
