@@ -1,0 +1,1 @@
+"""Compiled extensions built from cython_ext/ by setup.py."""

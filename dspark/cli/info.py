@@ -1,0 +1,27 @@
+"""`dspark info`: what this machine and this build can do."""
+import platform
+
+import click
+
+
+@click.command()
+def info() -> None:
+    """CPU instruction sets (run time and build time), ONNX Runtime providers, the Triton server found."""
+    import onnxruntime
+
+    from dspark._ext import cpu_features
+    from dspark.triton.server import ServerError, find_server
+
+    features = cpu_features.runtime_features()
+    click.echo(f"machine       {platform.machine()}, Python {platform.python_version()}")
+    click.echo(f"cpu (run)     {', '.join(name for name, on in features.items() if on and not name.startswith('os_'))}")
+    click.echo(f"os saves      {', '.join(name[3:] for name, on in features.items() if on and name.startswith('os_'))}")
+    built = cpu_features.build_features()
+    click.echo(f"default build {', '.join(name for name, on in built.items() if on) or 'baseline x86-64 (no AVX)'}")
+    click.echo(f"usable ISAs   {', '.join(cpu_features.usable_isas())}")
+    click.echo(f"onnxruntime   {onnxruntime.__version__}: {', '.join(onnxruntime.get_available_providers())}")
+    try:
+        install = find_server()
+        click.echo(f"tritonserver  {install.binary}")
+    except ServerError as error:
+        click.echo(f"tritonserver  not found: {error}")

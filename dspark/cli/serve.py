@@ -1,0 +1,114 @@
+"""`dspark serve` and `dspark demo`: run Triton on a repository with dspark's backends."""
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import click
+
+from dspark.paths import demo_repositories
+from dspark.triton.server import ServerError, ServerPorts, TritonServer
+
+DEFAULT_HEADER_PATTERN = "dspark-.*"
+
+
+def server_options(function):
+    options = [
+        click.option("--repository", "-r", "repositories", multiple=True, type=click.Path(path_type=Path),
+                     help="Model repository (repeatable). Default: the demo model_repository/ and ensembles/."),
+        click.option("--http-port", default=8000, show_default=True),
+        click.option("--grpc-port", default=8001, show_default=True),
+        click.option("--metrics-port", default=8002, show_default=True),
+        click.option("--model-control", type=click.Choice(["none", "explicit", "poll"]), default="none",
+                     show_default=True, help="Triton's model control mode."),
+        click.option("--load-model", "load_models", multiple=True,
+                     help="With --model-control explicit: a model to load at start (repeatable)."),
+        click.option("--log-verbose", default=0, show_default=True, help="Triton's log verbosity."),
+        click.option("--log-file", type=click.Path(path_type=Path), default=None,
+                     help="Where the server log goes (default: a file in a temporary folder)."),
+        click.option("--server", "server_path", default=None,
+                     help="Path of a tritonserver binary (default: $TRITONSERVER, the nvidia-pytriton wheel, PATH)."),
+        click.option("--forward-headers", default=DEFAULT_HEADER_PATTERN, show_default=True,
+                     help="Regex of HTTP/gRPC headers Triton forwards to models as request parameters."),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+def start_server(repositories: Sequence[Path], http_port: int, grpc_port: int, metrics_port: int,
+                 model_control: str, load_models: Sequence[str], log_verbose: int, log_file, server_path,
+                 forward_headers: str) -> TritonServer:
+    """Start the server, or exit with one line saying why it could not."""
+    extra = []
+    if forward_headers:
+        extra = [f"--http-header-forward-pattern={forward_headers}", f"--grpc-header-forward-pattern={forward_headers}"]
+    try:
+        server = TritonServer(
+            repositories=list(repositories) or demo_repositories(),
+            ports=ServerPorts(http=http_port, grpc=grpc_port, metrics=metrics_port),
+            model_control=model_control,
+            load_models=load_models,
+            log_verbose=log_verbose,
+            log_path=log_file,
+            server_path=server_path,
+            extra_args=extra,
+        )
+        server.start()
+    except ServerError as error:
+        click.echo(f"dspark: {error}", err=True)
+        sys.exit(1)
+    click.echo(f"dspark: serving {', '.join(str(r) for r in server.repositories)}")
+    click.echo(f"  HTTP     http://{server.http_url}")
+    click.echo(f"  gRPC     {server.grpc_url}")
+    click.echo(f"  metrics  {server.metrics_url}")
+    click.echo(f"  log      {server.log_path}")
+    return server
+
+
+def serve_until_signal(server: TritonServer) -> None:
+    """Forward SIGINT/SIGTERM to the server as a clean shutdown; exit with its code."""
+
+    def shut_down(signum, _frame):
+        click.echo(f"dspark: {signal.Signals(signum).name}: stopping the server (draining requests)")
+        server.stop()
+
+    signal.signal(signal.SIGINT, shut_down)
+    signal.signal(signal.SIGTERM, shut_down)
+    code = server.wait()
+    server.stop()
+    if code not in (0, -signal.SIGTERM):
+        click.echo(f"dspark: tritonserver exited with code {code}: {server.first_error()}", err=True)
+        sys.exit(1)
+
+
+@click.command()
+@server_options
+def serve(**options) -> None:
+    """Start Triton on a model repository with dspark's backends; Ctrl-C stops it cleanly."""
+    server = start_server(**options)
+    click.echo("dspark: ready; press Ctrl-C to stop")
+    serve_until_signal(server)
+
+
+@click.command()
+@server_options
+@click.option("--exit", "exit_after", is_flag=True, help="Stop the server after the sample requests.")
+def demo(exit_after: bool, **options) -> None:
+    """Serve the demo repository, send it sample requests over HTTP and gRPC, print the answers."""
+    from dspark.cli.demo_client import run_samples
+
+    server = start_server(**options)
+    try:
+        run_samples(server.http_url, server.grpc_url, echo=click.echo)
+    except Exception as error:  # show the failure, and the server's view of it
+        click.echo(f"dspark: sample request failed: {error}; server said: {server.first_error()}", err=True)
+        server.stop()
+        sys.exit(1)
+    if exit_after:
+        server.stop()
+        return
+    click.echo("dspark: still serving the demo repository; try the curl calls in README.md; Ctrl-C stops it")
+    serve_until_signal(server)

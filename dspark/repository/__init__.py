@@ -1,0 +1,1 @@
+"""repository layer: see docs/ARCHITECTURE.md."""

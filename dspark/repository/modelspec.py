@@ -1,0 +1,337 @@
+"""ModelSpec: a model's description as YAML next to it, and its Triton `config.pbtxt`.
+
+The seed's ModelSpec (name, semantic version, framework) extended with what Triton needs. The
+config is produced and read through Triton's own protobuf schema, never by hand, and the YAML
+records which semantic version lives in which integer version folder.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal, Optional, Union
+
+import pydantic
+import yaml
+from google.protobuf import text_format
+from pydantic import ConfigDict, Field, TypeAdapter
+from tritonclient.grpc import model_config_pb2 as mc
+
+SPEC_FILENAME = "modelspec.yaml"
+CONFIG_FILENAME = "config.pbtxt"
+SEMVER_PATTERN = r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:-([0-9A-Za-z.-]+))?(?:\+[0-9A-Za-z.-]+)?$"
+DataType = Literal["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+                   "FP16", "FP32", "FP64", "BF16", "STRING"]
+SemVer = Annotated[str, Field(pattern=SEMVER_PATTERN)]
+STRICT = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class Framework:
+    backend: str  # Triton backend (or "" for a platform)
+    artifact: str  # the file name Triton looks for in a version folder
+    platform: str = ""
+
+
+# Frameworks a ModelSpec may name; `onnx` runs on dspark's ONNX Runtime backend.
+FRAMEWORKS: dict[str, Framework] = {
+    "onnx": Framework("onnx", "model.onnx"),
+    "onnxruntime": Framework("onnxruntime", "model.onnx"),
+    "pytorch": Framework("pytorch", "model.pt"),
+    "tensorflow": Framework("tensorflow", "model.savedmodel"),
+    "tensorrt": Framework("tensorrt", "model.plan"),
+    "openvino": Framework("openvino", "model.xml"),
+    "paddle": Framework("paddle", "model.pdmodel"),
+    "python": Framework("python", "model.py"),
+    "ensemble": Framework("", "", platform="ensemble"),
+}
+
+
+@dataclass
+class TensorSpec:
+    __pydantic_config__ = STRICT
+    name: str
+    dtype: DataType
+    dims: list[Annotated[int, Field(ge=-1)]]
+    optional: bool = False
+
+
+@dataclass
+class InstanceGroup:
+    __pydantic_config__ = STRICT
+    kind: Literal["CPU", "GPU", "AUTO"] = "CPU"
+    count: Annotated[int, Field(ge=1)] = 1
+    gpus: list[int] = field(default_factory=list)
+
+
+@dataclass
+class DynamicBatching:
+    __pydantic_config__ = STRICT
+    max_queue_delay_microseconds: Annotated[int, Field(ge=0)] = 0
+    preferred_batch_sizes: list[Annotated[int, Field(ge=1)]] = field(default_factory=list)
+    priority_levels: Annotated[int, Field(ge=0)] = 0
+    default_priority_level: Annotated[int, Field(ge=0)] = 0
+
+
+@dataclass
+class EnsembleStep:
+    __pydantic_config__ = STRICT
+    model: str
+    input_map: dict[str, str]  # the step model's input -> ensemble tensor
+    output_map: dict[str, str]  # the step model's output -> ensemble tensor
+    version: int = -1
+
+
+@dataclass
+class VersionRecord:
+    """One semantic version and the Triton version folder that holds it."""
+
+    __pydantic_config__ = STRICT
+    semver: SemVer
+    folder: Annotated[int, Field(ge=1)]
+    artifact: str = ""
+    source: str = ""
+    added: str = ""
+
+
+@dataclass
+class ModelSpec:
+    __pydantic_config__ = STRICT
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$")]
+    framework: str
+    versions: list[VersionRecord] = field(default_factory=list)
+    backend: str = ""
+    max_batch_size: Annotated[int, Field(ge=0)] = 0
+    inputs: list[TensorSpec] = field(default_factory=list)
+    outputs: list[TensorSpec] = field(default_factory=list)
+    instance_groups: list[InstanceGroup] = field(default_factory=list)
+    dynamic_batching: Optional[DynamicBatching] = None
+    parameters: dict[str, str] = field(default_factory=dict)
+    decoupled: bool = False
+    ensemble: list[EnsembleStep] = field(default_factory=list)
+    # "latest", "all", or the semantic versions to serve
+    serve_versions: Union[Literal["latest", "all"], list[SemVer]] = "latest"
+    default_model_filename: str = ""
+    # config.pbtxt text for Triton fields this spec does not model (optimization, sequence_batching, ...)
+    extra_config: str = ""
+
+    @property
+    def version(self) -> Optional[str]:
+        """The newest semantic version (the seed's `version` field)."""
+        return max((r.semver for r in self.versions), key=semver_key, default=None)
+
+    @property
+    def framework_info(self) -> Framework:
+        if self.framework not in FRAMEWORKS:
+            raise SpecError("framework", f"unknown framework {self.framework!r}; one of {sorted(FRAMEWORKS)}")
+        return FRAMEWORKS[self.framework]
+
+    @property
+    def triton_backend(self) -> str:
+        return self.backend or self.framework_info.backend
+
+    @property
+    def artifact_name(self) -> str:
+        return self.default_model_filename or self.framework_info.artifact
+
+    def folder_of(self, semver: str) -> int:
+        for record in self.versions:
+            if record.semver == semver:
+                return record.folder
+        raise SpecError("serve_versions", f"version {semver} is not recorded; recorded: {[r.semver for r in self.versions]}")
+
+    def next_folder(self) -> int:
+        return max((r.folder for r in self.versions), default=0) + 1
+
+    # --- YAML -------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelSpec":
+        try:
+            spec = TypeAdapter(cls).validate_python(data)
+        except pydantic.ValidationError as error:
+            first = error.errors()[0]
+            raise SpecError(_field_path(first["loc"]), first["msg"]) from None
+        spec.framework_info  # noqa: B018  (raises SpecError for an unknown framework)
+        return spec
+
+    @classmethod
+    def load(cls, path: Path) -> "ModelSpec":
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as error:
+            raise SpecError("", f"not valid YAML: {error}", path) from None
+        if not isinstance(data, dict):
+            raise SpecError("", "must be a mapping of ModelSpec fields", path)
+        try:
+            return cls.from_dict(data)
+        except SpecError as error:
+            raise SpecError(error.field, error.reason, path) from None
+
+    def to_dict(self) -> dict:
+        """The YAML form: fields left at their defaults are omitted, except name, framework, versions."""
+        data = _without_defaults(self)
+        return {"name": self.name, "framework": self.framework, "versions": data.pop("versions", []), **data}
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    # --- config.pbtxt ------------------------------------------------------------------------
+    def to_model_config(self) -> mc.ModelConfig:
+        framework = self.framework_info
+        config = mc.ModelConfig(name=self.name, max_batch_size=self.max_batch_size)
+        if framework.platform:
+            config.platform = framework.platform
+        else:
+            config.backend = self.triton_backend
+        if self.default_model_filename:
+            config.default_model_filename = self.default_model_filename
+        for tensor in self.inputs:
+            config.input.add(name=tensor.name, data_type=mc.DataType.Value(f"TYPE_{tensor.dtype}"),
+                             dims=tensor.dims, optional=tensor.optional)
+        for tensor in self.outputs:
+            config.output.add(name=tensor.name, data_type=mc.DataType.Value(f"TYPE_{tensor.dtype}"), dims=tensor.dims)
+        for group in self.instance_groups:
+            config.instance_group.add(kind=mc.ModelInstanceGroup.Kind.Value(f"KIND_{group.kind}"),
+                                      count=group.count, gpus=group.gpus)
+        if self.dynamic_batching is not None:
+            batching = self.dynamic_batching
+            config.dynamic_batching.SetInParent()
+            config.dynamic_batching.max_queue_delay_microseconds = batching.max_queue_delay_microseconds
+            config.dynamic_batching.preferred_batch_size.extend(batching.preferred_batch_sizes)
+            config.dynamic_batching.priority_levels = batching.priority_levels
+            config.dynamic_batching.default_priority_level = batching.default_priority_level
+        for key, value in self.parameters.items():
+            config.parameters[key].string_value = str(value)
+        if self.decoupled:
+            config.model_transaction_policy.decoupled = True
+        for step in self.ensemble:
+            config.ensemble_scheduling.step.add(model_name=step.model, model_version=step.version,
+                                                input_map=step.input_map, output_map=step.output_map)
+        if self.serve_versions == "all":
+            config.version_policy.all.SetInParent()
+        elif isinstance(self.serve_versions, list):
+            config.version_policy.specific.versions.extend(sorted(self.folder_of(v) for v in self.serve_versions))
+        if self.extra_config:
+            try:
+                text_format.Merge(self.extra_config, config)
+            except text_format.ParseError as error:
+                raise SpecError("extra_config", str(error)) from None
+        return config
+
+    def config_text(self) -> str:
+        header = f"# Generated from {SPEC_FILENAME} by `dspark repo sync`; edit that file, not this one.\n"
+        return header + text_format.MessageToString(self.to_model_config())
+
+    @classmethod
+    def from_model_config(cls, config: mc.ModelConfig, versions: list[VersionRecord]) -> "ModelSpec":
+        """A ModelSpec for an existing Triton model (used by `repo init` to adopt a repository)."""
+        if config.platform == "ensemble":
+            framework, backend = "ensemble", ""
+        else:
+            framework = next((name for name, info in FRAMEWORKS.items() if info.backend == config.backend), "python")
+            backend = "" if FRAMEWORKS[framework].backend == config.backend else config.backend
+        batching = None
+        if config.HasField("dynamic_batching"):
+            b = config.dynamic_batching
+            batching = DynamicBatching(b.max_queue_delay_microseconds, list(b.preferred_batch_size),
+                                       b.priority_levels, b.default_priority_level)
+
+        def tensors(entries, with_optional: bool) -> list[TensorSpec]:
+            return [TensorSpec(t.name, mc.DataType.Name(t.data_type).removeprefix("TYPE_"), list(t.dims),
+                               t.optional if with_optional else False) for t in entries]
+
+        rest = mc.ModelConfig()
+        rest.CopyFrom(config)
+        policy = config.version_policy
+        by_folder = {record.folder: record.semver for record in versions}
+        serve_versions: Union[str, list[str]] = "latest"
+        if policy.HasField("all"):
+            serve_versions = "all"
+        elif policy.HasField("specific") and all(v in by_folder for v in policy.specific.versions):
+            serve_versions = [by_folder[v] for v in policy.specific.versions]
+        elif policy.HasField("specific") or policy.latest.num_versions > 1:
+            serve_versions = ""  # not expressible here: keep the policy verbatim in extra_config
+        for modeled in MODELED_CONFIG_FIELDS:
+            if not (modeled == "version_policy" and serve_versions == ""):
+                rest.ClearField(modeled)
+        return cls(
+            name=config.name,
+            framework=framework,
+            backend=backend,
+            versions=versions,
+            max_batch_size=config.max_batch_size,
+            inputs=tensors(config.input, True),
+            outputs=tensors(config.output, False),
+            instance_groups=[InstanceGroup(mc.ModelInstanceGroup.Kind.Name(g.kind).removeprefix("KIND_"),
+                                           g.count or 1, list(g.gpus)) for g in config.instance_group],
+            dynamic_batching=batching,
+            parameters={k: v.string_value for k, v in config.parameters.items()},
+            decoupled=config.model_transaction_policy.decoupled,
+            ensemble=[EnsembleStep(s.model_name, dict(s.input_map), dict(s.output_map), s.model_version)
+                      for s in config.ensemble_scheduling.step],
+            serve_versions=serve_versions or "latest",
+            default_model_filename=config.default_model_filename,
+            extra_config=text_format.MessageToString(rest),
+        )
+
+
+# ModelConfig fields a ModelSpec carries itself; anything else travels in extra_config.
+MODELED_CONFIG_FIELDS = ("name", "platform", "backend", "max_batch_size", "input", "output", "instance_group",
+                         "dynamic_batching", "parameters", "model_transaction_policy", "ensemble_scheduling",
+                         "version_policy", "default_model_filename")
+
+
+class SpecError(ValueError):
+    """A problem in a model's files, naming the file and the field."""
+
+    def __init__(self, field_name: str, reason: str, path: Optional[Path] = None):
+        self.field, self.reason, self.path = field_name, reason, path
+        where = f"{path}: " if path else ""
+        super().__init__(f"{where}{field_name + ': ' if field_name else ''}{reason}")
+
+
+def _without_defaults(value):
+    if dataclasses.is_dataclass(value):
+        result = {}
+        for f in dataclasses.fields(value):
+            item = getattr(value, f.name)
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if default is dataclasses.MISSING or item != default:
+                result[f.name] = _without_defaults(item)
+        return result or {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, list):
+        return [_without_defaults(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _without_defaults(item) for key, item in value.items()}
+    return value
+
+
+def _field_path(loc: tuple) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def semver_key(version: str) -> tuple:
+    """Order semantic versions: numeric parts, a pre-release sorts before its release."""
+    match = re.match(SEMVER_PATTERN, version)
+    if not match:
+        raise SpecError("semver", f"{version!r} is not a semantic version like 1.2.3")
+    major, minor, patch, pre = match.groups()
+    return (int(major), int(minor), int(patch), pre is None, pre or "")
+
+
+def parse_config_text(text: str, path: Optional[Path] = None) -> mc.ModelConfig:
+    """Parse config.pbtxt with Triton's schema; errors name the file, line and field."""
+    config = mc.ModelConfig()
+    try:
+        text_format.Parse(text, config)
+    except text_format.ParseError as error:
+        raise SpecError("", str(error), path) from None
+    return config
+
+
+def load_config(path: Path) -> mc.ModelConfig:
+    return parse_config_text(Path(path).read_text(), path)

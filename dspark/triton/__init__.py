@@ -1,0 +1,1 @@
+"""triton layer: see docs/ARCHITECTURE.md."""

@@ -1,0 +1,61 @@
+"""Helpers for backends/*/model.py that need no pb_utils: model config parameters, stub facts."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Optional
+
+
+class ConfigError(ValueError):
+    """A model config parameter has a value the backend cannot use; the message names it."""
+
+
+def config_parameters(model_config: Mapping) -> dict[str, str]:
+    """`parameters { key: "k" value { string_value: "v" } }` as a plain {k: v} dict."""
+    return {key: value.get("string_value", "") for key, value in model_config.get("parameters", {}).items()}
+
+
+def parameter_int(params: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
+    raw = params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"parameter '{name}' must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ConfigError(f"parameter '{name}' must be >= {minimum}, got {value}")
+    return value
+
+
+def parameter_bool(params: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = params.get(name)
+    if raw is None or raw == "":
+        return default
+    lowered = raw.strip().lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise ConfigError(f"parameter '{name}' must be true or false, got {raw!r}")
+
+
+def parameter_list(params: Mapping[str, str], name: str, default: tuple[str, ...] = ()) -> list[str]:
+    raw = params.get(name)
+    if raw is None or raw.strip() == "":
+        return list(default)
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def stub_version_dir() -> Optional[Path]:
+    """The version folder being loaded, as the Python backend stub was told on its command line.
+
+    `auto_complete_config` gets no model path from Triton; the stub's argv[1] is
+    `<repository>/<model>/<version>/model.py`. None where /proc is not available.
+    """
+    try:
+        argv = Path("/proc/self/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    if len(argv) < 2 or not argv[1]:
+        return None
+    return Path(argv[1].decode()).parent

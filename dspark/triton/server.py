@@ -1,0 +1,313 @@
+"""Find, configure and run a real `tritonserver` with dspark's Python-based backends loaded.
+
+Used by `dspark serve` and by the test fixture, so the two start the server the same way.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from dspark.paths import backends_dir
+
+SERVER_ENV_VAR = "TRITONSERVER"
+INSTALL_HINT = (
+    "install the bundled server with `pip install nvidia-pytriton==0.7.0`, put `tritonserver` on PATH, "
+    f"set {SERVER_ENV_VAR}=/path/to/tritonserver, or pass --server /path/to/tritonserver"
+)
+PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
+STUB_NAME = "triton_python_backend_stub"
+
+
+class ServerError(RuntimeError):
+    """The server could not be found or did not start; the message says why and how to fix it."""
+
+
+@dataclass(frozen=True)
+class ServerInstall:
+    """One Triton installation: the binary, its Python backend, and what the stub needs to load."""
+
+    binary: Path
+    python_backend: Path
+    stubs_by_python: Optional[Path] = None  # folder of <major.minor>/triton_python_backend_stub
+    library_dirs: tuple[Path, ...] = ()
+
+    def stub_for_running_python(self) -> Path:
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        if self.stubs_by_python is not None:
+            stub = self.stubs_by_python / version / STUB_NAME
+            if stub.is_file():
+                return stub
+            raise ServerError(
+                f"the server at {self.binary} ships no Python backend stub for Python {version} "
+                f"(looked in {self.stubs_by_python}); run dspark with one of: "
+                + ", ".join(sorted(p.name for p in self.stubs_by_python.iterdir()))
+            )
+        stub = self.python_backend / STUB_NAME
+        if not stub.is_file():
+            raise ServerError(f"no {STUB_NAME} in {self.python_backend}; the Python backend install is incomplete")
+        return stub
+
+
+def _pytriton_install() -> Optional[ServerInstall]:
+    try:
+        import pytriton  # noqa: F401  (the nvidia-pytriton wheel)
+    except ImportError:
+        return None
+    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
+    libs = root.parent.parent / "nvidia_pytriton.libs"
+    return ServerInstall(
+        binary=root / "bin" / "tritonserver",
+        python_backend=root / "backends" / "python",
+        stubs_by_python=root / "python_backend_stubs",
+        library_dirs=(libs,) if libs.is_dir() else (),
+    )
+
+
+def _system_install(binary: Path) -> ServerInstall:
+    """A server laid out as in NVIDIA's container: <prefix>/bin/tritonserver, <prefix>/backends/python."""
+    prefix = binary.resolve().parent.parent
+    return ServerInstall(binary=binary, python_backend=prefix / "backends" / "python")
+
+
+def find_server(explicit: Optional[str] = None) -> ServerInstall:
+    """The server to run: an explicit path, then $TRITONSERVER, the nvidia-pytriton wheel, PATH."""
+    candidate = explicit or os.environ.get(SERVER_ENV_VAR)
+    if candidate:
+        binary = Path(candidate)
+        if not binary.is_file():
+            raise ServerError(f"no Triton server at {binary}: {INSTALL_HINT}")
+        bundled = _pytriton_install()
+        if bundled is not None and bundled.binary.resolve() == binary.resolve():
+            return bundled
+        install = _system_install(binary)
+    else:
+        install = _pytriton_install()
+        if install is None:
+            on_path = shutil.which("tritonserver")
+            if on_path is None:
+                raise ServerError(f"no Triton server found: {INSTALL_HINT}")
+            install = _system_install(Path(on_path))
+    if not install.binary.is_file():
+        raise ServerError(f"the Triton server binary {install.binary} is missing: {INSTALL_HINT}")
+    if not os.access(install.binary, os.X_OK):
+        raise ServerError(f"the Triton server {install.binary} is not executable: chmod +x it or reinstall")
+    missing = [name for name in PYTHON_BACKEND_FILES if not (install.python_backend / name).is_file()]
+    if missing:
+        raise ServerError(
+            f"Triton's Python backend is incomplete in {install.python_backend} (missing {', '.join(missing)}): "
+            "reinstall the server with its Python backend"
+        )
+    return install
+
+
+def build_backend_directory(install: ServerInstall, destination: Path, sources: Path) -> list[str]:
+    """Lay out a --backend-directory: Triton's Python backend plus each backends/<name> of ours.
+
+    Returns the names of our Python-based backends.
+    """
+    python_dir = destination / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for name in PYTHON_BACKEND_FILES:
+        shutil.copy2(install.python_backend / name, python_dir / name)
+    shutil.copy2(install.stub_for_running_python(), python_dir / STUB_NAME)
+    names = []
+    for backend in sorted(sources.iterdir()):
+        if (backend / "model.py").is_file() and backend.name != "python":
+            shutil.copytree(backend, destination / backend.name, ignore=shutil.ignore_patterns("__pycache__"))
+            names.append(backend.name)
+    return names
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ServerPorts:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+
+    @classmethod
+    def free(cls) -> "ServerPorts":
+        ports: set[int] = set()
+        while len(ports) < 3:
+            ports.add(_free_port())
+        http, grpc, metrics = sorted(ports)
+        return cls(http=http, grpc=grpc, metrics=metrics)
+
+
+@dataclass
+class TritonServer:
+    """A tritonserver process serving `repositories` with dspark's backends."""
+
+    repositories: Sequence[Path]
+    ports: ServerPorts = field(default_factory=ServerPorts.free)
+    model_control: str = "none"
+    load_models: Sequence[str] = ()
+    log_verbose: int = 0
+    extra_args: Sequence[str] = ()
+    log_path: Optional[Path] = None
+    server_path: Optional[str] = None
+    host: str = "127.0.0.1"
+    # How long Triton waits on SIGTERM for in-flight requests and open client connections.
+    exit_timeout_s: int = 30
+
+    def __post_init__(self) -> None:
+        if self.model_control not in ("none", "explicit", "poll"):
+            raise ValueError(f"model_control must be none, explicit or poll, not {self.model_control!r}")
+        for repository in self.repositories:
+            if not Path(repository).is_dir():
+                raise ServerError(f"model repository {repository} does not exist")
+        self._process: Optional[subprocess.Popen] = None
+        self._workdir: Optional[Path] = None
+        self._log_file = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.ports.grpc}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.ports.metrics}/metrics"
+
+    def command(self, install: ServerInstall, backend_directory: Path) -> list[str]:
+        args = [str(install.binary)]
+        for repository in self.repositories:
+            args.append(f"--model-repository={Path(repository).resolve()}")
+        args += [
+            f"--backend-directory={backend_directory}",
+            f"--http-port={self.ports.http}",
+            f"--grpc-port={self.ports.grpc}",
+            f"--metrics-port={self.ports.metrics}",
+            f"--model-control-mode={self.model_control}",
+            f"--log-verbose={self.log_verbose}",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
+        ]
+        if self.model_control == "poll":
+            args.append("--repository-poll-secs=2")
+        args += [f"--load-model={name}" for name in self.load_models]
+        args += list(self.extra_args)
+        return args
+
+    def environment(self, install: ServerInstall) -> dict[str, str]:
+        """The stub runs the first python3 on PATH: make it this interpreter, so it sees our packages."""
+        env = dict(os.environ)
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        library_path = [str(d) for d in install.library_dirs]
+        if env.get("LD_LIBRARY_PATH"):
+            library_path.append(env["LD_LIBRARY_PATH"])
+        if library_path:
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(library_path)
+        return env
+
+    def start(self, timeout_s: float = 120) -> None:
+        install = find_server(self.server_path)
+        self._workdir = Path(tempfile.mkdtemp(prefix="dspark-server-"))
+        backend_directory = self._workdir / "backends"
+        build_backend_directory(install, backend_directory, backends_dir())
+        if self.log_path is None:
+            self.log_path = self._workdir / "tritonserver.log"
+        self._log_file = open(self.log_path, "wb")
+        self._process = subprocess.Popen(
+            self.command(install, backend_directory),
+            env=self.environment(install),
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # our signal handler decides when the server stops
+        )
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            code = self._process.poll()
+            if code is not None:
+                raise ServerError(
+                    f"tritonserver exited with code {code} before it was ready: {self.first_error()} "
+                    f"(full log: {self.log_path})"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=1) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        raise ServerError(f"tritonserver was not ready after {timeout_s:.0f} s: {self.first_error()} (log: {self.log_path})")
+
+    def first_error(self) -> str:
+        """The most telling line of the log: the first model or server error, not the CUDA noise."""
+        noise = ("CUDA", "NVML", "DCGM", "CudaDriverHelper", "pinned memory", "GPU")
+        lines = self.log_text().splitlines()
+        for marker in ("failed to load", "error:", "Error", "E1", "E0"):
+            for line in lines:
+                if marker in line and not any(word in line for word in noise):
+                    return line.strip()
+        return lines[-1].strip() if lines else "no output"
+
+    def log_text(self) -> str:
+        if self.log_path is None or not Path(self.log_path).exists():
+            return ""
+        return Path(self.log_path).read_text(errors="replace")
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def wait(self) -> int:
+        return self._process.wait()
+
+    def stop(self) -> Optional[int]:
+        """SIGTERM (Triton drains in-flight requests), then SIGKILL the whole group if it hangs."""
+        timeout_s = self.exit_timeout_s + 10
+        code = None
+        if self._process is not None:
+            if self._process.poll() is None:
+                self._process.send_signal(signal.SIGTERM)
+                try:
+                    self._process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self._process.pid, signal.SIGKILL)
+                    self._process.wait()
+            code = self._process.returncode
+            try:  # stubs left behind by a killed server
+                os.killpg(self._process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir / "backends", ignore_errors=True)
+        return code
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,35 @@
+"""Shared fixtures: one real tritonserver for the session, serving the demo repositories."""
+from __future__ import annotations
+
+import pytest
+
+from dspark.paths import demo_repositories
+from dspark.triton.server import TritonServer
+
+LOG_TAIL_LINES = 200
+# Triton waits this long at shutdown for clients' idle keep-alive connections; tests need no drain.
+TEST_EXIT_TIMEOUT_S = 2
+
+
+def dump_log_on_failure(request: pytest.FixtureRequest, server: TritonServer, failed_before: int) -> None:
+    """Print the end of the server log when a test that used it failed."""
+    if request.session.testsfailed > failed_before:
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        lines = server.log_text().splitlines()[-LOG_TAIL_LINES:]
+        reporter.write_line(f"\n----- tritonserver log ({server.log_path}), last {len(lines)} lines -----")
+        for line in lines:
+            reporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def triton_server(request: pytest.FixtureRequest):
+    """The demo repositories (model_repository/ + ensembles/) on a real server, free ports."""
+    server = TritonServer(repositories=demo_repositories(),
+                          extra_args=["--http-header-forward-pattern=dspark-.*",
+                                      "--grpc-header-forward-pattern=dspark-.*"],
+                          exit_timeout_s=TEST_EXIT_TIMEOUT_S)
+    failed_before = request.session.testsfailed
+    server.start()
+    yield server
+    dump_log_on_failure(request, server, failed_before)
+    server.stop()

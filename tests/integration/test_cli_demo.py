@@ -1,0 +1,29 @@
+"""The README's main job: `dspark demo` serves the demo repository and prints real answers."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspark.triton.server import ServerPorts
+
+pytestmark = pytest.mark.integration
+
+
+def test_demo_serves_and_prints_inference_results():
+    ports = ServerPorts.free()
+    dspark = Path(sys.executable).parent / "dspark"
+    result = subprocess.run(
+        [str(dspark), "demo", "--exit", f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
+         f"--metrics-port={ports.metrics}"],
+        capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"http://127.0.0.1:{ports.http}" in result.stdout
+    rows = re.findall(r"probabilities=\[([^\]]+)\]", result.stdout)
+    assert len(rows) == 4  # two rows over HTTP, the same two through the ensemble over gRPC
+    values = [[float(v) for v in row.split(",")] for row in rows]
+    assert all(abs(sum(row) - 1) < 1e-3 for row in values)
+    assert values[:2] == values[2:]  # the ensemble standardizes raw input into the same features

@@ -1,0 +1,92 @@
+"""Repository operations and `dspark repo` as a user runs them."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from dspark.cli.main import cli
+from dspark.paths import project_root
+from dspark.repository import repo
+from dspark.repository.modelspec import ModelSpec, SpecError
+
+DEMO_ONNX = project_root() / "model_repository/mlp_classifier/1/model.onnx"
+
+
+@pytest.fixture
+def repository(tmp_path):
+    path = tmp_path / "models"
+    path.mkdir()
+    return path
+
+
+def test_add_creates_a_model_from_an_onnx_file_and_maps_versions_to_folders(repository):
+    first = repo.add_version(repository, "clf", DEMO_ONNX, "1.0.0")
+    second = repo.add_version(repository, "clf", DEMO_ONNX, "1.1.0")
+    assert (first.folder, second.folder) == (1, 2)
+    assert (repository / "clf/2/model.onnx").is_file()
+    spec = ModelSpec.load(repository / "clf/modelspec.yaml")
+    assert [(r.semver, r.folder) for r in spec.versions] == [("1.0.0", 1), ("1.1.0", 2)]
+    assert spec.inputs[0].name == "features" and spec.max_batch_size == 8
+    assert repo.validate([repository]) == []
+
+
+def test_add_refuses_a_version_that_is_not_newer(repository):
+    repo.add_version(repository, "clf", DEMO_ONNX, "2.0.0")
+    with pytest.raises(SpecError, match="not newer"):
+        repo.add_version(repository, "clf", DEMO_ONNX, "1.9.9")
+    assert not (repository / "clf/2").exists()
+
+
+def test_validate_names_file_and_field_of_a_broken_config(repository):
+    repo.add_version(repository, "clf", DEMO_ONNX, "1.0.0")
+    config = repository / "clf/config.pbtxt"
+    config.write_text(config.read_text().replace("max_batch_size: 8", "max_batch_size: 0"))
+    problems = repo.validate([repository])
+    fields = {(p.path.name, p.field) for p in problems}
+    assert ("config.pbtxt", "dynamic_batching") in fields  # batching without a batch size
+    assert ("config.pbtxt", "max_batch_size") in fields  # drifted from modelspec.yaml
+
+
+def test_validate_reports_a_missing_artifact_and_a_bad_ensemble(repository):
+    repo.add_version(repository, "clf", DEMO_ONNX, "1.0.0")
+    (repository / "clf/1/model.onnx").unlink()
+    ensemble = repository / "pipeline"
+    (ensemble / "1").mkdir(parents=True)
+    (ensemble / "config.pbtxt").write_text(
+        'name: "pipeline" platform: "ensemble" max_batch_size: 8 '
+        'input [{name: "x" data_type: TYPE_FP32 dims: [16]}] output [{name: "y" data_type: TYPE_FP32 dims: [4]}] '
+        'ensemble_scheduling { step [{ model_name: "clf" model_version: -1 input_map { key: "features" value: "x" } '
+        'output_map { key: "logits" value: "y" } }] }')
+    messages = [str(p) for p in repo.validate([repository])]
+    assert any("clf/1" in m and "missing model.onnx" in m for m in messages), messages
+    assert any("ensemble_scheduling.step[0].output_map" in m and "logits" in m for m in messages), messages
+
+
+def test_init_adopts_plain_triton_models(repository):
+    shutil.copytree(project_root() / "model_repository/mlp_classifier", repository / "plain",
+                    ignore=shutil.ignore_patterns("modelspec.yaml"))
+    config = repository / "plain/config.pbtxt"
+    config.write_text(config.read_text().replace('"mlp_classifier"', '"plain"'))
+    written = repo.init_repository(repository)
+    assert [p.parent.name for p in written] == ["plain"]
+    spec = ModelSpec.load(repository / "plain/modelspec.yaml")
+    assert [(r.semver, r.folder) for r in spec.versions] == [("1.0.0", 1)]
+    assert repo.validate([repository]) == []
+
+
+def test_cli_validate_exits_1_and_names_file_and_field(repository):
+    repo.add_version(repository, "clf", DEMO_ONNX, "1.0.0")
+    (repository / "clf/config.pbtxt").write_text('name: "clf"\nbackend: "onnx"\nmax_batch: 8\n')
+    result = CliRunner().invoke(cli, ["repo", "validate", str(repository)])
+    assert result.exit_code == 1
+    assert "clf/config.pbtxt" in result.output and "max_batch" in result.output
+
+
+def test_cli_demo_repositories_are_valid_and_listed():
+    runner = CliRunner()
+    result = runner.invoke(cli, ["repo", "validate"])
+    assert result.exit_code == 0, result.output
+    listing = runner.invoke(cli, ["repo", "list"]).output
+    assert "mlp_classifier" in listing and "1.0.0->1" in listing and "scaled_classifier" in listing
