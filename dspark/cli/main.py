@@ -2,7 +2,7 @@
 import click
 
 from dspark import __version__
-from dspark.cli import bench, info, repo, serve
+from dspark.cli import bench, bench_router, info, repo, route, serve
 
 COMMANDS = [
     serve.serve,
@@ -10,7 +10,9 @@ COMMANDS = [
     repo.repo,
     info.info,
     bench.bench,
+    route.route,
 ]
+bench.bench.add_command(bench_router.router)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
