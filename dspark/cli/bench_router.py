@@ -15,7 +15,6 @@ import random
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -169,29 +168,28 @@ async def drive(url: str, model: str, arrivals: list[tuple[float, str]], with_ti
     return outcomes
 
 
-def measure_capacity(url: str, model: str, concurrency: int, seconds: float) -> float:
-    import tritonclient.http as httpclient
+async def measure_capacity(url: str, model: str, concurrency: int, seconds: float) -> float:
+    """Completions per second with `concurrency` requests always outstanding (closed loop)."""
+    import tritonclient.http.aio as httpclient
 
-    done = []
+    client = httpclient.InferenceServerClient(url, conn_limit=concurrency)
+    inp = httpclient.InferInput("x", [4], "FP32")
+    inp.set_data_from_numpy(np.ones(4, dtype=np.float32))
+    await asyncio.gather(*(client.infer(model, [inp]) for _ in range(concurrency)))  # warm up
     stop = time.perf_counter() + seconds
+    done = 0
 
-    def worker():
-        client = httpclient.InferenceServerClient(url)
-        inp = httpclient.InferInput("x", [4], "FP32")
-        inp.set_data_from_numpy(np.ones(4, dtype=np.float32))
-        n = 0
+    async def worker():
+        nonlocal done
         while time.perf_counter() < stop:
-            client.infer(model, [inp])
-            n += 1
-        done.append(n)
+            await client.infer(model, [inp])
+            done += 1
 
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(done) / (time.perf_counter() - t0)
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    await client.close()
+    return done / elapsed
 
 
 def measure_overhead(url: str, rounds: int, calls: int) -> dict[str, float]:
@@ -252,8 +250,8 @@ def report(results: list[Result], capacity: float, echo) -> None:
 
 
 @click.command(name="router")
-@click.option("--service-ms", default=50.0, show_default=True, help="Target's service time per request.")
-@click.option("--instances", default=4, show_default=True, help="Target instances (capacity = instances/service time).")
+@click.option("--service-ms", default=100.0, show_default=True, help="Target's service time per request.")
+@click.option("--instances", default=8, show_default=True, help="Target instances (capacity = instances/service time).")
 @click.option("--max-inflight", default=None, type=int, help="Router's concurrency to the target (default instances+1).")
 @click.option("--bursty-s", default=30.0, show_default=True, help="Length of the bursty scenario per mode.")
 @click.option("--overload-s", default=12.0, show_default=True, help="Length of each overload scenario per mode.")
@@ -279,8 +277,8 @@ def router(service_ms, instances, max_inflight, bursty_s, overload_s, overloads,
         click.echo(f"overhead at low load (zero-time target, sequential HTTP, median of 5 rounds of p50): "
                    f"direct {direct:.2f} ms, minimal sync BLS forwarder {passthrough:.2f} ms "
                    f"(+{passthrough - direct:.2f}), router {routed:.2f} ms (+{added:.2f})")
-        capacity = measure_capacity(url, "bench_target", concurrency=2 * instances, seconds=5)
-        click.echo(f"capacity (closed loop, {2 * instances} clients, target direct): {capacity:.1f} req/s "
+        capacity = asyncio.run(measure_capacity(url, "bench_target", concurrency=2 * instances, seconds=5))
+        click.echo(f"capacity (closed loop, {2 * instances} outstanding, target direct): {capacity:.1f} req/s "
                    f"(ideal {1000 * instances / service_ms:.1f})")
         base_p99 = unloaded_p99(url, calls=200)
         click.echo(f"diamond p99 through the router, unloaded: {base_p99:.1f} ms")
