@@ -97,6 +97,13 @@ class _Routed:
 
 
 class RouterCore:
+    """One router: its queues, version split and shadow, driven by an event loop thread.
+
+    ``call_target(payload, version)`` is awaited for each dispatched request (and for shadow
+    copies) and returns the output tensors by name; with a ``ConfigWatcher`` the routing file is
+    re-read every ``poll_interval_s``.
+    """
+
     def __init__(
         self,
         config: RoutingConfig | ConfigWatcher,
@@ -191,7 +198,7 @@ class RouterCore:
         try:
             tier = self.scheduler.resolve_tier(job.tier)
         except UnknownTier as exc:
-            self.metrics.rejection(str(job.tier), "unknown_tier")
+            self.metrics.rejection("unknown", "unknown_tier")  # not the client's string: bounded labels
             self._reply(job, None, RouteError(f"parameter 'tier': {exc}", "INVALID_ARG", "unknown_tier"))
             return
         key = routing_key(job.user_id, job.request_id)
