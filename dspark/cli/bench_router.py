@@ -22,29 +22,25 @@ from pathlib import Path
 
 import click
 import numpy as np
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
 
 from dspark.routing.config import FluctuationPolicy, RoutingConfig, TierPolicy
 
 TIERS = ("diamond", "gold", "standard")
-TARGET_CONFIG = """
-name: "{name}"
-backend: "router_demo_target"
-max_batch_size: 0
-input [ {{ name: "x" data_type: TYPE_FP32 dims: [ -1 ] }} ]
-output [ {{ name: "y" data_type: TYPE_FP32 dims: [ -1 ] }}, {{ name: "version" data_type: TYPE_INT32 dims: [ 1 ] }} ]
-instance_group [ {{ count: {instances} kind: KIND_CPU }} ]
-parameters {{ key: "service_time_ms" value {{ string_value: "{service_ms}" }} }}
-"""
-ROUTER_CONFIG = """
-name: "{name}"
-backend: "qos_router"
-max_batch_size: 0
-input [ {{ name: "x" data_type: TYPE_FP32 dims: [ -1 ] }} ]
-output [ {{ name: "y" data_type: TYPE_FP32 dims: [ -1 ] }}, {{ name: "version" data_type: TYPE_INT32 dims: [ 1 ] }} ]
-instance_group [ {{ count: 1 kind: KIND_CPU }} ]
-parameters {{ key: "target_model" value {{ string_value: "{target}" }} }}
-parameters {{ key: "target_versions" value {{ string_value: "1" }} }}
-"""
+
+
+def model_config(name: str, backend: str, instances: int, parameters: dict[str, str]) -> str:
+    """config.pbtxt of a bench model (x -> y, version), through Triton's own schema."""
+    config = model_config_pb2.ModelConfig(name=name, backend=backend, max_batch_size=0)
+    config.input.add(name="x", data_type=model_config_pb2.TYPE_FP32, dims=[-1])
+    config.output.add(name="y", data_type=model_config_pb2.TYPE_FP32, dims=[-1])
+    config.output.add(name="version", data_type=model_config_pb2.TYPE_INT32, dims=[1])
+    config.instance_group.add(count=instances, kind=model_config_pb2.ModelInstanceGroup.KIND_CPU)
+    for key, value in parameters.items():
+        config.parameters[key].string_value = value
+    return text_format.MessageToString(config)
+
 
 PASSTHROUGH_MODEL = """
 import triton_python_backend_utils as pb_utils
@@ -102,10 +98,11 @@ def build_repository(root: Path, service_ms: float, instances: int, max_inflight
     for name, service in (("bench_target", service_ms), ("bench_fast_target", 0)):
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(
-            TARGET_CONFIG.format(name=name, instances=instances, service_ms=service))
+            model_config(name, "router_demo_target", instances, {"service_time_ms": str(service)}))
     for name, target in (("bench_router", "bench_target"), ("bench_fast_router", "bench_fast_target")):
         (root / name / "1").mkdir(parents=True)
-        (root / name / "config.pbtxt").write_text(ROUTER_CONFIG.format(name=name, target=target))
+        (root / name / "config.pbtxt").write_text(
+            model_config(name, "qos_router", 1, {"target_model": target, "target_versions": "1"}))
         RoutingConfig(
             tiers={t: TierPolicy(weight=w, deadline_ms=deadlines_ms[t], max_queue=10_000)
                    for t, w in zip(TIERS, (8, 3, 1))},
@@ -115,8 +112,7 @@ def build_repository(root: Path, service_ms: float, instances: int, max_inflight
         ).validate().save(root / name / "routing.yaml")
     (root / "bench_passthrough" / "1").mkdir(parents=True)
     (root / "bench_passthrough" / "1" / "model.py").write_text(PASSTHROUGH_MODEL)
-    (root / "bench_passthrough" / "config.pbtxt").write_text(
-        ROUTER_CONFIG.format(name="bench_passthrough", target="bench_fast_target").replace("qos_router", "python"))
+    (root / "bench_passthrough" / "config.pbtxt").write_text(model_config("bench_passthrough", "python", 1, {}))
 
 
 def arrival_times(scenario: Scenario, seed: int) -> list[tuple[float, str]]:
@@ -238,28 +234,58 @@ def overload(capacity: float, factor: float, duration_s: float) -> Scenario:
     return Scenario(f"overload {factor:g}x", duration_s, lambda t: capacity * factor)
 
 
-def report(results: list[Result], capacity: float, echo) -> None:
-    echo(f"{'scenario':<48} {'mode':<6} {'tier':<9} {'sent':>5} {'ok':>5} {'p50 ms':>8} {'p99 ms':>8}  rejected")
+def aggregate(results: list[Result]) -> dict[tuple[str, str], dict]:
+    """Per (scenario, mode) over the repeats: counts summed, p50/p99/goodput as medians of the runs."""
+    groups: dict[tuple[str, str], list[Result]] = defaultdict(list)
     for r in results:
+        groups[(r.scenario, r.mode)].append(r)
+    out = {}
+    for key, runs in groups.items():
+        tiers = {}
         for tier in TIERS:
-            s = r.tier_stats(tier)
-            rej = ", ".join(f"{k} {v}" for k, v in sorted(s["rejected"].items())) or "-"
-            echo(f"{r.scenario:<48} {r.mode:<6} {tier:<9} {s['sent']:>5} {s['ok']:>5} "
-                 f"{s['p50_ms']:>8.1f} {s['p99_ms']:>8.1f}  {rej}")
-        echo(f"{r.scenario:<48} {r.mode:<6} goodput {r.goodput():.1f}/s = {r.goodput() / capacity:.2f}x capacity")
+            per_run = [r.tier_stats(tier) for r in runs]
+            rejected = Counter()
+            for st in per_run:
+                rejected.update(st["rejected"])
+            tiers[tier] = {
+                "sent": sum(st["sent"] for st in per_run),
+                "ok": sum(st["ok"] for st in per_run),
+                "p50_ms": statistics.median(st["p50_ms"] for st in per_run),
+                "p99_ms": statistics.median(st["p99_ms"] for st in per_run),
+                "p99_ms_runs": [round(st["p99_ms"], 1) for st in per_run],
+                "rejected": dict(rejected),
+            }
+        out[key] = {"tiers": tiers, "goodput": statistics.median(r.goodput() for r in runs),
+                    "unexplained": sum(o.reason in ("hung", "error") for r in runs for o in r.outcomes)}
+    return out
+
+
+def report(stats: dict[tuple[str, str], dict], capacity: float, echo) -> None:
+    echo(f"{'scenario':<44} {'mode':<6} {'tier':<9} {'sent':>5} {'ok':>5} {'p50 ms':>8} {'p99 ms':>8}  "
+         f"{'p99 of each run':<22} rejected")
+    for (scenario, mode), agg in stats.items():
+        for tier in TIERS:
+            st = agg["tiers"][tier]
+            rej = ", ".join(f"{k} {v}" for k, v in sorted(st["rejected"].items())) or "-"
+            runs = "/".join(f"{v:.0f}" for v in st["p99_ms_runs"])
+            echo(f"{scenario:<44} {mode:<6} {tier:<9} {st['sent']:>5} {st['ok']:>5} "
+                 f"{st['p50_ms']:>8.1f} {st['p99_ms']:>8.1f}  {runs:<22} {rej}")
+        echo(f"{scenario:<44} {mode:<6} goodput {agg['goodput']:.1f}/s = {agg['goodput'] / capacity:.2f}x capacity")
 
 
 @click.command(name="router")
 @click.option("--service-ms", default=100.0, show_default=True, help="Target's service time per request.")
 @click.option("--instances", default=8, show_default=True, help="Target instances (capacity = instances/service time).")
 @click.option("--max-inflight", default=None, type=int, help="Router's concurrency to the target (default instances+1).")
-@click.option("--bursty-s", default=30.0, show_default=True, help="Length of the bursty scenario per mode.")
-@click.option("--overload-s", default=12.0, show_default=True, help="Length of each overload scenario per mode.")
+@click.option("--bursty-s", default=20.0, show_default=True, help="Length of the bursty scenario per mode.")
+@click.option("--overload-s", default=10.0, show_default=True, help="Length of each overload scenario per mode.")
+@click.option("--repeat", default=3, show_default=True,
+              help="Runs of every scenario; the table shows medians of the runs' percentiles.")
 @click.option("--overload", "overloads", multiple=True, type=float, default=(1.5, 2.0), show_default=True,
               help="Overload factors (repeatable).")
 @click.option("--seed", default=7, show_default=True)
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help="Also write the results as JSON.")
-def router(service_ms, instances, max_inflight, bursty_s, overload_s, overloads, seed, json_out) -> None:
+def router(service_ms, instances, max_inflight, bursty_s, overload_s, overloads, repeat, seed, json_out) -> None:
     """QoS router vs plain FIFO: bursty below capacity and sustained overload, plus router overhead."""
     from dspark.triton.server import TritonServer
 
@@ -280,56 +306,58 @@ def router(service_ms, instances, max_inflight, bursty_s, overload_s, overloads,
         capacity = asyncio.run(measure_capacity(url, "bench_target", concurrency=2 * instances, seconds=5))
         click.echo(f"capacity (closed loop, {2 * instances} outstanding, target direct): {capacity:.1f} req/s "
                    f"(ideal {1000 * instances / service_ms:.1f})")
-        base_p99 = unloaded_p99(url, calls=200)
-        click.echo(f"diamond p99 through the router, unloaded: {base_p99:.1f} ms")
         scenarios = [bursty(capacity, bursty_s)] + [overload(capacity, f, overload_s) for f in overloads]
-        results = []
-        for k, scenario in enumerate(scenarios):
-            arrivals = arrival_times(scenario, seed + k)
-            for mode, model, tiers in (("fifo", "bench_target", False), ("router", "bench_router", True)):
-                outcomes = asyncio.run(drive(url, model, arrivals, tiers, hang_s=120))
-                result = Result(scenario.name, mode, outcomes, scenario.duration_s)
-                results.append(result)
-                click.echo(f"  ran {scenario.name} / {mode}: {len(arrivals)} requests", err=True)
-                time.sleep(1)
+        results, unloaded = [], []
+        for rep in range(repeat):
+            unloaded.append(unloaded_p99(url, calls=200))
+            for k, scenario in enumerate(scenarios):
+                arrivals = arrival_times(scenario, seed + 100 * rep + k)
+                for mode, model, tiers in (("fifo", "bench_target", False), ("router", "bench_router", True)):
+                    outcomes = asyncio.run(drive(url, model, arrivals, tiers, hang_s=120))
+                    results.append(Result(scenario.name, mode, outcomes, scenario.duration_s))
+                    click.echo(f"  run {rep + 1}/{repeat}: {scenario.name} / {mode}: {len(arrivals)} requests", err=True)
+                    time.sleep(1)
+        base_p99 = statistics.median(unloaded)
+        click.echo(f"diamond p99 through the router, unloaded (200 sequential calls before each run): "
+                   f"{base_p99:.1f} ms (runs: {', '.join(f'{v:.1f}' for v in unloaded)})")
+        stats = aggregate(results)
         click.echo("")
-        report(results, capacity, click.echo)
+        report(stats, capacity, click.echo)
         click.echo("")
-        summarize(results, capacity, base_p99, added, click.echo)
+        summarize(stats, capacity, base_p99, added, click.echo)
         if json_out:
             json_out.write_text(json.dumps({
                 "capacity": capacity, "unloaded_diamond_p99_ms": base_p99,
                 "overhead_ms": {"direct_p50": direct, "passthrough_p50": passthrough, "router_p50": routed,
                                 "added": added},
-                "results": [{"scenario": r.scenario, "mode": r.mode, "goodput": r.goodput(),
-                             "tiers": {t: r.tier_stats(t) for t in TIERS}} for r in results],
+                "results": [{"scenario": scenario, "mode": mode, **agg} for (scenario, mode), agg in stats.items()],
             }, indent=2))
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 
-def summarize(results: list[Result], capacity: float, base_p99: float, added_ms: float, echo) -> None:
-    by = {(r.scenario, r.mode): r for r in results}
-    scenarios = list(dict.fromkeys(r.scenario for r in results))
+def summarize(stats: dict[tuple[str, str], dict], capacity: float, base_p99: float, added_ms: float,
+              echo) -> None:
+    scenarios = list(dict.fromkeys(scenario for scenario, _ in stats))
     checks = []
     b = scenarios[0]
-    fifo_d, rtr_d = by[(b, "fifo")].tier_stats("diamond"), by[(b, "router")].tier_stats("diamond")
+    fifo_d, rtr_d = stats[(b, "fifo")]["tiers"]["diamond"], stats[(b, "router")]["tiers"]["diamond"]
     lower = 1 - rtr_d["p99_ms"] / fifo_d["p99_ms"]
     checks.append((f"bursty: diamond p99 {rtr_d['p99_ms']:.1f} ms vs FIFO {fifo_d['p99_ms']:.1f} ms "
                    f"({100 * lower:.0f}% lower; target >= 42%)", lower >= 0.42))
-    std = by[(b, "router")].tier_stats("standard")
+    std = stats[(b, "router")]["tiers"]["standard"]
     share = std["ok"] / max(1, std["sent"])
     checks.append((f"bursty: standard completed {100 * share:.2f}% (target >= 99.5%)", share >= 0.995))
     for s in scenarios[1:]:
-        r = by[(s, "router")]
-        d = r.tier_stats("diamond")
+        agg = stats[(s, "router")]
+        d = agg["tiers"]["diamond"]
         checks.append((f"{s}: diamond p99 {d['p99_ms']:.1f} ms = {d['p99_ms'] / base_p99:.2f}x unloaded "
                        f"(target <= 2x)", d["p99_ms"] <= 2 * base_p99))
-        checks.append((f"{s}: goodput {r.goodput() / capacity:.2f}x capacity (target >= 0.95)",
-                       r.goodput() >= 0.95 * capacity))
-        unexplained = sum(o.reason in ("hung", "error") for o in r.outcomes)
-        checks.append((f"{s}: {unexplained} requests hung or failed without a reason (target 0)", unexplained == 0))
+        checks.append((f"{s}: goodput {agg['goodput'] / capacity:.2f}x capacity (target >= 0.95)",
+                       agg["goodput"] >= 0.95 * capacity))
+        checks.append((f"{s}: {agg['unexplained']} requests hung or failed without a reason (target 0)",
+                       agg["unexplained"] == 0))
     checks.append((f"router overhead at low load: {added_ms:.2f} ms added p50 (target < 1 ms)", added_ms < 1.0))
     for text, ok in checks:
         echo(f"[{'PASS' if ok else 'MISS'}] {text}")

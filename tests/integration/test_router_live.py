@@ -15,6 +15,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from click.testing import CliRunner
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import TEST_EXIT_TIMEOUT_S, dump_log_on_failure
@@ -30,20 +32,23 @@ X = np.array([1.0, 2.0, 3.0], dtype=np.float32)
 BEHAVIOUR = {2: "offset=0.000001", 3: "error", 4: "sleep_ms=1000", 5: "sleep_ms=50"}
 
 
+def set_parameter(model_dir, key, value):
+    path = model_dir / "config.pbtxt"
+    config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    config.parameters[key].string_value = value
+    path.write_text(text_format.MessageToString(config))
+
+
 @pytest.fixture(scope="module")
 def live(request, tmp_path_factory):
     repo = tmp_path_factory.mktemp("router-repo")
     source = project_root() / "model_repository"
     shutil.copytree(source / "router_demo", repo / "router_demo")
     shutil.copytree(source / "router_demo_target", repo / "router_demo_target")
-    target_cfg = repo / "router_demo_target" / "config.pbtxt"
-    text = target_cfg.read_text().replace('parameters { key: "version_2" value { string_value: "offset=0.000001" } }\n', "")
     for version, behaviour in BEHAVIOUR.items():
         (repo / "router_demo_target" / str(version)).mkdir(exist_ok=True)
-        text += f'parameters {{ key: "version_{version}" value {{ string_value: "{behaviour}" }} }}\n'
-    target_cfg.write_text(text)
-    router_cfg = repo / "router_demo" / "config.pbtxt"
-    router_cfg.write_text(router_cfg.read_text().replace('string_value: "1,2"', 'string_value: "1,2,3,4,5"'))
+        set_parameter(repo / "router_demo_target", f"version_{version}", behaviour)
+    set_parameter(repo / "router_demo", "target_versions", ",".join(str(v) for v in [1, *BEHAVIOUR]))
     server = TritonServer(repositories=[repo], exit_timeout_s=TEST_EXIT_TIMEOUT_S,
                           extra_args=["--http-header-forward-pattern=dspark-.*",
                                       "--grpc-header-forward-pattern=dspark-.*"])
