@@ -129,6 +129,7 @@ class RouterCore:
         self._timer_at: float | None = None
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
+        self._shadow_logged_at = float("-inf")
 
     # --- called from other threads -----------------------------------------------------
 
@@ -284,14 +285,21 @@ class RouterCore:
             outputs = await self.call_target(payload, version)
         except Exception as exc:
             self.metrics.shadow(version, "error", self.clock() - start)
-            log.warning("%s: shadow version %d failed: %s", self.name, version, exc)
+            self._log_shadow(logging.WARNING, "%s: shadow version %d failed: %s", self.name, version, exc)
             return
         finally:
             self.shadow_inflight -= 1
         agree, why = outputs_agree(primary, outputs, policy.atol, policy.rtol, policy.ignore_outputs)
         self.metrics.shadow(version, "agree" if agree else "disagree", self.clock() - start)
         if not agree:
-            log.info("%s: shadow version %d disagrees: %s", self.name, version, why)
+            self._log_shadow(logging.INFO, "%s: shadow version %d disagrees: %s", self.name, version, why)
+
+    def _log_shadow(self, level: int, message: str, *args: Any) -> None:
+        """At most one shadow log line per second: the counts are in the metrics."""
+        now = self.clock()
+        if now - self._shadow_logged_at >= 1.0:
+            self._shadow_logged_at = now
+            log.log(level, message, *args)
 
     def _reply(self, job: Job, outputs: Outputs | None, error: RouteError | None) -> None:
         try:
