@@ -129,17 +129,12 @@ def arrival_times(scenario: Scenario, seed: int) -> list[tuple[float, str]]:
 
 
 async def drive(url: str, model: str, arrivals: list[tuple[float, str]], with_tiers: bool,
-                hang_s: float, warm_connections: int = 500) -> list[Outcome]:
+                hang_s: float) -> list[Outcome]:
     import tritonclient.http.aio as httpclient
 
     client = httpclient.InferenceServerClient(url, conn_limit=1000)
     x = np.ones(4, dtype=np.float32)
     outcomes: list[Outcome] = [None] * len(arrivals)  # type: ignore[list-item]
-    # open the connections first (concurrent calls to the zero-time target), so that neither mode
-    # pays connection set-up inside its measured latencies as its outstanding requests grow
-    warm = httpclient.InferInput("x", [4], "FP32")
-    warm.set_data_from_numpy(x)
-    await asyncio.gather(*(client.infer("bench_fast_target", [warm]) for _ in range(warm_connections)))
     start = time.perf_counter() + 0.05
 
     async def one(i: int, at: float, tier: str) -> None:
