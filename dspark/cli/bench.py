@@ -55,8 +55,6 @@ def infer(model: str, url: str, protocol: str, concurrency: int, total: int, bat
     else:
         import tritonclient.grpc as client_module
         config = client_module.InferenceServerClient(url).get_model_config(model, as_json=True)["config"]
-        for entry in config["input"]:
-            entry.setdefault("data_type", "TYPE_FP32")
     arrays = _random_inputs(config, batch, np.random.default_rng(0))
     latencies: list[float] = []
     errors: list[str] = []

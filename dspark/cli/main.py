@@ -3,6 +3,7 @@ import click
 
 from dspark import __version__
 from dspark.cli import bench, bench_router, info, repo, route, serve
+from dspark.cli import kernels  # noqa: F401  (adds `bench kernels` and `bench pool`)
 
 COMMANDS = [
     serve.serve,

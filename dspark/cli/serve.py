@@ -69,17 +69,23 @@ def start_server(repositories: Sequence[Path], http_port: int, grpc_port: int, m
 
 
 def serve_until_signal(server: TritonServer) -> None:
-    """Forward SIGINT/SIGTERM to the server as a clean shutdown; exit with its code."""
+    """Forward SIGINT/SIGTERM to the server as a clean drain (a second one kills it); exit with its code."""
+    signals_seen = []
 
     def shut_down(signum, _frame):
-        click.echo(f"dspark: {signal.Signals(signum).name}: stopping the server (draining requests)")
-        server.stop()
+        signals_seen.append(signum)
+        if len(signals_seen) == 1:
+            click.echo(f"dspark: {signal.Signals(signum).name}: stopping the server (draining requests; "
+                       "again to kill)")
+            server.terminate()
+        else:
+            server.kill()
 
     signal.signal(signal.SIGINT, shut_down)
     signal.signal(signal.SIGTERM, shut_down)
     code = server.wait()
     server.stop()
-    if code not in (0, -signal.SIGTERM):
+    if code != 0:
         click.echo(f"dspark: tritonserver exited with code {code}: {server.first_error()}", err=True)
         sys.exit(1)
 

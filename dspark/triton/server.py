@@ -281,6 +281,18 @@ class TritonServer:
     def wait(self) -> int:
         return self._process.wait()
 
+    def terminate(self) -> None:
+        """Ask the server to drain and exit, without waiting (safe inside a signal handler)."""
+        if self.running:
+            self._process.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self._process is not None:
+            try:
+                os.killpg(self._process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def stop(self) -> Optional[int]:
         """SIGTERM (Triton drains in-flight requests), then SIGKILL the whole group if it hangs."""
         timeout_s = self.exit_timeout_s + 10
@@ -291,13 +303,10 @@ class TritonServer:
                 try:
                     self._process.wait(timeout_s)
                 except subprocess.TimeoutExpired:
-                    os.killpg(self._process.pid, signal.SIGKILL)
+                    self.kill()
                     self._process.wait()
             code = self._process.returncode
-            try:  # stubs left behind by a killed server
-                os.killpg(self._process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            self.kill()  # stubs left behind by a killed server
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,3 +28,30 @@ def test_demo_serves_and_prints_inference_results():
     values = [[float(v) for v in row.split(",")] for row in rows]
     assert all(abs(sum(row) - 1) < 1e-3 for row in values)
     assert values[:2] == values[2:]  # the ensemble standardizes raw input into the same features
+
+
+def test_serve_forwards_sigterm_as_a_clean_shutdown():
+    ports = ServerPorts.free()
+    dspark = Path(sys.executable).parent / "dspark"
+    process = subprocess.Popen(
+        [str(dspark), "serve", f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
+         f"--metrics-port={ports.metrics}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if "ready" in line:
+                break
+        assert any("ready" in line for line in lines), "".join(lines)
+        import tritonclient.http as httpclient
+        assert httpclient.InferenceServerClient(f"127.0.0.1:{ports.http}").is_server_ready()
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=60)[0]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output
+    assert "SIGTERM: stopping the server" in output
+    with pytest.raises(Exception):
+        httpclient.InferenceServerClient(f"127.0.0.1:{ports.http}").is_server_ready()
