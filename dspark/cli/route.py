@@ -94,7 +94,7 @@ def show(repository: Path, model: str, metrics_url: str | None) -> None:
     click.echo(f"{path} (version {config.version}; routable target versions {sorted(versions)})")
     click.echo("shares:  " + ", ".join(f"v{v} {s:g}%" for v, s in sorted(config.shares.items())))
     sh = config.shadow
-    click.echo(f"shadow:  " + (f"v{sh.version} {sh.percent:g}% (atol {sh.atol:g}, rtol {sh.rtol:g})"
+    click.echo("shadow:  " + (f"v{sh.version} {sh.percent:g}% (atol {sh.atol:g}, rtol {sh.rtol:g})"
                                 if sh.version is not None and sh.percent > 0 else "off"))
     click.echo(f"max_inflight {config.max_inflight}, default tier {config.default_tier}")
     click.echo(f"{'tier':<10} {'base':>6} {'deadline_ms':>12} {'max_queue':>10}")

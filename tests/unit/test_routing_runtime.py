@@ -36,7 +36,6 @@ class Client:
 
     def __init__(self):
         self.answers = {}
-        self.done = threading.Event()
         self.expected = 0
         self.lock = threading.Lock()
 
@@ -45,14 +44,13 @@ class Client:
             with self.lock:
                 assert name not in self.answers, f"{name} answered twice"
                 self.answers[name] = (outputs, error, time.monotonic())
-                if len(self.answers) == self.expected:
-                    self.done.set()
         self.expected += 1
         return Job(payload={"x": np.array([x], np.float32)}, respond=respond, tier=tier,
                    user_id=user_id, request_id=name)
 
     def wait(self, timeout=10):
-        assert self.done.wait(timeout), f"{self.expected - len(self.answers)} requests never answered"
+        assert eventually(lambda: len(self.answers) == self.expected, timeout), \
+            f"{self.expected - len(self.answers)} requests never answered"
 
 
 def eventually(condition, timeout=3.0):
@@ -230,3 +228,27 @@ def test_stop_answers_queued_requests(run_core):
     client.wait(2)
     reasons = Counter(e.reason if e else "ok" for _, e, _ in client.answers.values())
     assert reasons["shutdown"] >= 8 and reasons["ok"] >= 1
+
+
+def test_routing_file_change_is_picked_up(run_core, tmp_path):
+    from dspark.routing.config import ConfigWatcher
+
+    path = tmp_path / "routing.yaml"
+    config(shares={1: 100}).save(path)
+    target, calls = make_target(service_s=0.001)
+    core = run_core(ConfigWatcher(path, {1, 2}), target)
+    client = Client()
+    core.submit(client.job("before"))
+    client.wait()
+    path.write_text("shares: {1: 50, 2: 70}\n")  # invalid: the old config stays
+    time.sleep(0.2)
+    core.submit(client.job("still-v1"))
+    client.wait()
+    replace_config = config(shares={2: 100}, version=7)
+    replace_config.save(path)
+    deadline = time.monotonic() + 3
+    while core.config.version != 7 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    core.submit(client.job("after"))
+    client.wait()
+    assert calls == [1, 1, 2]
