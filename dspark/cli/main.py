@@ -2,7 +2,7 @@
 import click
 
 from dspark import __version__
-from dspark.cli import bench, info, repo, serve
+from dspark.cli import bench, bench_router, info, repo, route, serve
 from dspark.cli import kernels  # noqa: F401  (adds `bench kernels` and `bench pool`)
 
 COMMANDS = [
@@ -11,7 +11,9 @@ COMMANDS = [
     repo.repo,
     info.info,
     bench.bench,
+    route.route,
 ]
+bench.bench.add_command(bench_router.router)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
