@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from dspark.triton.adapter import config_parameters
+
 from dspark.routing.config import ConfigWatcher
 from dspark.routing.runtime import Job, RouterCore, RouterMetrics
 
@@ -95,7 +97,7 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         self.name = config["name"]
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        params = config_parameters(config)
         self.target = params.get("target_model")
         if not self.target:
             raise pb_utils.TritonModelException(

@@ -13,11 +13,13 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from dspark.triton.adapter import config_parameters
+
 
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        params = config_parameters(config)
         self.version = int(args["model_version"])
         self.service_s = float(params.get("service_time_ms", "1")) / 1000.0
         behaviour = params.get(f"version_{self.version}", "")
