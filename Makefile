@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # Scripts in tools/ that build the demo repository's artifacts, run in this order by `make models`.
-MODEL_BUILDERS := build_demo_models.py build_spec_models.py
+MODEL_BUILDERS := build_demo_models.py build_fused_transformer.py build_spec_models.py
 DEMO_ARGS ?=
 
 .PHONY: setup models demo test clean

@@ -1,7 +1,9 @@
 """Build of the dspark package and its compiled kernels in cython_ext/."""
+import platform
 from pathlib import Path
 
 import numpy
+import scipy_openblas32
 from Cython.Build import cythonize
 from setuptools import Extension, find_packages, setup
 
@@ -19,8 +21,33 @@ def cython_extension(name: str, sources: list[str], **kwargs) -> Extension:
     )
 
 
+# The fused kernel's elementwise part, one translation unit per instruction set, each built as a
+# static library with its own flags (build_clib) and linked into dspark._ext.fused; the run-time
+# choice is in cython_ext/simd_dispatch.c. Non-x86 machines get the scalar one only.
+SIMD_FLAGS = {
+    "scalar": ["-O2", "-fno-tree-vectorize"],
+    "avx2": ["-O3", "-mavx2", "-mfma"],
+    "avx512": ["-O3", "-mavx512f", "-mfma"],
+}
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+SIMD_LIBRARIES = [
+    (f"dspark_simd_{isa}", {"sources": [f"cython_ext/simd_{isa}.c"], "include_dirs": ["cython_ext"],
+                            "cflags": ["-fPIC", "-fvisibility=hidden", *flags]})
+    for isa, flags in SIMD_FLAGS.items() if X86 or isa == "scalar"
+]
+# The GEMM: OpenBLAS from the scipy-openblas32 wheel (headers + .so), found at run time via rpath.
+OPENBLAS = dict(
+    include_dirs=[scipy_openblas32.get_include_dir()],
+    library_dirs=[scipy_openblas32.get_lib_dir()],
+    runtime_library_dirs=[scipy_openblas32.get_lib_dir()],
+)
+
 EXTENSIONS = [
     cython_extension("cpu_features", ["cpu_features.pyx"]),
+    cython_extension("fused", ["fused.pyx", "simd_dispatch.c", "fused_layer.c"],
+                     libraries=[name for name, _ in SIMD_LIBRARIES] + [scipy_openblas32.get_library()],
+                     extra_compile_args=["-O3"], **OPENBLAS),
+    cython_extension("pool", ["pool.pyx", "bfc_pool.c"], extra_compile_args=["-O3"]),
 ]
 
 setup(
@@ -32,6 +59,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.9",
     packages=find_packages(include=["dspark", "dspark.*"]),
+    libraries=SIMD_LIBRARIES,
     ext_modules=cythonize(
         EXTENSIONS,
         build_dir="build/cython",
@@ -46,6 +74,9 @@ setup(
         "click>=8.1",
         "PyYAML>=6.0",
         "pydantic>=2.5",
+        "scipy-openblas32>=0.3.27",
+        "scipy>=1.10",
+        "threadpoolctl>=3.1",
     ],
     extras_require={
         "server": ["nvidia-pytriton==0.7.0"],

@@ -16,7 +16,7 @@ typedef struct {
     int os_avx, os_avx512, os_amx;
 } dspark_cpu_features;
 
-static unsigned long long dspark_xgetbv(void) {
+static inline unsigned long long dspark_xgetbv(void) {
 #if DSPARK_X86
     unsigned int eax, edx;
     __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
@@ -26,7 +26,7 @@ static unsigned long long dspark_xgetbv(void) {
 #endif
 }
 
-static dspark_cpu_features dspark_detect_cpu_features(void) {
+static inline dspark_cpu_features dspark_detect_cpu_features(void) {
     dspark_cpu_features f = {0};
 #if DSPARK_X86
     unsigned int a, b, c, d;
@@ -60,15 +60,25 @@ static dspark_cpu_features dspark_detect_cpu_features(void) {
     return f;
 }
 
+/* The rules for running a kernel path, shared by dspark info and the fused kernel's dispatch. */
+static inline int dspark_cpu_runs_avx2(void) {
+    dspark_cpu_features f = dspark_detect_cpu_features();
+    return f.avx2 && f.fma && f.os_avx;
+}
+static inline int dspark_cpu_runs_avx512(void) {
+    dspark_cpu_features f = dspark_detect_cpu_features();
+    return f.avx512f && f.os_avx512;
+}
+
 /* Which ISA macros the compiler defined for this translation unit (the package's default flags). */
-static int dspark_built_with_avx2(void) {
+static inline int dspark_built_with_avx2(void) {
 #ifdef __AVX2__
     return 1;
 #else
     return 0;
 #endif
 }
-static int dspark_built_with_avx512f(void) {
+static inline int dspark_built_with_avx512f(void) {
 #ifdef __AVX512F__
     return 1;
 #else

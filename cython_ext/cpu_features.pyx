@@ -9,6 +9,8 @@ cdef extern from "cpu_features.h":
     dspark_cpu_features dspark_detect_cpu_features()
     int dspark_built_with_avx2()
     int dspark_built_with_avx512f()
+    int dspark_cpu_runs_avx2()
+    int dspark_cpu_runs_avx512()
 
 _CPU_FIELDS = ("sse42", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
                "avx512bf16", "avx512vnni", "amx_tile", "amx_bf16", "amx_int8",
@@ -31,11 +33,10 @@ def build_features() -> dict:
 
 def usable_isas() -> list:
     """Instruction sets both the CPU and the OS support, best first; 'scalar' always last."""
-    f = runtime_features()
     isas = []
-    if f["avx512f"] and f["avx512bw"] and f["avx512vl"] and f["avx512dq"] and f["os_avx512"]:
+    if dspark_cpu_runs_avx512():
         isas.append("avx512")
-    if f["avx2"] and f["fma"] and f["os_avx"]:
+    if dspark_cpu_runs_avx2():
         isas.append("avx2")
     isas.append("scalar")
     return isas

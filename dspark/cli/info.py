@@ -25,3 +25,6 @@ def info() -> None:
         click.echo(f"tritonserver  {install.binary}")
     except ServerError as error:
         click.echo(f"tritonserver  not found: {error}")
+    from dspark.cli.kernels import echo_kernel_info
+
+    echo_kernel_info()

@@ -2,7 +2,8 @@
 import click
 
 from dspark import __version__
-from dspark.cli import bench, bench_spec, info, repo, serve  # noqa: F401 (bench_spec adds `bench spec`)
+from dspark.cli import bench, bench_router, info, repo, route, serve
+from dspark.cli import bench_spec, kernels  # noqa: F401  (add `bench spec`, `bench kernels`, `bench pool`)
 
 COMMANDS = [
     serve.serve,
@@ -10,7 +11,9 @@ COMMANDS = [
     repo.repo,
     info.info,
     bench.bench,
+    route.route,
 ]
+bench.bench.add_command(bench_router.router)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,1 +1,1 @@
-"""routing layer: see docs/ARCHITECTURE.md."""
+"""QoS routing: tier scheduling, traffic graying and shadow traffic (no pb_utils here)."""

@@ -1,0 +1,79 @@
+"""Triton Python-based backend `fused_transformer`: a transformer encoder whose MLP blocks
+run through the fused LayerNorm+GELU+MatMul kernel, activations from the BFC pool.
+
+The weights file is `default_model_filename` or weights.npz in the version folder.
+Config parameters (all optional): threads (BLAS threads, 1), numa_node (pin this instance's threads and its pool's first
+touch to that node; unset = no pinning), use_pool (true), pool_bytes (67108864),
+lock_pages (false: mlock the pool), huge_pages (true: MADV_HUGEPAGE on the pool).
+"""
+import json
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+from dspark.engines.fused_transformer import OUTPUT_NAME, FusedTransformer, InputError
+from dspark.kernels.dispatch import dispatch_report
+from dspark.kernels.pool import PoolError
+from dspark.triton.adapter import config_parameters, parameter_bool, parameter_int
+from dspark.triton.tensors import RequestError, TensorSpec, check_inputs
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model_config = json.loads(args["model_config"])
+        params = config_parameters(self.model_config)
+        filename = self.model_config.get("default_model_filename") or "weights.npz"
+        path = Path(args["model_repository"]) / args["model_version"] / filename
+        if not path.is_file():
+            raise pb_utils.TritonModelException(
+                f"fused_transformer: {path} does not exist: run tools/build_fused_transformer.py "
+                "or set default_model_filename")
+        numa = params.get("numa_node")
+        try:
+            self.engine = FusedTransformer.load(
+                path,
+                threads=parameter_int(params, "threads", 1, minimum=1),
+                use_pool=parameter_bool(params, "use_pool", True),
+                numa_node=int(numa) if numa not in (None, "") else None,
+                pool_bytes=parameter_int(params, "pool_bytes", 64 << 20),
+                lock_pages=parameter_bool(params, "lock_pages", False),
+                huge_pages=parameter_bool(params, "huge_pages", True),
+            )
+        except (PoolError, ValueError) as error:
+            raise pb_utils.TritonModelException(f"fused_transformer: {args['model_name']}: {error}") from error
+        self.batched = self.model_config["max_batch_size"] > 0
+        self.inputs = [TensorSpec.from_config(entry) for entry in self.model_config["input"]]
+        report = dispatch_report()
+        pb_utils.Logger.log_info(
+            f"fused_transformer: loaded {args['model_name']} from {path}: {self.engine.config}, "
+            f"SIMD {report.chosen}, {report.blas}, pool {'on' if self.engine.pool else 'off'}, numa_node {numa or '-'}")
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        self.metric_families = [pb_utils.MetricFamily(
+            name="dspark_fused_pool_bytes_in_use", kind=pb_utils.MetricFamily.GAUGE,
+            description="Bytes handed out by the fused transformer's memory pool")]
+        self.pool_metric = self.metric_families[0].Metric(labels=labels)
+
+    def _run(self, request):
+        tensor = pb_utils.get_input_tensor_by_name(request, self.inputs[0].name)
+        ids = None if tensor is None else tensor.as_numpy()
+        check_inputs(self.inputs, {self.inputs[0].name: ids}, self.batched)
+        hidden = self.engine.forward(ids)
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(OUTPUT_NAME, hidden)])
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                responses.append(self._run(request))
+            except (RequestError, InputError) as error:
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)))
+            except Exception as error:  # report it on this request, keep serving
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(f"fused_transformer failed: {error}", pb_utils.TritonError.INTERNAL)))
+        if self.engine.pool is not None:
+            self.pool_metric.set(self.engine.pool.stats().bytes_in_use)
+        return responses
+
+    def finalize(self):
+        self.engine = None

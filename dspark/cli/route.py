@@ -1,0 +1,167 @@
+"""`dspark route`: show and change a QoS router's routing on a running server.
+
+The router re-reads ``routing.yaml`` in its model directory when the file changes, so ``set``
+edits that file atomically (validated first, version number bumped) and, given the server's
+metrics URL, waits until the router reports the new version in effect. No restart; requests in
+flight and queued keep going.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import click
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from dspark.routing.config import ConfigError, RoutingConfig
+
+_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def router_files(repository: Path, model: str) -> tuple[Path, set[int] | None]:
+    """The routing file of a router model and the target versions it may route to."""
+    config_path = repository / model / "config.pbtxt"
+    if not config_path.is_file():
+        raise click.ClickException(f"--model: no {config_path}; is '{model}' a model in {repository}?")
+    config = text_format.Parse(config_path.read_text(), model_config_pb2.ModelConfig())
+    if config.backend != "qos_router":
+        raise click.ClickException(f"--model: '{model}' uses backend '{config.backend}', not qos_router")
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    routing = Path(params.get("routing_file", "routing.yaml"))
+    versions = {int(v) for v in params.get("target_versions", "1").split(",") if v.strip()}
+    return (routing if routing.is_absolute() else repository / model / routing), versions
+
+
+def read_metrics(url: str, model: str) -> list[tuple[str, dict[str, str], float]]:
+    """The router's samples (name, labels, value) from Triton's /metrics text."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    samples = []
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if not match or not match["name"].startswith("dspark_router_"):
+            continue
+        labels = dict(_LABEL.findall(match["labels"] or ""))
+        if labels.get("model") == model:
+            samples.append((match["name"], labels, float(match["value"])))
+    return samples
+
+
+def _pairs(option: str, values: tuple[str, ...], key_type=str) -> dict:
+    out = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"expected KEY=VALUE, got '{item}'", param_hint=option)
+        try:
+            out[key_type(key)] = float(value)
+        except ValueError:
+            raise click.BadParameter(f"'{item}': not a number", param_hint=option) from None
+    return out
+
+
+def _common(function):
+    function = click.option("--metrics-url", default=None,
+                            help="Server's metrics URL (e.g. http://127.0.0.1:8002/metrics) to show live state.")(function)
+    function = click.option("--model", "-m", default="router_demo", show_default=True,
+                            help="The router model.")(function)
+    function = click.option("--repository", "-r", type=click.Path(path_type=Path), default=Path("model_repository"),
+                            show_default=True, help="Model repository holding the router.")(function)
+    return function
+
+
+@click.group()
+def route() -> None:
+    """Show or change a QoS router's shares, shadow and tier weights (live, no restart)."""
+
+
+@route.command()
+@_common
+def show(repository: Path, model: str, metrics_url: str | None) -> None:
+    """Print the routing file and, with --metrics-url, what the running router reports."""
+    path, versions = router_files(repository, model)
+    try:
+        config = RoutingConfig.load(path, versions)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{path} (version {config.version}; routable target versions {sorted(versions)})")
+    click.echo("shares:  " + ", ".join(f"v{v} {s:g}%" for v, s in sorted(config.shares.items())))
+    sh = config.shadow
+    click.echo("shadow:  " + (f"v{sh.version} {sh.percent:g}% (atol {sh.atol:g}, rtol {sh.rtol:g})"
+                                if sh.version is not None and sh.percent > 0 else "off"))
+    click.echo(f"max_inflight {config.max_inflight}, default tier {config.default_tier}")
+    click.echo(f"{'tier':<10} {'base':>6} {'deadline_ms':>12} {'max_queue':>10}")
+    for name, tier in config.tiers.items():
+        click.echo(f"{name:<10} {tier.weight:>6g} {tier.deadline_ms:>12g} {tier.max_queue:>10}")
+    if metrics_url:
+        samples = read_metrics(metrics_url, model)
+        live = [int(v) for n, _, v in samples if n == "dspark_router_config_version"]
+        click.echo(f"running router: config version {live[0] if live else 'unknown (not loaded?)'}")
+        weights = {l["tier"]: v for n, l, v in samples if n == "dspark_router_tier_weight"}
+        factors = {l["tier"]: v for n, l, v in samples if n == "dspark_router_fluctuation_factor"}
+        for tier in weights:
+            click.echo(f"  {tier:<10} weight {weights[tier]:.3g}  f {factors.get(tier, 0):+.3f}")
+        for n, l, v in samples:
+            if n == "dspark_router_rejections_total":
+                click.echo(f"  rejected {l['tier']}/{l['reason']}: {v:g}")
+
+
+@route.command(name="set")
+@_common
+@click.option("--share", "shares", multiple=True, metavar="VERSION=PERCENT",
+              help="Canary share of a target version (repeat; shares must sum to 100).")
+@click.option("--shadow-version", type=int, default=None, help="Version that receives shadow copies.")
+@click.option("--shadow-percent", type=float, default=None, help="Share of requests copied to the shadow (0 = off).")
+@click.option("--shadow-atol", type=float, default=None, help="Absolute tolerance of the shadow comparison.")
+@click.option("--shadow-rtol", type=float, default=None, help="Relative tolerance of the shadow comparison.")
+@click.option("--weight", "weights", multiple=True, metavar="TIER=WEIGHT", help="Base weight of a tier (repeat).")
+@click.option("--deadline-ms", "deadlines", multiple=True, metavar="TIER=MS", help="Queue deadline of a tier (repeat).")
+@click.option("--max-inflight", type=int, default=None, help="Concurrent calls to the target.")
+@click.option("--wait-s", type=float, default=10.0, show_default=True,
+              help="With --metrics-url: how long to wait for the router to report the new version.")
+def set_(repository: Path, model: str, metrics_url: str | None, shares, shadow_version, shadow_percent,
+         shadow_atol, shadow_rtol, weights, deadlines, max_inflight, wait_s) -> None:
+    """Change routing; the running router applies it within about half a second."""
+    path, versions = router_files(repository, model)
+    try:
+        config = RoutingConfig.load(path, versions) if path.exists() else RoutingConfig()
+        new_shares = _pairs("--share", shares, int)
+        if new_shares:
+            config = replace(config, shares=new_shares)
+        shadow = config.shadow
+        for field, value in (("version", shadow_version), ("percent", shadow_percent),
+                             ("atol", shadow_atol), ("rtol", shadow_rtol)):
+            if value is not None:
+                shadow = replace(shadow, **{field: value})
+        tiers = dict(config.tiers)
+        for option, values, field in (("--weight", weights, "weight"), ("--deadline-ms", deadlines, "deadline_ms")):
+            for tier, value in _pairs(option, values).items():
+                if tier not in tiers:
+                    raise click.BadParameter(f"unknown tier '{tier}' (tiers: {', '.join(tiers)})", param_hint=option)
+                tiers[tier] = replace(tiers[tier], **{field: value})
+        config = replace(config, shadow=shadow, tiers=tiers, version=config.version + 1,
+                         max_inflight=max_inflight if max_inflight is not None else config.max_inflight)
+        config.validate(versions)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    config.save(path)
+    click.echo(f"wrote {path} (version {config.version})")
+    if not metrics_url:
+        return
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        live = [v for n, _, v in read_metrics(metrics_url, model) if n == "dspark_router_config_version"]
+        if live and live[0] >= config.version:
+            click.echo(f"router '{model}' runs config version {config.version}")
+            return
+        time.sleep(0.2)
+    click.echo(f"router '{model}' did not report version {config.version} within {wait_s:g} s; "
+               "check the server log for 'routing file rejected'", err=True)
+    sys.exit(1)

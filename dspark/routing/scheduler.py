@@ -1,0 +1,211 @@
+"""Tier scheduler: per-tier FIFO queues, smooth weighted round-robin, deadlines, bounded concurrency.
+
+Pure and clock-free: every method takes ``now`` (seconds, monotonic), so tests drive it with a
+fake clock. The asyncio runtime (``runtime.py``) calls it from one thread.
+
+Weights follow the seed's formula: ``weight = base × (1 + f)``, where ``f`` is the tier's QPS
+fluctuation factor (``FluctuationMeter``), clamped to ``[fluctuation.min, fluctuation.max]``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from dspark.routing.config import FluctuationPolicy, RoutingConfig, TierPolicy
+
+T = TypeVar("T")
+
+
+class QueueFull(Exception):
+    """The tier's queue holds ``max_queue`` requests already."""
+
+
+class UnknownTier(ValueError):
+    """A request named a tier the router does not have."""
+
+
+class RateWindow:
+    """Arrivals in the last ``span_s`` seconds (a deque of timestamps, O(1) amortized)."""
+
+    def __init__(self, span_s: float):
+        self.span_s = span_s
+        self._times: deque[float] = deque()
+
+    def add(self, now: float) -> None:
+        self._times.append(now)
+        self._prune(now)
+
+    def count(self, now: float) -> int:
+        self._prune(now)
+        return len(self._times)
+
+    def _prune(self, now: float) -> None:
+        horizon = now - self.span_s
+        times = self._times
+        while times and times[0] <= horizon:
+            times.popleft()
+
+
+class FluctuationMeter:
+    """The QPS fluctuation factor f of one tier.
+
+    ``qps_short`` = arrivals in the last ``short_window_s`` / ``short_window_s``;
+    ``qps_long`` = arrivals in the last ``window_s`` / ``min(window_s, time since start)``
+    (never less than ``short_window_s``);
+    ``f = clamp((qps_short - qps_long) / max(qps_long, min_qps), min, max)``.
+
+    f > 0 when the tier's traffic surges above its recent average, f < 0 when it falls off,
+    0 for steady (or no) traffic.
+    """
+
+    def __init__(self, policy: FluctuationPolicy, start: float):
+        self.policy = policy
+        self.start = start
+        self._short = RateWindow(policy.short_window_s)
+        self._long = RateWindow(policy.window_s)
+
+    def reconfigure(self, policy: FluctuationPolicy) -> None:
+        self.policy = policy
+        self._short.span_s = policy.short_window_s
+        self._long.span_s = policy.window_s
+
+    def record(self, now: float) -> None:
+        self._short.add(now)
+        self._long.add(now)
+
+    def qps(self, now: float) -> tuple[float, float]:
+        p = self.policy
+        long_span = max(p.short_window_s, min(p.window_s, now - self.start))
+        return self._short.count(now) / p.short_window_s, self._long.count(now) / long_span
+
+    def factor(self, now: float) -> float:
+        p = self.policy
+        qps_short, qps_long = self.qps(now)
+        raw = (qps_short - qps_long) / max(qps_long, p.min_qps)
+        return min(p.max, max(p.min, raw))
+
+
+@dataclass
+class Pending(Generic[T]):
+    item: T
+    tier: str
+    enqueued_at: float
+    deadline_at: float
+
+
+@dataclass
+class _Tier:
+    policy: TierPolicy
+    meter: FluctuationMeter
+    queue: deque = field(default_factory=deque)
+    current: float = 0.0  # smooth-WRR running credit
+
+
+class TierScheduler(Generic[T]):
+    """Picks which queued request goes to the target next."""
+
+    def __init__(self, config: RoutingConfig, now: float):
+        self.config = config
+        self.inflight = 0
+        self._tiers: dict[str, _Tier] = {}
+        self._start = now
+        self.reconfigure(config)
+
+    def reconfigure(self, config: RoutingConfig) -> None:
+        """Apply new weights/deadlines/limits; queued requests keep their place and deadline.
+
+        A tier missing from the new config keeps draining its queue with the smallest weight.
+        """
+        self.config = config
+        for name, policy in config.tiers.items():
+            if name in self._tiers:
+                self._tiers[name].policy = policy
+                self._tiers[name].meter.reconfigure(config.fluctuation)
+            else:
+                self._tiers[name] = _Tier(policy, FluctuationMeter(config.fluctuation, self._start))
+        floor = min(t.weight for t in config.tiers.values())
+        for name, tier in self._tiers.items():
+            if name not in config.tiers:
+                tier.policy = TierPolicy(weight=floor, deadline_ms=tier.policy.deadline_ms, max_queue=0)
+
+    @property
+    def tiers(self) -> list[str]:
+        return list(self.config.tiers)
+
+    def resolve_tier(self, tier: str | None) -> str:
+        if tier is None or tier == "":
+            return self.config.default_tier
+        if tier not in self.config.tiers:
+            raise UnknownTier(f"unknown tier '{tier}'; expected one of {', '.join(self.config.tiers)}")
+        return tier
+
+    def submit(self, item: T, tier: str, now: float) -> Pending[T]:
+        """Queue a request; raise QueueFull if its tier's queue is at ``max_queue``."""
+        state = self._tiers[tier]
+        state.meter.record(now)
+        if len(state.queue) >= state.policy.max_queue:
+            raise QueueFull(f"tier '{tier}' queue is full ({len(state.queue)} waiting, max_queue {state.policy.max_queue})")
+        pending = Pending(item, tier, now, now + state.policy.deadline_ms / 1000.0)
+        state.queue.append(pending)
+        return pending
+
+    def expire(self, now: float) -> list[Pending[T]]:
+        """Remove and return requests whose queue deadline has passed."""
+        expired = []
+        for state in self._tiers.values():
+            q = state.queue
+            while q and q[0].deadline_at <= now:
+                expired.append(q.popleft())
+        return expired
+
+    def next_deadline(self) -> float | None:
+        heads = [s.queue[0].deadline_at for s in self._tiers.values() if s.queue]
+        return min(heads) if heads else None
+
+    def weights(self, now: float) -> dict[str, tuple[float, float]]:
+        """Per tier: (effective weight = base × (1 + f), f)."""
+        out = {}
+        for name, state in self._tiers.items():
+            f = state.meter.factor(now)
+            out[name] = (state.policy.weight * (1.0 + f), f)
+        return out
+
+    def pop_next(self, now: float) -> Pending[T] | None:
+        """Next request by smooth weighted round-robin over non-empty tiers, if a slot is free."""
+        if self.inflight >= self.config.max_inflight:
+            return None
+        eligible = [(name, s) for name, s in self._tiers.items() if s.queue]
+        if not eligible:
+            return None
+        total = 0.0
+        best: _Tier | None = None
+        for name, state in eligible:
+            w = state.policy.weight * (1.0 + state.meter.factor(now))
+            state.current += w
+            total += w
+            if best is None or state.current > best.current:
+                best = state
+        assert best is not None
+        best.current -= total
+        pending = best.queue.popleft()
+        if not best.queue:
+            best.current = 0.0  # an emptied tier restarts without banked credit or debt
+        self.inflight += 1
+        return pending
+
+    def release(self) -> None:
+        """A dispatched request finished (answer or error); frees its concurrency slot."""
+        self.inflight -= 1
+
+    def queued(self) -> dict[str, int]:
+        return {name: len(s.queue) for name, s in self._tiers.items()}
+
+    def drain(self) -> list[Pending[Any]]:
+        """Remove everything queued (used at shutdown so each request gets an answer)."""
+        out = []
+        for state in self._tiers.values():
+            out.extend(state.queue)
+            state.queue.clear()
+        return out

@@ -1,0 +1,235 @@
+"""The QoS router on its own server with a temporary repository whose routing the tests change
+live: canary split, shadow (erroring, sleeping, disagreeing), deadlines, tier priority,
+reconfiguration under load through `dspark route set`."""
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from click.testing import CliRunner
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import TEST_EXIT_TIMEOUT_S, dump_log_on_failure
+from dspark.cli.route import read_metrics, route
+from dspark.paths import project_root
+from dspark.routing.config import RoutingConfig, ShadowPolicy, TierPolicy
+from dspark.routing.graying import VersionSplitter, routing_key
+from dspark.triton.server import TritonServer
+
+pytestmark = pytest.mark.integration
+X = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+# versions of the test target: 1 normal, 2 tiny offset, 3 fails, 4 sleeps 1 s, 5 sleeps 50 ms
+BEHAVIOUR = {2: "offset=0.000001", 3: "error", 4: "sleep_ms=1000", 5: "sleep_ms=50"}
+
+
+def set_parameter(model_dir, key, value):
+    path = model_dir / "config.pbtxt"
+    config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    config.parameters[key].string_value = value
+    path.write_text(text_format.MessageToString(config))
+
+
+@pytest.fixture(scope="module")
+def live(request, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("router-repo")
+    source = project_root() / "model_repository"
+    shutil.copytree(source / "router_demo", repo / "router_demo")
+    shutil.copytree(source / "router_demo_target", repo / "router_demo_target")
+    for version, behaviour in BEHAVIOUR.items():
+        (repo / "router_demo_target" / str(version)).mkdir(exist_ok=True)
+        set_parameter(repo / "router_demo_target", f"version_{version}", behaviour)
+    set_parameter(repo / "router_demo", "target_versions", ",".join(str(v) for v in [1, *BEHAVIOUR]))
+    server = TritonServer(repositories=[repo], exit_timeout_s=TEST_EXIT_TIMEOUT_S,
+                          extra_args=["--http-header-forward-pattern=dspark-.*",
+                                      "--grpc-header-forward-pattern=dspark-.*"])
+    failed_before = request.session.testsfailed
+    server.start()
+    server.repo = repo
+    yield server
+    dump_log_on_failure(request, server, failed_before)
+    server.stop()
+
+
+def metric(server, name, **labels):
+    return sum(v for n, l, v in read_metrics(server.metrics_url, "router_demo")
+               if n == name and all(l.get(k) == str(w) for k, w in labels.items()))
+
+
+def apply(server, **changes) -> RoutingConfig:
+    """Write a new routing.yaml and wait until the router reports it in effect."""
+    path = server.repo / "router_demo" / "routing.yaml"
+    current = RoutingConfig.load(path)
+    new = replace(current, version=current.version + 1, **changes).validate()
+    new.save(path)
+    deadline = time.monotonic() + 10
+    while metric(server, "dspark_router_config_version") != new.version:
+        assert time.monotonic() < deadline, "router did not pick up the routing file"
+        time.sleep(0.1)
+    return new
+
+
+def infer(server, protocol="http", **kwargs):
+    lib = httpclient if protocol == "http" else grpcclient
+    client = lib.InferenceServerClient(server.http_url if protocol == "http" else server.grpc_url)
+    tensor = lib.InferInput("x", [3], "FP32")
+    tensor.set_data_from_numpy(X)
+    return client.infer("router_demo", [tensor], **kwargs)
+
+
+def many(server, calls, workers=8):
+    """Run infer(**kwargs) for each kwargs in calls concurrently; returns results or exceptions."""
+    def one(kwargs):
+        try:
+            return infer(server, **kwargs)
+        except InferenceServerException as exc:
+            return exc
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(one, calls))
+
+
+def test_canary_split_matches_the_hash_and_its_share(live):
+    config = apply(live, shares={1: 80, 2: 20}, shadow=ShadowPolicy())
+    users = [f"user-{i}" for i in range(2000)]
+    results = many(live, [{"parameters": {"user_id": u}} for u in users])
+    served = [int(r.as_numpy("version")[0]) for r in results]
+    share2 = served.count(2) / len(served)
+    assert abs(share2 - 0.20) < 4 * (0.2 * 0.8 / len(served)) ** 0.5  # 4 standard deviations
+    # the server hashed exactly as this process does: deterministic across processes
+    splitter = VersionSplitter(config.shares)
+    assert served == [splitter.version_for(routing_key(u, None)) for u in users]
+    # without a user id the request id decides
+    ids = [f"req-{i}" for i in range(1000)]
+    results = many(live, [{"request_id": r, "protocol": "grpc"} for r in ids])
+    assert [int(r.as_numpy("version")[0]) for r in results] == [splitter.version_for(routing_key(None, r)) for r in ids]
+
+
+@pytest.mark.parametrize("shadow_version, outcome", [(3, "error"), (4, None)])
+def test_shadow_never_fails_or_delays_the_primary(live, shadow_version, outcome):
+    apply(live, shares={1: 100}, shadow=ShadowPolicy(version=shadow_version, percent=100, max_inflight=2))
+    before = {o: metric(live, "dspark_router_shadow_total", version=shadow_version, outcome=o)
+              for o in ("error", "skipped", "agree")}
+    start = time.monotonic()
+    results = many(live, [{"parameters": {"user_id": f"s{i}"}} for i in range(100)], workers=4)
+    elapsed = time.monotonic() - start
+    assert not [r for r in results if isinstance(r, Exception)]
+    assert all(int(r.as_numpy("version")[0]) == 1 for r in results)
+    assert elapsed < 5.0  # the sleeping shadow (1 s each) would take 50 s if the primary waited
+    deadline = time.monotonic() + 5
+    while True:
+        after = {o: metric(live, "dspark_router_shadow_total", version=shadow_version, outcome=o) - before[o]
+                 for o in before}
+        if sum(after.values()) >= 100 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if outcome == "error":
+        assert after["error"] + after["skipped"] == 100 and after["error"] >= 2
+    else:  # at most 2 sleeping shadows in flight: the rest are skipped, never queued behind
+        assert after["skipped"] >= 90
+
+
+def test_shadow_comparison_within_tolerance(live):
+    for atol, outcome in ((0.0, "disagree"), (1e-4, "agree")):
+        apply(live, shares={1: 100}, shadow=ShadowPolicy(version=2, percent=100, atol=atol, max_inflight=50,
+                                                         ignore_outputs=("version",)))
+        before = metric(live, "dspark_router_shadow_total", version=2, outcome=outcome)
+        many(live, [{} for _ in range(20)], workers=2)
+        deadline = time.monotonic() + 5
+        while metric(live, "dspark_router_shadow_total", version=2, outcome=outcome) - before < 20:
+            assert time.monotonic() < deadline, f"expected 20 shadow '{outcome}' results"
+            time.sleep(0.1)
+
+
+def test_diamond_overtakes_standard_and_deadlines_explain_rejections(live):
+    tiers = {"diamond": TierPolicy(weight=8, deadline_ms=5000),
+             "gold": TierPolicy(weight=3, deadline_ms=5000),
+             "standard": TierPolicy(weight=1, deadline_ms=700)}
+    apply(live, shares={5: 100}, shadow=ShadowPolicy(), tiers=tiers, max_inflight=1)
+    finished = {}
+
+    def call(name, tier):
+        try:
+            infer(live, protocol="grpc", headers={"dspark-tier": tier})
+            finished[name] = ("ok", time.monotonic())
+        except InferenceServerException as exc:
+            finished[name] = (exc, time.monotonic())
+
+    threads = [threading.Thread(target=call, args=(f"s{i}", "standard")) for i in range(30)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    diamond = threading.Thread(target=call, args=("d", "diamond"))
+    diamond.start()
+    for t in threads + [diamond]:
+        t.join()
+    assert finished["d"][0] == "ok"
+    ok_standard = sorted(t for name, (r, t) in finished.items() if name != "d" and r == "ok")
+    # at 50 ms per request and one in flight, 30 standard need 1.5 s: diamond is served within a few
+    assert sum(t < finished["d"][1] for t in ok_standard) <= 6
+    rejected = [r for name, (r, _) in finished.items() if r != "ok"]
+    assert rejected, "standard requests past their 700 ms deadline must be rejected"
+    for exc in rejected:
+        assert "past the tier's queue deadline of 700 ms" in exc.message()
+        assert exc.status() == "StatusCode.UNAVAILABLE"
+    assert metric(live, "dspark_router_rejections_total", tier="standard", reason="deadline") >= len(rejected)
+
+
+def test_reconfiguration_under_load_fails_no_request(live):
+    apply(live, shares={1: 100}, shadow=ShadowPolicy(), tiers=RoutingConfig().tiers, max_inflight=2)
+    stop = threading.Event()
+    results = []
+
+    def load(worker):
+        i = 0
+        while not stop.is_set():
+            try:
+                r = infer(live, protocol="grpc" if worker % 2 else "http",
+                          parameters={"user_id": f"w{worker}-{i}", "tier": ("diamond", "gold", "standard")[i % 3]})
+                results.append((time.monotonic(), int(r.as_numpy("version")[0])))
+            except InferenceServerException as exc:
+                results.append((time.monotonic(), exc))
+            i += 1
+
+    workers = [threading.Thread(target=load, args=(w,)) for w in range(4)]
+    for w in workers:
+        w.start()
+    time.sleep(0.5)
+    runner = CliRunner()
+    base = ["--repository", str(live.repo), "--model", "router_demo", "--metrics-url", live.metrics_url]
+    for args in (["--share", "1=50", "--share", "2=50", "--weight", "diamond=12"],
+                 ["--share", "2=100", "--max-inflight", "3", "--shadow-version", "1", "--shadow-percent", "10"]):
+        out = runner.invoke(route, ["set", *base, *args])
+        assert out.exit_code == 0, out.output
+        assert "runs config version" in out.output
+        time.sleep(0.5)
+    switched = time.monotonic()
+    time.sleep(0.5)
+    stop.set()
+    for w in workers:
+        w.join()
+    failures = [r for _, r in results if isinstance(r, Exception)]
+    assert not failures, failures[:3]
+    assert len(results) > 100
+    assert {v for t, v in results if t > switched + 0.1} == {2}
+    shown = runner.invoke(route, ["show", *base])
+    assert "v2 100%" in shown.output and re.search(r"^diamond\s+12\s", shown.output, re.M), shown.output
+
+
+def test_route_set_rejects_bad_input_naming_the_field(live):
+    runner = CliRunner()
+    base = ["--repository", str(live.repo), "--model", "router_demo"]
+    out = runner.invoke(route, ["set", *base, "--share", "1=70", "--share", "9=30"])
+    assert out.exit_code != 0 and "shares: version 9 is not a routable version" in out.output
+    out = runner.invoke(route, ["set", *base, "--share", "1=70"])
+    assert out.exit_code != 0 and "shares: percentages must sum to 100" in out.output
+    out = runner.invoke(route, ["set", *base, "--weight", "platinum=2"])
+    assert out.exit_code != 0 and "unknown tier 'platinum'" in out.output

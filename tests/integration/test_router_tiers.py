@@ -1,0 +1,67 @@
+"""The demo QoS router (router_demo) on the session server: a client calls it as it would the target."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from dspark.cli.route import read_metrics
+
+pytestmark = pytest.mark.integration
+X = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+
+
+def http_call(server, model, **kwargs):
+    client = httpclient.InferenceServerClient(server.http_url)
+    tensor = httpclient.InferInput("x", [3], "FP32")
+    tensor.set_data_from_numpy(X)
+    return client.infer(model, [tensor], **kwargs)
+
+
+def grpc_call(server, model, **kwargs):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    tensor = grpcclient.InferInput("x", [3], "FP32")
+    tensor.set_data_from_numpy(X)
+    return client.infer(model, [tensor], **kwargs)
+
+
+def dispatched(server, tier):
+    return sum(v for n, labels, v in read_metrics(server.metrics_url, "router_demo")
+               if n == "dspark_router_requests_total" and labels["tier"] == tier)
+
+
+def test_router_answers_like_the_target_over_http_and_grpc(triton_server):
+    direct = http_call(triton_server, "router_demo_target").as_numpy("y")
+    for call in (http_call, grpc_call):
+        result = call(triton_server, "router_demo")
+        np.testing.assert_allclose(result.as_numpy("y"), direct, atol=1e-5)
+        assert result.as_numpy("version")[0] in (1, 2)
+
+
+@pytest.mark.parametrize("call, how", [
+    (http_call, "parameters"), (http_call, "headers"), (grpc_call, "parameters"), (grpc_call, "headers")])
+def test_tier_from_parameters_and_forwarded_headers(triton_server, call, how):
+    before = dispatched(triton_server, "diamond")
+    kwargs = {"parameters": {"tier": "diamond"}} if how == "parameters" else {"headers": {"dspark-tier": "diamond"}}
+    call(triton_server, "router_demo", **kwargs)
+    assert dispatched(triton_server, "diamond") == before + 1
+
+
+def test_default_tier_and_unknown_tier(triton_server):
+    before = dispatched(triton_server, "standard")
+    http_call(triton_server, "router_demo")
+    assert dispatched(triton_server, "standard") == before + 1
+    with pytest.raises(InferenceServerException, match="parameter 'tier': unknown tier 'platinum'"):
+        http_call(triton_server, "router_demo", headers={"dspark-tier": "platinum"})
+    # the router keeps serving
+    assert http_call(triton_server, "router_demo").as_numpy("y") is not None
+
+
+def test_same_user_same_version_across_protocols(triton_server):
+    for user in ("alice", "bob", "carol", "dave"):
+        versions = {int(http_call(triton_server, "router_demo", parameters={"user_id": user}).as_numpy("version")[0]),
+                    int(grpc_call(triton_server, "router_demo", headers={"dspark-user-id": user}).as_numpy("version")[0]),
+                    int(http_call(triton_server, "router_demo", headers={"dspark-user-id": user}).as_numpy("version")[0])}
+        assert len(versions) == 1, f"user {user} saw versions {versions}"

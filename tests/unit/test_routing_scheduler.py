@@ -1,0 +1,178 @@
+"""Tier scheduler with a fake clock: weights, fluctuation factor, deadlines, starvation freedom."""
+
+from collections import Counter
+
+import pytest
+
+from dspark.routing.config import FluctuationPolicy, RoutingConfig, TierPolicy
+from dspark.routing.scheduler import FluctuationMeter, QueueFull, TierScheduler, UnknownTier
+
+
+def make_config(**kw) -> RoutingConfig:
+    tiers = kw.pop("tiers", {
+        "diamond": TierPolicy(weight=8, deadline_ms=1000, max_queue=10_000),
+        "gold": TierPolicy(weight=3, deadline_ms=1000, max_queue=10_000),
+        "standard": TierPolicy(weight=1, deadline_ms=1000, max_queue=10_000),
+    })
+    return RoutingConfig(tiers=tiers, max_inflight=kw.pop("max_inflight", 1_000_000), **kw).validate()
+
+
+def steady_meter(policy: FluctuationPolicy, qps: float, seconds: float, start: float = 0.0) -> float:
+    meter = FluctuationMeter(policy, start)
+    t = start
+    while t < start + seconds:
+        meter.record(t)
+        t += 1.0 / qps
+    return meter, t
+
+
+def test_fluctuation_factor_is_zero_for_steady_traffic():
+    meter, t = steady_meter(FluctuationPolicy(window_s=10, short_window_s=1), qps=50, seconds=20)
+    assert abs(meter.factor(t)) < 0.05
+
+
+def test_fluctuation_factor_matches_definition_for_a_burst():
+    policy = FluctuationPolicy(window_s=10, short_window_s=1, min=-0.5, max=5.0)
+    meter, t = steady_meter(policy, qps=10, seconds=9)
+    for i in range(40):  # then 40 arrivals within one second: short-window rate 40 qps
+        meter.record(t + i / 40)
+    now = t + 39 / 40 + 1e-6
+    short, long = meter.qps(now)
+    assert short == 40 and long == pytest.approx(130 / 10, abs=0.2)
+    assert meter.factor(now) == pytest.approx((short - long) / long)
+    assert meter.factor(now) > 2
+
+
+def test_fluctuation_factor_is_clamped():
+    policy = FluctuationPolicy(window_s=10, short_window_s=1, min=-0.5, max=1.0)
+    meter, t = steady_meter(policy, qps=10, seconds=9)
+    for i in range(500):
+        meter.record(t + i / 1000)
+    assert meter.factor(t + 0.5) == 1.0
+    # traffic stops: short rate 0, long rate positive -> f = -1 before the clamp
+    assert meter.factor(t + 2.0) == -0.5
+
+
+def test_fluctuation_factor_without_traffic_is_zero():
+    meter = FluctuationMeter(FluctuationPolicy(), 0.0)
+    assert meter.factor(100.0) == 0.0
+
+
+def test_weighted_round_robin_follows_base_weights():
+    sched = TierScheduler(make_config(), now=0.0)
+    for i in range(1200):
+        for tier in ("diamond", "gold", "standard"):
+            sched.submit(i, tier, now=0.0)
+    picks = Counter()
+    for _ in range(1200):
+        picks[sched.pop_next(now=0.0).tier] += 1
+        sched.release()
+    # all tiers surge equally, so f is the same for all and shares follow 8:3:1
+    assert picks["diamond"] == pytest.approx(1200 * 8 / 12, abs=2)
+    assert picks["gold"] == pytest.approx(1200 * 3 / 12, abs=2)
+    assert picks["standard"] == pytest.approx(1200 * 1 / 12, abs=2)
+
+
+def test_weights_include_fluctuation_factor():
+    config = make_config(fluctuation=FluctuationPolicy(window_s=10, short_window_s=1, min=-0.5, max=1.0))
+    sched = TierScheduler(config, now=0.0)
+    t = 0.0
+    while t < 9.0:  # steady 10 qps of standard and diamond
+        sched.submit(0, "standard", now=t)
+        sched.submit(0, "diamond", now=t)
+        t += 0.1
+    for i in range(200):  # a standard burst; diamond stays at 10 qps
+        sched.submit(0, "standard", now=t + i / 400)
+        if i % 40 == 0:
+            sched.submit(0, "diamond", now=t + i / 400)
+    now = t + 0.5
+    weights = sched.weights(now)
+    w_std, f_std = weights["standard"]
+    w_dia, f_dia = weights["diamond"]
+    assert f_std == 1.0 and w_std == pytest.approx(1 * (1 + 1.0))
+    assert f_dia == pytest.approx(0, abs=0.2) and w_dia == pytest.approx(8 * (1 + f_dia))
+
+
+def test_diamond_is_never_starved_by_a_standard_flood():
+    sched = TierScheduler(make_config(), now=0.0)
+    for i in range(5000):
+        sched.submit(("s", i), "standard", now=0.0)
+    # one diamond request arrives while standard floods: it is served within ceil(W/w_d)+1 picks
+    served_before_diamond = []
+    sched.submit(("d", 0), "diamond", now=0.0)
+    while True:
+        p = sched.pop_next(now=0.0)
+        sched.release()
+        if p.tier == "diamond":
+            break
+        served_before_diamond.append(p)
+    assert len(served_before_diamond) <= 2
+    # a steady diamond stream under a standard flood keeps at least its share 8/9
+    for i in range(900):
+        sched.submit(("d", i), "diamond", now=0.0)
+    picks = Counter()
+    for _ in range(900):
+        picks[sched.pop_next(now=0.0).tier] += 1
+        sched.release()
+    assert picks["diamond"] >= 900 * 8 / 9 - 2
+    # and standard is not starved either
+    assert picks["standard"] >= 900 / 9 - 2
+
+
+def test_bounded_concurrency():
+    sched = TierScheduler(make_config(max_inflight=2), now=0.0)
+    for i in range(5):
+        sched.submit(i, "gold", now=0.0)
+    assert sched.pop_next(0.0) is not None and sched.pop_next(0.0) is not None
+    assert sched.pop_next(0.0) is None
+    sched.release()
+    assert sched.pop_next(0.0).item == 2
+    assert sched.inflight == 2
+
+
+def test_deadlines_expire_waiting_requests_only():
+    config = make_config(tiers={
+        "diamond": TierPolicy(weight=8, deadline_ms=100),
+        "standard": TierPolicy(weight=1, deadline_ms=500),
+    })
+    sched = TierScheduler(config, now=0.0)
+    sched.submit("d", "diamond", now=0.0)
+    sched.submit("s", "standard", now=0.0)
+    assert sched.next_deadline() == pytest.approx(0.1)
+    assert sched.expire(now=0.099) == []
+    expired = sched.expire(now=0.1)
+    assert [p.item for p in expired] == ["d"]
+    assert sched.next_deadline() == pytest.approx(0.5)
+    assert [p.item for p in sched.expire(now=0.6)] == ["s"]
+    assert sched.queued() == {"diamond": 0, "standard": 0}
+
+
+def test_queue_full_and_unknown_tier():
+    config = make_config(tiers={"standard": TierPolicy(weight=1, deadline_ms=100, max_queue=2)})
+    sched = TierScheduler(config, now=0.0)
+    sched.submit(1, "standard", 0.0)
+    sched.submit(2, "standard", 0.0)
+    with pytest.raises(QueueFull, match="'standard' queue is full"):
+        sched.submit(3, "standard", 0.0)
+    with pytest.raises(UnknownTier, match="unknown tier 'platinum'"):
+        sched.resolve_tier("platinum")
+    assert sched.resolve_tier(None) == "standard"
+
+
+def test_reconfigure_keeps_queued_requests():
+    sched = TierScheduler(make_config(), now=0.0)
+    for i in range(10):
+        sched.submit(i, "standard", 0.0)
+    new = make_config(tiers={
+        "diamond": TierPolicy(weight=1, deadline_ms=1000),
+        "gold": TierPolicy(weight=1, deadline_ms=1000),
+    }, default_tier="gold")
+    sched.reconfigure(new)
+    # the removed tier drains; nothing is lost
+    items = []
+    while (p := sched.pop_next(0.0)) is not None:
+        items.append(p.item)
+        sched.release()
+    assert items == list(range(10))
+    with pytest.raises(UnknownTier):
+        sched.resolve_tier("standard")
