@@ -60,6 +60,9 @@ def start_server(repositories: Sequence[Path], http_port: int, grpc_port: int, m
     except ServerError as error:
         click.echo(f"dspark: {error}", err=True)
         sys.exit(1)
+    except KeyboardInterrupt:  # start() has stopped the server already
+        click.echo("dspark: interrupted while the server was starting; stopped it", err=True)
+        sys.exit(130)
     click.echo(f"dspark: serving {', '.join(str(r) for r in server.repositories)}")
     click.echo(f"  HTTP     http://{server.http_url}")
     click.echo(f"  gRPC     {server.grpc_url}")
@@ -85,7 +88,8 @@ def serve_until_signal(server: TritonServer) -> None:
     signal.signal(signal.SIGTERM, shut_down)
     code = server.wait()
     server.stop()
-    if code != 0:
+    stopped_by_us = signals_seen and code in (-signal.SIGTERM, -signal.SIGKILL)
+    if code != 0 and not stopped_by_us:
         click.echo(f"dspark: tritonserver exited with code {code}: {server.first_error()}", err=True)
         sys.exit(1)
 

@@ -28,6 +28,7 @@ def test_demo_serves_and_prints_inference_results():
     values = [[float(v) for v in row.split(",")] for row in rows]
     assert all(abs(sum(row) - 1) < 1e-3 for row in values)
     assert values[:2] == values[2:]  # the ensemble standardizes raw input into the same features
+    assert re.search(r"spec_lm over HTTP /generate.*draft speculation \d+ ms, identical text: True", result.stdout)
 
 
 def test_serve_forwards_sigterm_as_a_clean_shutdown():
