@@ -30,7 +30,7 @@ LOG_MIN_PATH_PROB = float(np.log(0.05))
 # A draft chain stops early after a token the draft itself gives less than this probability:
 # the next token would likely be rejected, and a draft call costs ~0.1 of a target pass while
 # one more verified row costs ~0.02.
-DRAFT_MIN_CONFIDENCE = 0.4
+DRAFT_MIN_CONFIDENCE = 0.15
 # Hybrid: a lookup match this long is trusted over the draft (a 1-token match is mostly noise).
 HYBRID_MIN_NGRAM = 2
 
