@@ -3,14 +3,15 @@ speculative decoding (draft model, prompt lookup or tree) over ONNX Runtime.
 
 Decoupled. Inputs follow Triton's LLM backends, so /generate, /generate_stream and gRPC
 streaming work unchanged: text_input (BYTES), stream (BOOL), sampling_parameters (BYTES, JSON:
-max_tokens, temperature, top_k, top_p, seed, stop, speculative {method none|draft|ngram|tree,
+max_tokens, temperature, top_k, top_p, seed, stop, speculative {method none|draft|ngram|hybrid|tree,
 num_speculative_tokens, tree_width, adaptive}), exclude_input_in_output (BOOL); output
 text_output (BYTES).
 
 Config parameters: target_model and draft_model (names of sibling models in this repository
 whose version 1 holds model.onnx), tokenizer (file in this model's version folder,
 tokenizer.json), default_method (tree), num_speculative_tokens (4), tree_width (4),
-intra_op_threads (1).
+intra_op_threads (1), stream_interval_ms (10: a streamed response carries all text produced
+since the last one and goes out at most this often; the first at once).
 """
 import json
 import threading
@@ -23,7 +24,7 @@ import triton_python_backend_utils as pb_utils
 from dspark.decoding.engine import DecodeStats, PromptTooLong
 from dspark.decoding.request import parse_sampling_parameters
 from dspark.decoding.sampling import InvalidParameter, SpeculativeParams
-from dspark.decoding.text import TextGenerator
+from dspark.decoding.text import TextGenerator, send_coalesced
 from dspark.triton.adapter import config_parameters, parameter_int
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -60,6 +61,7 @@ class TritonPythonModel:
                     f"speculative backend: {path} does not exist: run `make setup` (it builds the "
                     "LM pair from tools/weights) or fix the model's parameters")
         self.generator = TextGenerator.from_files(target, draft, tokenizer, threads)
+        self.stream_interval_s = parameter_int(params, "stream_interval_ms", 10, minimum=0) / 1e3
         self.default_spec = SpeculativeParams(
             method=params.get("default_method") or "tree",
             num_speculative_tokens=parameter_int(params, "num_speculative_tokens", 4, minimum=1),
@@ -123,10 +125,11 @@ class TritonPythonModel:
         started = time.perf_counter()
         pieces = self.generator.stream(prompt, sampling, spec, stats, cancelled=sender.is_cancelled)
         if stream:
-            for piece in pieces:
-                if sender.is_cancelled():
-                    break
-                sender.send(pb_utils.InferenceResponse(output_tensors=[_text_tensor(piece)]))
+            def send(text):
+                if not sender.is_cancelled():
+                    sender.send(pb_utils.InferenceResponse(output_tensors=[_text_tensor(text)]))
+
+            send_coalesced(pieces, send, self.stream_interval_s)
             sender.send(flags=FINAL)
         else:
             text = "".join(pieces)

@@ -23,7 +23,7 @@ from dspark.paths import project_root
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 def spec(max_tokens: int, per_category: int, repeats: int, threads: int, server: bool,
          sampled: bool, json_out: Optional[Path]) -> None:
-    """Plain decoding vs draft, prompt-lookup and tree speculation on the demo LM pair."""
+    """Plain decoding vs draft, prompt-lookup, hybrid and tree speculation on the demo LM pair."""
     from dspark.decoding import benchmark as bm
     from dspark.decoding.sampling import SamplingParams
     from dspark.decoding.text import TextGenerator
@@ -61,7 +61,7 @@ def spec(max_tokens: int, per_category: int, repeats: int, threads: int, server:
 
     if sampled:
         hot = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=1234)
-        sampled_methods = {k: v for k, v in bm.METHODS.items() if k in ("none", "draft", "ngram", "tree")}
+        sampled_methods = {k: v for k, v in bm.METHODS.items() if k in ("none", "draft", "ngram", "hybrid", "tree")}
         s_results = bm.run_inprocess(gen, prompts, sampled_methods, hot, max(1, repeats // 2))
         s_rows = bm.summary_rows(s_results, check_identical=False)
         report["sampled"] = s_rows
@@ -89,7 +89,7 @@ def _served(bm, prompts, results, max_tokens: int) -> list[dict]:
                           load_models=["spec_lm"])
     server.start()
     try:
-        for method in ("none", "ngram", "tree", "draft"):
+        for method in ("none", "ngram", "hybrid", "tree", "draft"):
             spec = bm.METHODS[method]
             spec_json = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
                          "tree_width": spec.tree_width, "adaptive": spec.adaptive}

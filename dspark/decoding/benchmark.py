@@ -20,6 +20,7 @@ METHODS: dict[str, SpeculativeParams] = {
     "draft": SpeculativeParams("draft", num_speculative_tokens=6),
     "draft_k4_fixed": SpeculativeParams("draft", num_speculative_tokens=4, adaptive=False),
     "ngram": SpeculativeParams("ngram", num_speculative_tokens=6),
+    "hybrid": SpeculativeParams("hybrid", num_speculative_tokens=6),
     "tree_w2": SpeculativeParams("tree", num_speculative_tokens=4, tree_width=2),
     "tree": SpeculativeParams("tree", num_speculative_tokens=4, tree_width=4),
 }

@@ -1,4 +1,6 @@
-"""Speculative decoding over ORT sessions: plain, draft (adaptive k), prompt lookup and tree.
+"""Speculative decoding over ORT sessions: plain, draft (adaptive k), prompt lookup, hybrid
+(prompt lookup where it finds a match of at least ``HYBRID_MIN_NGRAM`` tokens, the draft
+otherwise) and tree.
 
 Every method proposes a tree of tokens (a chain is a tree of width 1) hanging off the last
 committed token, the target scores the whole tree in one pass with a tree attention mask, the
@@ -25,6 +27,12 @@ PREFILL_CHUNK = 64
 NGRAM_ROW_COST = 0.05
 # Greedy trees add a side branch only where the draft gives its path at least this probability.
 LOG_MIN_PATH_PROB = float(np.log(0.05))
+# A draft chain stops early after a token the draft itself gives less than this probability:
+# the next token would likely be rejected, and a draft call costs ~0.1 of a target pass while
+# one more verified row costs ~0.02.
+DRAFT_MIN_CONFIDENCE = 0.15
+# Hybrid: a lookup match this long is trusted over the draft (a 1-token match is mostly noise).
+HYBRID_MIN_NGRAM = 2
 
 
 class PromptTooLong(ValueError):
@@ -65,6 +73,7 @@ class _Tree:
     candidates: dict[int, list[int]] = field(default_factory=dict)  # node (-1=root) -> draws
     q: dict[int, np.ndarray] = field(default_factory=dict)  # node -> draft dist of its children
     draft_rows: dict[int, int] = field(default_factory=dict)  # node -> row in the draft cache
+    proposer: str = "none"  # "draft" or "ngram": whose running acceptance this pass updates
 
     def add(self, token: int, parent: int) -> int:
         for child in self.candidates.get(parent, []):
@@ -101,10 +110,12 @@ class _Tree:
 class SpeculativeEngine:
     """Token-level decoding; ``dspark.decoding.text`` adds the tokenizer, stop strings, streams."""
 
-    def __init__(self, target: OnnxLM, draft: OnnxLM | None = None, max_ngram: int = 3):
+    def __init__(self, target: OnnxLM, draft: OnnxLM | None = None, max_ngram: int = 3,
+                 draft_min_confidence: float = DRAFT_MIN_CONFIDENCE):
         self.target = target
         self.draft = draft
         self.max_ngram = max_ngram
+        self.draft_min_confidence = draft_min_confidence
         if draft is not None and draft.config.vocab != target.config.vocab:
             raise ValueError("draft and target must share the tokenizer (vocab sizes differ)")
 
@@ -119,7 +130,7 @@ class SpeculativeEngine:
         stats = stats if stats is not None else DecodeStats()
         spec.validate()
         sampling.validate()
-        if spec.method in ("draft", "tree") and self.draft is None:
+        if spec.method in ("draft", "tree", "hybrid") and self.draft is None:
             raise ValueError(f"method {spec.method!r} needs a draft model")
         if not prompt:
             raise PromptTooLong("the prompt is empty; give at least one token")
@@ -136,10 +147,13 @@ class SpeculativeEngine:
             chunk = prompt[s:min(s + PREFILL_CHUNK, len(prompt) - 1)]
             self.target.forward(target_cache, chunk, np.arange(s, s + len(chunk)))
         stats.prefill_s = time.perf_counter() - t
-        draft_cache = self.draft.new_cache(self.context) if spec.method in ("draft", "tree") else None
-        k = spec.num_speculative_tokens
-        rate = 0.7  # running acceptance rate (per drafted token), an optimistic start
-        cost_ratio = 0.25  # running draft-call / target-pass time
+        draft_cache = (self.draft.new_cache(self.context)
+                       if spec.method in ("draft", "tree", "hybrid") else None)
+        # adaptive k per proposer: running acceptance rate per proposed token (an optimistic
+        # start) and proposal cost per token relative to a target pass
+        ks = {"draft": spec.num_speculative_tokens, "ngram": spec.num_speculative_tokens}
+        rates = {"draft": 0.7, "ngram": 0.7}
+        costs = {"draft": 0.25, "ngram": NGRAM_ROW_COST}
         generated = 0
         while generated < sampling.max_tokens:
             if cancelled is not None and cancelled():
@@ -151,13 +165,14 @@ class SpeculativeEngine:
                 stats.finish_reason = "length"
                 break
             width = spec.tree_width if spec.method == "tree" else 1
-            depth = min(k, budget - 1, room // width)
+            limit = min(budget - 1, room // width)
             t = time.perf_counter()
-            if spec.method == "none" or depth <= 0:
-                tree = _Tree()
-            elif spec.method == "ngram":
-                tree = self._ngram_tree(history, depth)
-            else:
+            tree = _Tree()
+            if spec.method in ("ngram", "hybrid") and limit > 0:
+                tree = self._ngram_tree(history, min(ks["ngram"], limit),
+                                        HYBRID_MIN_NGRAM if spec.method == "hybrid" else 1)
+            if spec.method in ("draft", "tree", "hybrid") and not tree.tokens and limit > 0:
+                depth = min(spec.num_speculative_tokens if spec.method == "tree" else ks["draft"], limit)
                 tree = self._draft_tree(draft_cache, history, depth, width, sampling, rng, stats)
             t_draft = time.perf_counter() - t
             stats.draft_s += t_draft
@@ -168,30 +183,31 @@ class SpeculativeEngine:
             stats.rounds += 1
             stats.proposed += len(tree.tokens) and max(tree.depths)
             stats.accepted += len(new) - 1
-            if draft_cache is not None:
+            if tree.proposer == "draft":
                 self._commit_draft(draft_cache, tree, new, len(history))
             new = new[:sampling.max_tokens - generated]
             history.extend(new)
             generated += len(new)
             stats.generated_tokens = generated
-            if spec.method in ("draft", "ngram") and spec.adaptive and tree.tokens:
-                rate = 0.8 * rate + 0.2 * (len(new) - 1) / len(tree.tokens)
-                if spec.method == "draft" and t_target > 0:
-                    cost_ratio = 0.8 * cost_ratio + 0.2 * (t_draft / len(tree.tokens)) / t_target
-                k = best_k(rate, cost_ratio if spec.method == "draft" else NGRAM_ROW_COST,
-                           spec.num_speculative_tokens)
-                stats.k_history.append(k)
+            if spec.method != "tree" and spec.adaptive and tree.tokens:
+                who = tree.proposer
+                rates[who] = 0.8 * rates[who] + 0.2 * (len(new) - 1) / len(tree.tokens)
+                if who == "draft" and t_target > 0:
+                    costs[who] = 0.8 * costs[who] + 0.2 * (t_draft / len(tree.tokens)) / t_target
+                ks[who] = best_k(rates[who], costs[who], spec.num_speculative_tokens)
+                stats.k_history.append(ks[who])
             yield new
         else:
             stats.finish_reason = "length"
         stats.total_s += time.perf_counter() - t0
 
     # -- proposals ---------------------------------------------------------------------------
-    def _ngram_tree(self, history: list[int], depth: int) -> _Tree:
-        """Prompt lookup: the tokens that followed the latest earlier match of the last n."""
-        tree = _Tree()
+    def _ngram_tree(self, history: list[int], depth: int, min_n: int = 1) -> _Tree:
+        """Prompt lookup: the tokens that followed the latest earlier match of the last n
+        (n from ``max_ngram`` down to ``min_n``)."""
+        tree = _Tree(proposer="ngram")
         h = np.asarray(history)
-        for n in range(min(self.max_ngram, len(h) - 1), 0, -1):
+        for n in range(min(self.max_ngram, len(h) - 1), min_n - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
             hits = np.flatnonzero((windows == h[-n:]).all(axis=1))
             if len(hits):
@@ -208,7 +224,7 @@ class SpeculativeEngine:
         """Greedy: a beam of ``width`` best paths by draft log-probability, level by level.
         Sampled: ``width`` chains drawn i.i.d. from the draft (merged where they agree), so
         every node's candidates are i.i.d. draws, as lossless tree verification needs."""
-        tree = _Tree()
+        tree = _Tree(proposer="draft")
         catch_up = history[cache.length:]  # the root and anything committed since last round
         logits = self.draft.forward(cache, catch_up, np.arange(cache.length, len(history)))[-1:]
         stats.draft_calls += 1
@@ -216,6 +232,7 @@ class SpeculativeEngine:
         root_pos = len(history) - 1
         frontier = [-1]
         chain_node = -1
+        confidence = 1.0
         scores = {-1: 0.0}
         for level in range(1, depth + 1):
             if level > 1:
@@ -236,7 +253,9 @@ class SpeculativeEngine:
                 options = []
                 for r, node in enumerate(frontier):
                     if width == 1:  # a chain: only the argmax matters
-                        options.append((0.0, node, int(np.argmax(logits[r]))))
+                        tok = int(np.argmax(logits[r]))
+                        confidence = 1.0 / float(np.exp(logits[r] - logits[r][tok]).sum())
+                        options.append((0.0, node, tok))
                         continue
                     row = logits[r]
                     top = np.argpartition(-row, width - 1)[:width]
@@ -265,6 +284,9 @@ class SpeculativeEngine:
                 else:
                     chains = [tree.add(sample(dists[c], rng), c) for c in chains]
                 frontier = list(dict.fromkeys(chains))
+                confidence = max(float(d.max()) for d in dists.values())
+            if width == 1 and confidence < self.draft_min_confidence:
+                break  # go no deeper than a token the draft itself doubts
         return tree
 
     # -- verification ------------------------------------------------------------------------

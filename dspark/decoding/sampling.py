@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-METHODS = ("none", "draft", "ngram", "tree")
+METHODS = ("none", "draft", "ngram", "hybrid", "tree")
 
 
 class InvalidParameter(ValueError):
@@ -19,7 +19,7 @@ class InvalidParameter(ValueError):
 @dataclass
 class SpeculativeParams:
     method: str = "tree"
-    num_speculative_tokens: int = 4  # draft/ngram: k (the start and upper bound when adaptive); tree: depth
+    num_speculative_tokens: int = 4  # draft/ngram/hybrid: k (the start and upper bound when adaptive); tree: depth
     tree_width: int = 4
     adaptive: bool = True
 

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable, Iterator
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from dspark.decoding.engine import DecodeStats, SpeculativeEngine
@@ -57,3 +60,66 @@ class TextGenerator:
 def _find_stop(text: str, stops: list[str], start: int) -> int | None:
     hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(hits) if hits else None
+
+
+_DONE = object()
+
+
+class _Failed:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def send_coalesced(pieces: Iterable[str], send: Callable[[str], None],
+                   min_interval_s: float = 0.0) -> None:
+    """Send ``pieces`` (produced on a helper thread) as one message per ``send`` call,
+    joining whatever arrived while the previous send was in flight or within
+    ``min_interval_s`` of it. Generation never waits for the transport, and each message's
+    fixed cost (Triton's IPC + gRPC, ~0.5-1 ms) is paid at most once per interval. The first
+    piece goes out at once; an error while producing is raised here after the pieces before
+    it were sent; if ``send`` raises, production stops at the next piece."""
+    items: queue.Queue = queue.Queue()
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for piece in pieces:
+                items.put(piece)
+                if stop.is_set():
+                    break
+        except BaseException as error:  # noqa: BLE001 - handed to the sending thread
+            items.put(_Failed(error))
+        items.put(_DONE)
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    buffer: list[str] = []
+    last = float("-inf")
+    failure = None
+    try:
+        done = False
+        while not done:
+            wait = None if not buffer else last + min_interval_s - time.monotonic()
+            try:
+                item = items.get() if wait is None else items.get(timeout=max(wait, 0.0))
+            except queue.Empty:
+                item = None
+            while item is not None:  # take everything already queued
+                if item is _DONE:
+                    done = True
+                elif isinstance(item, _Failed):
+                    failure = item.error
+                else:
+                    buffer.append(item)
+                try:
+                    item = items.get_nowait()
+                except queue.Empty:
+                    item = None
+            if buffer and (done or time.monotonic() >= last + min_interval_s):
+                send("".join(buffer))
+                buffer, last = [], time.monotonic()
+    finally:
+        stop.set()
+    producer.join()
+    if failure is not None:
+        raise failure

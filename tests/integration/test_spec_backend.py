@@ -57,7 +57,7 @@ def server(triton_server):
 def test_greedy_generate_is_identical_for_every_method(server):
     plain = generated_text(server, max_tokens=40, speculative={"method": "none"})
     assert len(plain) > 20
-    for method in ("draft", "ngram", "tree"):
+    for method in ("draft", "ngram", "hybrid", "tree"):
         assert generated_text(server, max_tokens=40, speculative={"method": method}) == plain, method
 
 

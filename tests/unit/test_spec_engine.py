@@ -25,6 +25,11 @@ def engine_pair(seed: int, noise: float, cfg: LMConfig = CFG) -> SpeculativeEngi
 ENGINES = {seed: engine_pair(seed, noise) for seed, noise in ((0, 0.0), (1, 0.05), (2, 0.3), (3, 1.0))}
 
 
+def with_confidence(engine: SpeculativeEngine, min_confidence: float) -> SpeculativeEngine:
+    """The same models; draft chains stop after a token below ``min_confidence``."""
+    return SpeculativeEngine(engine.target, engine.draft, draft_min_confidence=min_confidence)
+
+
 def run(engine, prompt, sampling, spec, stats=None):
     return [t for chunk in engine.generate(prompt, sampling, spec, stats) for t in chunk]
 
@@ -32,12 +37,12 @@ def run(engine, prompt, sampling, spec, stats=None):
 @settings(max_examples=30, deadline=None)
 @given(engine_seed=st.sampled_from(sorted(ENGINES)),
        prompt=st.lists(st.integers(0, CFG.vocab - 1), min_size=1, max_size=60),
-       method=st.sampled_from(["draft", "ngram", "tree"]),
+       method=st.sampled_from(["draft", "ngram", "hybrid", "tree"]),
        k=st.integers(1, 6), width=st.integers(1, 4), adaptive=st.booleans(),
-       max_tokens=st.integers(1, 40))
+       max_tokens=st.integers(1, 40), min_confidence=st.sampled_from([0.0, 0.4, 0.9]))
 def test_greedy_speculation_equals_plain_decoding(engine_seed, prompt, method, k, width, adaptive,
-                                                  max_tokens):
-    engine = ENGINES[engine_seed]
+                                                  max_tokens, min_confidence):
+    engine = with_confidence(ENGINES[engine_seed], min_confidence)
     sampling = SamplingParams(max_tokens=max_tokens)
     plain = run(engine, prompt, sampling, SpeculativeParams("none"))
     stats = DecodeStats()
@@ -48,7 +53,7 @@ def test_greedy_speculation_equals_plain_decoding(engine_seed, prompt, method, k
 
 
 def test_speculation_saves_target_passes_with_a_good_draft():
-    engine = ENGINES[0]
+    engine = with_confidence(ENGINES[0], 0.0)
     prompt = [1, 2, 3, 4, 5]
     stats = {m: DecodeStats() for m in ("none", "draft", "tree")}
     for method, s in stats.items():
@@ -56,6 +61,19 @@ def test_speculation_saves_target_passes_with_a_good_draft():
     assert stats["none"].rounds == 60
     assert stats["draft"].acceptance_rate == 1.0 and stats["tree"].acceptance_rate == 1.0
     assert stats["draft"].rounds == stats["tree"].rounds == 12  # 4 drafts + 1 per pass
+
+
+def test_draft_chain_stops_after_a_token_the_draft_doubts():
+    prompt = [1, 2, 3, 4, 5]
+    sampling = SamplingParams(max_tokens=40)
+    spec = SpeculativeParams("draft", num_speculative_tokens=6, adaptive=False)
+    stats = {c: DecodeStats() for c in (0.0, 0.2, 1.01)}
+    outputs = {c: run(with_confidence(ENGINES[2], c), prompt, sampling, spec, s)
+               for c, s in stats.items()}
+    assert outputs[0.0] == outputs[0.2] == outputs[1.01]
+    assert stats[1.01].proposed == stats[1.01].draft_calls <= stats[1.01].rounds  # 1 per pass
+    assert stats[1.01].proposed < stats[0.2].proposed < stats[0.0].proposed
+    assert stats[0.2].acceptance_rate > stats[0.0].acceptance_rate
 
 
 def test_adaptive_k_follows_acceptance_and_cost():
@@ -76,9 +94,32 @@ def test_ngram_lookup_copies_a_repeated_passage():
     assert stats.accepted > 0
 
 
+def test_hybrid_looks_up_where_a_match_exists_and_drafts_elsewhere():
+    engine = ENGINES[2]  # a noisy draft
+    prompt = list(np.random.default_rng(4).integers(0, CFG.vocab, 30))
+    plain = run(engine, prompt, SamplingParams(max_tokens=30), SpeculativeParams("none"))
+    text = prompt + plain + prompt[:5]
+    sampling = SamplingParams(max_tokens=30)
+    expected = run(engine, text, sampling, SpeculativeParams("none"))
+    stats = {m: DecodeStats() for m in ("draft", "hybrid")}
+    for method, s in stats.items():
+        assert run(engine, text, sampling, SpeculativeParams(method), s) == expected
+    # the copied passage comes from lookups (no draft calls), so fewer draft calls and passes
+    assert 0 < stats["hybrid"].draft_calls < stats["draft"].draft_calls
+    assert stats["hybrid"].rounds < stats["draft"].rounds
+    # without any repeated 2-gram it is the draft alone
+    fresh = list(range(20))
+    s_draft, s_hybrid = DecodeStats(), DecodeStats()
+    one = SamplingParams(max_tokens=2)
+    run(engine, fresh, one, SpeculativeParams("draft", num_speculative_tokens=3, adaptive=False), s_draft)
+    run(engine, fresh, one, SpeculativeParams("hybrid", num_speculative_tokens=3, adaptive=False), s_hybrid)
+    assert s_hybrid.draft_calls == s_draft.draft_calls > 0
 
 
-@pytest.mark.parametrize("method,width", [("draft", 1), ("tree", 3), ("ngram", 1), ("none", 1)])
+
+
+@pytest.mark.parametrize("method,width", [("draft", 1), ("tree", 3), ("ngram", 1), ("hybrid", 1),
+                                          ("none", 1)])
 def test_sampled_speculation_follows_the_target_distribution(method, width):
     """Lossless sampling: the joint law of the first two tokens equals the target's (G-test
     at alpha 0.001 over 1500 fixed-seed runs; a lossy rule, e.g. always accepting the draft,

@@ -10,7 +10,7 @@ from dspark.decoding.lm import OnnxLM
 from dspark.decoding.onnx_lm import LMConfig, build_lm_onnx, random_weights
 from dspark.decoding.request import parse_sampling_parameters
 from dspark.decoding.sampling import InvalidParameter, SamplingParams, SpeculativeParams
-from dspark.decoding.text import TextGenerator
+from dspark.decoding.text import TextGenerator, send_coalesced
 from dspark.decoding.tokenizer import BPETokenizer
 from dspark.paths import project_root
 
@@ -85,3 +85,62 @@ def test_stop_string_is_cut_with_everything_after_it(generator):
     cut = generator.complete("x = ", SamplingParams(max_tokens=60, temperature=1.0, seed=5, stop=[stop]),
                              SpeculativeParams("none"))
     assert cut == whole[:whole.index(stop)]
+
+
+def _slow_pieces(pieces, delay_s):
+    import time
+    for piece in pieces:
+        time.sleep(delay_s)
+        yield piece
+
+
+def test_streamed_pieces_are_coalesced_but_never_lost_or_reordered():
+    import time
+    pieces = [f"<{i}>" for i in range(40)]
+    sent = []
+
+    def slow_send(text):  # a transport slower than generation gets fewer, larger messages
+        sent.append(text)
+        time.sleep(0.01)
+
+    send_coalesced(_slow_pieces(pieces, 0.001), slow_send)
+    assert "".join(sent) == "".join(pieces)
+    assert sent[0] == "<0>" and len(sent) < len(pieces) / 2
+
+    sent.clear()
+    started = time.monotonic()
+    send_coalesced(_slow_pieces(pieces, 0.002), sent.append, min_interval_s=0.03)
+    assert "".join(sent) == "".join(pieces) and sent[0] == "<0>"
+    assert len(sent) <= (time.monotonic() - started) / 0.03 + 2  # at most one per interval
+
+
+def test_a_failure_while_streaming_is_raised_after_the_text_before_it():
+    import time
+
+    def failing():
+        yield "a"
+        yield "b"
+        raise RuntimeError("model failed")
+
+    sent = []
+    with pytest.raises(RuntimeError, match="model failed"):
+        send_coalesced(failing(), sent.append)
+    assert "".join(sent) == "ab"
+
+    produced = []
+
+    def endless():
+        for i in range(10_000):
+            produced.append(i)
+            time.sleep(0.001)
+            yield str(i)
+
+    def broken_send(text):
+        raise ConnectionError("client gone")
+
+    with pytest.raises(ConnectionError):
+        send_coalesced(endless(), broken_send)
+    time.sleep(0.05)
+    stopped_at = len(produced)
+    time.sleep(0.05)
+    assert len(produced) == stopped_at < 10_000  # production stopped
