@@ -68,7 +68,7 @@ class RoutingConfig:
     version: int = 0  # bumped by `dspark route set`; exported as a metric to confirm a reload
     # fast path: when nothing is queued and a slot is free, execute calls the target itself,
     # but only while the target's recent latency (EWMA) is at most this; 0 turns it off
-    inline_max_ms: float = 2.0
+    inline_max_ms: float = 5.0
 
     def validate(self, allowed_versions: set[int] | None = None) -> "RoutingConfig":
         """Check every field; raise ConfigError naming the first bad one."""

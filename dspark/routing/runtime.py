@@ -184,7 +184,7 @@ class RouterCore:
         in Triton's queue in front of the router). The caller must call ``finish_inline``.
         """
         config = self.config
-        if self._stopping or self.target_ms > config.inline_max_ms:
+        if self._stopping or config.inline_max_ms <= 0 or self.target_ms > config.inline_max_ms:
             return None
         now = self.clock()
         with self._lock:
