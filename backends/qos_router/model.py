@@ -3,7 +3,7 @@
 Design (see docs/router.md): the model is *not* decoupled, so plain HTTP/gRPC ``/infer`` calls
 work, but ``execute`` does not answer inline: it hands each request with its response sender to
 ``RouterCore`` (an asyncio loop in a background thread) and returns None at once. The core
-queues requests per tier, dispatches them by weighted round-robin with ``async_exec`` BLS calls
+queues requests per tier, dispatches them by weighted round-robin with BLS calls in the loop's executor
 (up to ``max_inflight`` at once) and sends exactly one final response per request.
 
 Fast path: a request that finds the router idle (nothing queued, a slot free, the target
@@ -77,8 +77,8 @@ class _TritonMetrics(RouterMetrics):
             self._metrics[key] = metric
         return metric
 
-    def request(self, tier, version):
-        self._get("requests", tier=tier, version=str(version)).increment(1)
+    def request(self, tier, version, count=1):
+        self._get("requests", tier=tier, version=str(version)).increment(count)
 
     def rejection(self, tier, reason):
         self._get("rejections", tier=tier, reason=reason).increment(1)

@@ -21,7 +21,9 @@ class Recorder(RouterMetrics):
         with self.lock:
             self.events.append(e)
 
-    def request(self, tier, version): self._add("request", tier, version)
+    def request(self, tier, version, count=1):
+        for _ in range(count):
+            self._add("request", tier, version)
     def rejection(self, tier, reason): self._add("rejection", tier, reason)
     def shadow(self, version, outcome, seconds): self._add("shadow", version, outcome)
     def config_version(self, version): self._add("config_version", version)
@@ -303,3 +305,4 @@ def test_fast_path_shadow_runs_after_the_answer_and_errors_count(run_core):
     assert eventually(lambda: metrics.count("rejection", "diamond", "target_error") == 1)
     assert log == [2], "no shadow for a failed primary"
     assert core.scheduler.inflight == 0
+    assert eventually(lambda: metrics.count("request", "diamond", 1) == 2), "fast-path requests are counted"
