@@ -230,6 +230,16 @@ def measure_overhead(url: str, rounds: int, calls: int) -> dict[str, float]:
     return {model: statistics.median(values) for model, values in p50.items()}
 
 
+def fast_path_count(metrics_url: str, model: str) -> float:
+    """The router's dspark_router_fast_path_total from /metrics (counted every 0.5 s)."""
+    import urllib.request
+
+    time.sleep(1.0)
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("dspark_router_fast_path_total") and f'model="{model}"' in line)
+
+
 def unloaded_p99(url: str, calls: int) -> float:
     import tritonclient.http as httpclient
 
@@ -306,8 +316,10 @@ def report(stats: dict[tuple[str, str], dict], capacity: float, echo) -> None:
 @click.option("--overload", "overloads", multiple=True, type=float, default=(1.5, 2.0), show_default=True,
               help="Overload factors (repeatable).")
 @click.option("--seed", default=7, show_default=True)
+@click.option("--overhead-only", is_flag=True, help="Only the low-load overhead measurement (about a minute).")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help="Also write the results as JSON.")
-def router(service_ms, instances, max_inflight, bursty_s, overload_s, overloads, repeat, seed, json_out) -> None:
+def router(service_ms, instances, max_inflight, bursty_s, overload_s, overloads, repeat, seed, overhead_only,
+           json_out) -> None:
     """QoS router vs plain FIFO: bursty below capacity and sustained overload, plus router overhead."""
     from dspark.triton.server import TritonServer
 
@@ -325,6 +337,12 @@ def router(service_ms, instances, max_inflight, bursty_s, overload_s, overloads,
         click.echo(f"overhead at low load (zero-time target, sequential HTTP, median of 5 rounds of p50): "
                    f"direct {direct:.2f} ms, minimal sync BLS forwarder {passthrough:.2f} ms "
                    f"(+{passthrough - direct:.2f}), router {routed:.2f} ms (+{added:.2f})")
+        click.echo(f"  router calls on the fast path (execute forwards itself): "
+                   f"{fast_path_count(server.metrics_url, 'bench_fast_router'):.0f} of 500")
+        if overhead_only:
+            click.echo(f"[{'PASS' if added < 1.0 else 'MISS'}] router overhead at low load: {added:.2f} ms added p50 "
+                       f"(target < 1 ms)")
+            return
         capacity = asyncio.run(measure_capacity(url, "bench_target", concurrency=2 * instances, seconds=5))
         click.echo(f"capacity (closed loop, {2 * instances} outstanding, target direct): {capacity:.1f} req/s "
                    f"(ideal {1000 * instances / service_ms:.1f})")

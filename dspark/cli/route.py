@@ -96,7 +96,8 @@ def show(repository: Path, model: str, metrics_url: str | None) -> None:
     sh = config.shadow
     click.echo("shadow:  " + (f"v{sh.version} {sh.percent:g}% (atol {sh.atol:g}, rtol {sh.rtol:g})"
                                 if sh.version is not None and sh.percent > 0 else "off"))
-    click.echo(f"max_inflight {config.max_inflight}, default tier {config.default_tier}")
+    click.echo(f"max_inflight {config.max_inflight}, default tier {config.default_tier}, "
+               f"fast path while the target answers within {config.inline_max_ms:g} ms")
     click.echo(f"{'tier':<10} {'base':>6} {'deadline_ms':>12} {'max_queue':>10}")
     for name, tier in config.tiers.items():
         click.echo(f"{name:<10} {tier.weight:>6g} {tier.deadline_ms:>12g} {tier.max_queue:>10}")
@@ -124,10 +125,12 @@ def show(repository: Path, model: str, metrics_url: str | None) -> None:
 @click.option("--weight", "weights", multiple=True, metavar="TIER=WEIGHT", help="Base weight of a tier (repeat).")
 @click.option("--deadline-ms", "deadlines", multiple=True, metavar="TIER=MS", help="Queue deadline of a tier (repeat).")
 @click.option("--max-inflight", type=int, default=None, help="Concurrent calls to the target.")
+@click.option("--inline-max-ms", type=float, default=None,
+              help="Fast path (idle router forwards from execute) while the target answers within this; 0 = off.")
 @click.option("--wait-s", type=float, default=10.0, show_default=True,
               help="With --metrics-url: how long to wait for the router to report the new version.")
 def set_(repository: Path, model: str, metrics_url: str | None, shares, shadow_version, shadow_percent,
-         shadow_atol, shadow_rtol, weights, deadlines, max_inflight, wait_s) -> None:
+         shadow_atol, shadow_rtol, weights, deadlines, max_inflight, inline_max_ms, wait_s) -> None:
     """Change routing; the running router applies it within about half a second."""
     path, versions = router_files(repository, model)
     try:
@@ -147,7 +150,8 @@ def set_(repository: Path, model: str, metrics_url: str | None, shares, shadow_v
                     raise click.BadParameter(f"unknown tier '{tier}' (tiers: {', '.join(tiers)})", param_hint=option)
                 tiers[tier] = replace(tiers[tier], **{field: value})
         config = replace(config, shadow=shadow, tiers=tiers, version=config.version + 1,
-                         max_inflight=max_inflight if max_inflight is not None else config.max_inflight)
+                         max_inflight=max_inflight if max_inflight is not None else config.max_inflight,
+                         inline_max_ms=inline_max_ms if inline_max_ms is not None else config.inline_max_ms)
         config.validate(versions)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None

@@ -66,6 +66,9 @@ class RoutingConfig:
     shares: Mapping[int, float] = field(default_factory=lambda: {1: 100.0})
     shadow: ShadowPolicy = field(default_factory=ShadowPolicy)
     version: int = 0  # bumped by `dspark route set`; exported as a metric to confirm a reload
+    # fast path: when nothing is queued and a slot is free, execute calls the target itself,
+    # but only while the target's recent latency (EWMA) is at most this; 0 turns it off
+    inline_max_ms: float = 5.0
 
     def validate(self, allowed_versions: set[int] | None = None) -> "RoutingConfig":
         """Check every field; raise ConfigError naming the first bad one."""
@@ -80,6 +83,8 @@ class RoutingConfig:
                 f"default_tier: '{self.default_tier}' is not one of the tiers ({', '.join(self.tiers)})"
             )
         _positive("max_inflight", self.max_inflight)
+        if not isinstance(self.inline_max_ms, (int, float)) or not self.inline_max_ms >= 0:
+            raise ConfigError(f"inline_max_ms: must be a number >= 0 (0 turns the fast path off), got {self.inline_max_ms!r}")
         fl = self.fluctuation
         _positive("fluctuation.window_s", fl.window_s)
         _positive("fluctuation.short_window_s", fl.short_window_s)
@@ -123,7 +128,8 @@ class RoutingConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "RoutingConfig":
         data = dict(data or {})
-        known = {"tiers", "default_tier", "max_inflight", "fluctuation", "shares", "shadow", "version"}
+        known = {"tiers", "default_tier", "max_inflight", "fluctuation", "shares", "shadow", "version",
+                 "inline_max_ms"}
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"{sorted(unknown)[0]}: unknown field (known: {', '.join(sorted(known))})")
@@ -133,7 +139,7 @@ class RoutingConfig:
             kwargs["tiers"] = {
                 str(name): _build(TierPolicy, f"tiers.{name}", spec) for name, spec in tiers.items()
             }
-        for key, kind in (("default_tier", str), ("max_inflight", int), ("version", int)):
+        for key, kind in (("default_tier", str), ("max_inflight", int), ("version", int), ("inline_max_ms", float)):
             if key in data:
                 kwargs[key] = _typed(key, data[key], kind)
         if "fluctuation" in data:

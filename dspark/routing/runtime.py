@@ -5,15 +5,22 @@ hands each request over with ``submit`` and returns at once; the loop answers ev
 exactly once through the job's ``respond`` callback: the target's outputs, or a ``RouteError``
 (queue deadline passed, queue full, unknown tier, target failure, shutdown). Nothing here
 imports pb_utils: the target call and the answer are callables, so tests drive it directly.
+
+Fast path: when nothing is queued, a slot is free and the target has recently answered within
+``inline_max_ms``, ``try_inline`` lets the caller (``execute``) call the target on its own
+thread and return the answer itself (``finish_inline``): no thread hop, no response sender.
+The scheduler's state is shared with that thread under ``_lock``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import queue
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
@@ -51,13 +58,14 @@ class Job:
 class RouterMetrics:
     """Metric hooks; the default records nothing. The Triton adapter maps them to MetricFamily."""
 
-    def request(self, tier: str, version: int) -> None: ...
+    def request(self, tier: str, version: int, count: int = 1) -> None: ...
     def rejection(self, tier: str, reason: str) -> None: ...
     def queue_time(self, tier: str, seconds: float) -> None: ...
     def latency(self, tier: str, version: int, seconds: float) -> None: ...
     def shadow(self, version: int, outcome: str, seconds: float | None) -> None: ...
     def weights(self, tier: str, weight: float, factor: float) -> None: ...
     def config_version(self, version: int) -> None: ...
+    def fast_path(self, count: int) -> None: ...
 
 
 class _DeferredMetrics:
@@ -96,6 +104,27 @@ class _Routed:
     key: str
 
 
+@dataclass
+class Inline:
+    """A request admitted to the fast path: the caller calls the target version itself."""
+
+    tier: str
+    version: int
+    key: str
+    shadow: bool  # the caller must keep a copy of the inputs and outputs for the shadow call
+    started: float
+
+
+_EWMA_ALPHA = 0.2  # weight of the newest target latency in the fast path's estimate
+_PRIMARY_CALL = contextvars.ContextVar("dspark_router_primary_call", default=True)
+
+
+def is_primary_call() -> bool:
+    """Inside ``call_target``: True for a client's request, False for a shadow copy (whose
+    latency must not steer the fast path)."""
+    return _PRIMARY_CALL.get()
+
+
 class RouterCore:
     """One router: its queues, version split and shadow, driven by an event loop thread.
 
@@ -130,6 +159,12 @@ class RouterCore:
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
         self._shadow_logged_at = float("-inf")
+        self._lock = threading.Lock()  # scheduler state, shared by the loop and the fast path
+        self._handoffs = 0  # submitted requests the loop has not queued yet
+        self.target_ms = 0.0  # EWMA of primary target call latency; gates the fast path
+        self.inline_count = 0  # requests served by the fast path
+        self._inline_exported = 0
+        self._inline_requests: Counter[tuple[str, int]] = Counter()  # exported per tick, not per request
 
     # --- called from other threads -----------------------------------------------------
 
@@ -138,7 +173,61 @@ class RouterCore:
 
     def submit(self, job: Job) -> None:
         """Hand a request to the router (thread-safe, returns at once)."""
+        with self._lock:
+            self._handoffs += 1
         self.loop.call_soon_threadsafe(self._accept, job)
+
+    def try_inline(self, tier: str | None, user_id: str | None, request_id: str | None) -> Inline | None:
+        """Admit a request to the fast path, or None (then ``submit`` it).
+
+        Admitted only when that cannot overtake or delay anyone much: nothing queued or being
+        handed over, a concurrency slot free, and the target's recent latency at most
+        ``inline_max_ms`` (the caller blocks for the call, and requests arriving meanwhile wait
+        in Triton's queue in front of the router). The caller must call ``finish_inline``.
+        """
+        config = self.config
+        if self._stopping or config.inline_max_ms <= 0 or self.target_ms > config.inline_max_ms:
+            return None
+        now = self.clock()
+        with self._lock:
+            if self._handoffs:
+                return None
+            try:
+                tier = self.scheduler.resolve_tier(tier)
+            except UnknownTier:
+                return None  # the loop answers it with the error
+            if not self.scheduler.try_admit(tier, now):
+                return None
+        key = routing_key(user_id, request_id)
+        version = self.splitter.version_for(key)
+        shadow = config.shadow.version is not None and shadow_sampled(key, config.shadow.percent)
+        with self._lock:
+            self._inline_requests[(tier, version)] += 1
+            self.inline_count += 1
+        return Inline(tier, version, key, shadow, now)
+
+    def finish_inline(self, ticket: Inline, payload: Any = None, outputs: Outputs | None = None,
+                      failed: bool = False) -> None:
+        """The fast-path call is done (the caller answers the client): free the slot, record it,
+        and start the shadow call if the ticket asked for one (``payload`` and ``outputs``)."""
+        elapsed = self.clock() - ticket.started
+        self.observe_target(elapsed)
+        with self._lock:
+            self.scheduler.release()
+            waiting = any(self.scheduler.queued().values())
+        if failed:
+            self.metrics.rejection(ticket.tier, "target_error")
+        else:
+            self.metrics.latency(ticket.tier, ticket.version, elapsed)
+        if waiting:
+            self.loop.call_soon_threadsafe(self._pump)
+        if ticket.shadow and not failed and payload is not None and outputs is not None:
+            self.loop.call_soon_threadsafe(self._maybe_shadow, ticket.key, payload, outputs)
+
+    def observe_target(self, seconds: float) -> None:
+        """Report how long a target call took, thread hops excluded (the adapter times its
+        blocking call); the fast path is open while the running average is <= inline_max_ms."""
+        self.target_ms += _EWMA_ALPHA * (1000 * seconds - self.target_ms)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Answer queued requests with an error, let in-flight ones finish, stop the loop."""
@@ -160,7 +249,7 @@ class RouterCore:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        # pb_utils' async_exec runs the blocking BLS call in the loop's default executor, whose
+        # the adapter runs the blocking BLS call in the loop's default executor, whose
         # default size (cores + 4) would cap the calls in flight; threads start only when needed.
         self.loop.set_default_executor(ThreadPoolExecutor(max_workers=128, thread_name_prefix=f"{self.name}-bls"))
         self.loop.call_soon(self._apply, self.config)
@@ -168,8 +257,9 @@ class RouterCore:
         self.loop.run_forever()
 
     def _apply(self, config: RoutingConfig) -> None:
-        self.config = config
-        self.scheduler.reconfigure(config)
+        with self._lock:
+            self.config = config
+            self.scheduler.reconfigure(config)
         self.splitter = VersionSplitter(config.shares)
         self.metrics.config_version(config.version)
         log.info("%s: routing config version %d applied (shares %s, shadow %s %.3g%%)",
@@ -187,38 +277,63 @@ class RouterCore:
                 log.error("%s: routing file rejected, keeping version %d: %s",
                           self.name, self.config.version, self.watcher.last_error)
                 self.watcher.last_error = None
-        for tier, (weight, factor) in self.scheduler.weights(self.clock()).items():
+        with self._lock:
+            weights = self.scheduler.weights(self.clock())
+        for tier, (weight, factor) in weights.items():
             self.metrics.weights(tier, weight, factor)
+        self._export_inline_counts()
         self._pump()
         self.loop.call_later(self.poll_interval_s, self._tick)
 
+    def _export_inline_counts(self) -> None:
+        """Fast-path requests reach the counters once per tick: each metric update is an IPC
+        round trip that would otherwise compete with the next request (~0.1 ms each)."""
+        with self._lock:
+            counts, self._inline_requests = self._inline_requests, Counter()
+            total, self._inline_exported = self.inline_count - self._inline_exported, self.inline_count
+        for (tier, version), n in counts.items():
+            self.metrics.request(tier, version, n)
+        if total:
+            self.metrics.fast_path(total)
+
     def _accept(self, job: Job) -> None:
-        if self._stopping:
-            self._reply(job, None, RouteError(f"router '{self.name}' is shutting down", reason="shutdown"))
-            return
-        try:
-            tier = self.scheduler.resolve_tier(job.tier)
-        except UnknownTier as exc:
-            self.metrics.rejection("unknown", "unknown_tier")  # not the client's string: bounded labels
-            self._reply(job, None, RouteError(f"parameter 'tier': {exc}", "INVALID_ARG", "unknown_tier"))
-            return
-        key = routing_key(job.user_id, job.request_id)
-        routed = _Routed(job, tier, self.splitter.version_for(key), key)
-        try:
-            self.scheduler.submit(routed, tier, self.clock())
-        except QueueFull as exc:
-            self.metrics.rejection(tier, "queue_full")
-            self._reply(job, None, RouteError(f"router '{self.name}': {exc}", reason="queue_full"))
+        error = None
+        with self._lock:
+            self._handoffs -= 1
+            if self._stopping:
+                error = RouteError(f"router '{self.name}' is shutting down", reason="shutdown")
+            else:
+                try:
+                    tier = self.scheduler.resolve_tier(job.tier)
+                except UnknownTier as exc:
+                    self.metrics.rejection("unknown", "unknown_tier")  # not the client's string: bounded labels
+                    error = RouteError(f"parameter 'tier': {exc}", "INVALID_ARG", "unknown_tier")
+                else:
+                    key = routing_key(job.user_id, job.request_id)
+                    routed = _Routed(job, tier, self.splitter.version_for(key), key)
+                    try:
+                        self.scheduler.submit(routed, tier, self.clock())
+                    except QueueFull as exc:
+                        self.metrics.rejection(tier, "queue_full")
+                        error = RouteError(f"router '{self.name}': {exc}", reason="queue_full")
+        if error is not None:
+            self._reply(job, None, error)
             return
         self._pump()
 
     def _pump(self) -> None:
         now = self.clock()
-        for pending in self.scheduler.expire(now):
+        ready = []
+        with self._lock:
+            expired = self.scheduler.expire(now)
+            while (pending := self.scheduler.pop_next(now)) is not None:
+                ready.append(pending)
+            due = self.scheduler.next_deadline()
+        for pending in expired:
             self._expire(pending, now)
-        while (pending := self.scheduler.pop_next(now)) is not None:
+        for pending in ready:
             self._spawn(self._dispatch(pending, now))
-        self._arm_timer()
+        self._arm_timer(due)
 
     def _expire(self, pending: Pending[_Routed], now: float) -> None:
         tier = pending.tier
@@ -229,8 +344,7 @@ class RouterCore:
             f"router '{self.name}': request waited {waited_ms:.0f} ms in the '{tier}' queue, "
             f"past the tier's queue deadline of {deadline_ms:.0f} ms", reason="deadline"))
 
-    def _arm_timer(self) -> None:
-        due = self.scheduler.next_deadline()
+    def _arm_timer(self, due: float | None) -> None:
         if due is None or (self._timer_at is not None and self._timer_at <= due and self._timer is not None):
             return
         if self._timer is not None:
@@ -263,23 +377,25 @@ class RouterCore:
             self._reply(job, outputs, None)
             self.metrics.latency(routed.tier, routed.version, self.clock() - job.arrived_at)
         finally:
-            self.scheduler.release()
+            with self._lock:
+                self.scheduler.release()
             self._pump()
         if outputs is not None:
-            self._maybe_shadow(routed, outputs)
+            self._maybe_shadow(routed.key, job.payload, outputs)
 
-    def _maybe_shadow(self, routed: _Routed, primary: Outputs) -> None:
+    def _maybe_shadow(self, key: str, payload: Any, primary: Outputs) -> None:
         shadow = self.config.shadow
-        if shadow.version is None or not shadow_sampled(routed.key, shadow.percent):
+        if shadow.version is None or not shadow_sampled(key, shadow.percent):
             return
         if self.shadow_inflight >= shadow.max_inflight:
             self.metrics.shadow(shadow.version, "skipped", None)
             return
         self.shadow_inflight += 1
-        self._spawn(self._shadow(routed.job.payload, primary, shadow))
+        self._spawn(self._shadow(payload, primary, shadow))
 
     async def _shadow(self, payload: Any, primary: Outputs, policy: ShadowPolicy) -> None:
         version = policy.version
+        _PRIMARY_CALL.set(False)  # this task's own context
         start = self.clock()
         try:
             outputs = await self.call_target(payload, version)
@@ -308,8 +424,11 @@ class RouterCore:
             log.exception("%s: sending a response failed", self.name)
 
     async def _shutdown(self, timeout_s: float) -> None:
-        self._stopping = True
-        for pending in self.scheduler.drain():
+        with self._lock:
+            self._stopping = True
+            drained = self.scheduler.drain()
+        self._export_inline_counts()
+        for pending in drained:
             self.metrics.rejection(pending.tier, "shutdown")
             self._reply(pending.item.job, None,
                         RouteError(f"router '{self.name}' is shutting down", reason="shutdown"))

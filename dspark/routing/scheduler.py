@@ -195,6 +195,18 @@ class TierScheduler(Generic[T]):
         self.inflight += 1
         return pending
 
+    def try_admit(self, tier: str, now: float) -> bool:
+        """Take a slot for a request that goes to the target at once, bypassing the queues.
+
+        Only when that overtakes no one: nothing queued in any tier and a slot free. Counts the
+        arrival for the fluctuation factor like ``submit``; the caller ``release``s the slot.
+        """
+        if self.inflight >= self.config.max_inflight or any(s.queue for s in self._tiers.values()):
+            return False
+        self._tiers[tier].meter.record(now)
+        self.inflight += 1
+        return True
+
     def release(self) -> None:
         """A dispatched request finished (answer or error); frees its concurrency slot."""
         self.inflight -= 1

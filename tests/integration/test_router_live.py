@@ -233,3 +233,37 @@ def test_route_set_rejects_bad_input_naming_the_field(live):
     assert out.exit_code != 0 and "shares: percentages must sum to 100" in out.output
     out = runner.invoke(route, ["set", *base, "--weight", "platinum=2"])
     assert out.exit_code != 0 and "unknown tier 'platinum'" in out.output
+
+
+def test_fast_path_serves_an_idle_router_and_closes_for_a_slow_target(live):
+    apply(live, shares={1: 100}, shadow=ShadowPolicy(), tiers=RoutingConfig().tiers, max_inflight=2)
+    time.sleep(0.6)
+    before = metric(live, "dspark_router_fast_path_total")
+    for i in range(60):
+        result = infer(live, parameters={"tier": "gold"})
+        np.testing.assert_allclose(result.as_numpy("y"), 2 * X)
+    time.sleep(1.0)  # the counter is exported every 0.5 s
+    assert metric(live, "dspark_router_fast_path_total") - before >= 30, \
+        "sequential requests to an idle router in front of a fast target take the fast path"
+
+    # a 1 s target: after one call the fast path closes, so execute never holds a slow standard
+    # request while a diamond one waits in Triton's queue: both run at once (max_inflight 2)
+    apply(live, shares={4: 100})
+    infer(live, parameters={"tier": "standard"})
+    time.sleep(0.6)
+    before = metric(live, "dspark_router_fast_path_total")
+    latency = {}
+
+    def call(tier):
+        t = time.monotonic()
+        infer(live, parameters={"tier": tier})
+        latency[tier] = time.monotonic() - t
+
+    standard = threading.Thread(target=call, args=("standard",))
+    standard.start()
+    time.sleep(0.1)
+    call("diamond")
+    standard.join()
+    assert latency["diamond"] < 1.6, f"diamond took {latency['diamond']:.2f} s behind a 1 s standard call"
+    time.sleep(1.0)
+    assert metric(live, "dspark_router_fast_path_total") == before

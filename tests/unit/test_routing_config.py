@@ -28,6 +28,7 @@ def test_load_and_round_trip(tmp_path):
     assert cfg.shares == {1: 80.0, 2: 20.0}
     assert cfg.shadow.version == 2 and cfg.shadow.atol == 0.001
     assert cfg.fluctuation.min == -0.25 and cfg.shadow.ignore_outputs == ("version",)
+    assert cfg.inline_max_ms == 5.0  # the default
     cfg.save(path)
     assert RoutingConfig.load(path) == cfg
 
@@ -40,6 +41,7 @@ def test_load_and_round_trip(tmp_path):
     ("default_tier: platinum", "default_tier: 'platinum' is not one of the tiers"),
     ("max_inflight: -1", "max_inflight"),
     ("max_inflight: many", "max_inflight: must be a int"),
+    ("inline_max_ms: -1", "inline_max_ms: must be a number >= 0"),
     ("fluctuation: {min: -1.5}", "fluctuation.min"),
     ("fluctuation: {short_window_s: 20}", "fluctuation.short_window_s"),
     ("shadow: {percent: 10}", "shadow.version: required"),
@@ -77,3 +79,19 @@ def test_missing_file_means_defaults(tmp_path):
     watcher = ConfigWatcher(tmp_path / "routing.yaml")
     assert watcher.config.shares == {1: 100.0}
     assert set(watcher.config.tiers) == {"diamond", "gold", "standard"}
+
+
+def test_route_set_changes_the_fast_path_threshold(tmp_path):
+    import shutil
+
+    from click.testing import CliRunner
+
+    from dspark.cli.route import route
+    from dspark.paths import project_root
+
+    shutil.copytree(project_root() / "model_repository" / "router_demo", tmp_path / "router_demo")
+    result = CliRunner().invoke(route, ["set", "-r", str(tmp_path), "-m", "router_demo", "--inline-max-ms", "0"])
+    assert result.exit_code == 0, result.output
+    assert RoutingConfig.load(tmp_path / "router_demo" / "routing.yaml").inline_max_ms == 0
+    shown = CliRunner().invoke(route, ["show", "-r", str(tmp_path), "-m", "router_demo"])
+    assert "fast path while the target answers within 0 ms" in shown.output

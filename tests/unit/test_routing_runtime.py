@@ -21,7 +21,9 @@ class Recorder(RouterMetrics):
         with self.lock:
             self.events.append(e)
 
-    def request(self, tier, version): self._add("request", tier, version)
+    def request(self, tier, version, count=1):
+        for _ in range(count):
+            self._add("request", tier, version)
     def rejection(self, tier, reason): self._add("rejection", tier, reason)
     def shadow(self, version, outcome, seconds): self._add("shadow", version, outcome)
     def config_version(self, version): self._add("config_version", version)
@@ -252,3 +254,55 @@ def test_routing_file_change_is_picked_up(run_core, tmp_path):
     core.submit(client.job("after"))
     client.wait()
     assert calls == [1, 1, 2]
+
+
+def test_fast_path_only_when_idle_and_target_fast_and_never_overtakes_the_queue(run_core):
+    target, log = make_target(service_s=0.01)
+    core = run_core(config(max_inflight=1), target)
+    ticket = core.try_inline("gold", None, "inline-1")
+    assert ticket is not None and ticket.tier == "gold" and ticket.version == 1
+    assert core.try_inline("diamond", None, "inline-2") is None, "the only slot is taken"
+    client = Client()
+    core.submit(client.job("queued", tier="standard"))
+    time.sleep(0.1)
+    assert client.answers == {} and log == []
+    assert core.try_inline("diamond", None, "inline-3") is None, "a request is queued"
+    core.finish_inline(ticket)
+    client.wait()
+    assert client.answers["queued"][1] is None and log == [1]
+    assert core.try_inline("platinum", None, "x") is None, "unknown tiers take the queued path (which explains)"
+
+
+def test_fast_path_closes_for_a_slow_target_and_when_turned_off(run_core):
+    target, _ = make_target()
+    core = run_core(config(inline_max_ms=5), target)
+    for _ in range(3):
+        core.observe_target(0.2)  # 200 ms calls: execute must not block that long
+    assert core.try_inline("standard", None, "r") is None
+    for _ in range(40):
+        core.observe_target(0.001)
+    ticket = core.try_inline("standard", None, "r")
+    assert ticket is not None
+    core.finish_inline(ticket)
+    core.apply(config(inline_max_ms=0))
+    assert eventually(lambda: core.config.inline_max_ms == 0)
+    assert core.try_inline("standard", None, "r") is None
+
+
+def test_fast_path_shadow_runs_after_the_answer_and_errors_count(run_core):
+    target, log = make_target()
+    metrics = Recorder()
+    core = run_core(config(shares={1: 100}, shadow=ShadowPolicy(version=2, percent=100, max_inflight=5)),
+                    target, metrics)
+    ticket = core.try_inline("diamond", "alice", None)
+    assert ticket.shadow
+    payload = {"x": np.array([3.0], np.float32)}
+    core.finish_inline(ticket, payload, {"y": payload["x"] * 2})
+    assert eventually(lambda: metrics.count("shadow", 2, "agree") == 1)
+    assert log == [2]
+    failed = core.try_inline("diamond", "bob", None)
+    core.finish_inline(failed, failed=True)
+    assert eventually(lambda: metrics.count("rejection", "diamond", "target_error") == 1)
+    assert log == [2], "no shadow for a failed primary"
+    assert core.scheduler.inflight == 0
+    assert eventually(lambda: metrics.count("request", "diamond", 1) == 2), "fast-path requests are counted"

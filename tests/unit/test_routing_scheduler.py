@@ -176,3 +176,15 @@ def test_reconfigure_keeps_queued_requests():
     assert items == list(range(10))
     with pytest.raises(UnknownTier):
         sched.resolve_tier("standard")
+
+
+def test_try_admit_takes_a_slot_only_when_nothing_is_queued():
+    cfg = RoutingConfig(max_inflight=2).validate()
+    s = TierScheduler(cfg, 0.0)
+    assert s.try_admit("standard", 0.0) and s.inflight == 1
+    s.submit("queued", "gold", 0.1)
+    assert not s.try_admit("diamond", 0.1), "would overtake the queued gold request"
+    assert s.pop_next(0.2).item == "queued"
+    assert not s.try_admit("diamond", 0.2), "both slots taken"
+    s.release()
+    assert s.try_admit("diamond", 0.3)
