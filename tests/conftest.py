@@ -1,10 +1,14 @@
 """Shared fixtures: one real tritonserver for the session, serving the demo repositories."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Sequence
+
 import pytest
 
 from dspark.paths import demo_repositories
-from dspark.triton.server import TritonServer
+from dspark.triton.server import DEFAULT_HEADER_PATTERN, TritonServer, header_forward_args
 
 LOG_TAIL_LINES = 200
 # Triton waits this long at shutdown for clients' idle keep-alive connections; tests need no drain.
@@ -21,15 +25,22 @@ def dump_log_on_failure(request: pytest.FixtureRequest, server: TritonServer, fa
             reporter.write_line(line)
 
 
+@contextmanager
+def serving(request: pytest.FixtureRequest, repositories: Sequence[Path]) -> Iterator[TritonServer]:
+    """A real server on free ports for a fixture: headers forwarded, log dumped if a test failed."""
+    server = TritonServer(repositories=repositories, exit_timeout_s=TEST_EXIT_TIMEOUT_S,
+                          extra_args=header_forward_args(DEFAULT_HEADER_PATTERN))
+    failed_before = request.session.testsfailed
+    server.start()
+    try:
+        yield server
+    finally:
+        dump_log_on_failure(request, server, failed_before)
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def triton_server(request: pytest.FixtureRequest):
     """The demo repositories (model_repository/ + ensembles/) on a real server, free ports."""
-    server = TritonServer(repositories=demo_repositories(),
-                          extra_args=["--http-header-forward-pattern=dspark-.*",
-                                      "--grpc-header-forward-pattern=dspark-.*"],
-                          exit_timeout_s=TEST_EXIT_TIMEOUT_S)
-    failed_before = request.session.testsfailed
-    server.start()
-    yield server
-    dump_log_on_failure(request, server, failed_before)
-    server.stop()
+    with serving(request, demo_repositories()) as server:
+        yield server

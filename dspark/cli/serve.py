@@ -9,9 +9,13 @@ from typing import Sequence
 import click
 
 from dspark.paths import demo_repositories
-from dspark.triton.server import ServerError, ServerPorts, TritonServer
-
-DEFAULT_HEADER_PATTERN = "dspark-.*"
+from dspark.triton.server import (
+    DEFAULT_HEADER_PATTERN,
+    ServerError,
+    ServerPorts,
+    TritonServer,
+    header_forward_args,
+)
 
 
 def server_options(function):
@@ -42,9 +46,7 @@ def start_server(repositories: Sequence[Path], http_port: int, grpc_port: int, m
                  model_control: str, load_models: Sequence[str], log_verbose: int, log_file, server_path,
                  forward_headers: str) -> TritonServer:
     """Start the server, or exit with one line saying why it could not."""
-    extra = []
-    if forward_headers:
-        extra = [f"--http-header-forward-pattern={forward_headers}", f"--grpc-header-forward-pattern={forward_headers}"]
+    extra = header_forward_args(forward_headers) if forward_headers else []
     try:
         server = TritonServer(
             repositories=list(repositories) or demo_repositories(),

@@ -25,6 +25,8 @@ INSTALL_HINT = (
     "install the bundled server with `pip install nvidia-pytriton==0.7.0`, put `tritonserver` on PATH, "
     f"set {SERVER_ENV_VAR}=/path/to/tritonserver, or pass --server /path/to/tritonserver"
 )
+# Headers Triton passes to models as request parameters (the router reads dspark-tier, dspark-user-id).
+DEFAULT_HEADER_PATTERN = "dspark-.*"
 PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 STUB_NAME = "triton_python_backend_stub"
 
@@ -127,6 +129,11 @@ def build_backend_directory(install: ServerInstall, destination: Path, sources: 
             shutil.copytree(backend, destination / backend.name, ignore=shutil.ignore_patterns("__pycache__"))
             names.append(backend.name)
     return names
+
+
+def header_forward_args(pattern: str) -> list[str]:
+    """Triton flags that forward HTTP and gRPC headers matching `pattern` to models."""
+    return [f"--http-header-forward-pattern={pattern}", f"--grpc-header-forward-pattern={pattern}"]
 
 
 def _free_port() -> int:
@@ -298,8 +305,8 @@ class TritonServer:
         timeout_s = self.exit_timeout_s + 10
         code = None
         if self._process is not None:
-            if self._process.poll() is None:
-                self._process.send_signal(signal.SIGTERM)
+            if self.running:
+                self.terminate()
                 try:
                     self._process.wait(timeout_s)
                 except subprocess.TimeoutExpired:

@@ -8,8 +8,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from dspark.paths import project_root
-from dspark.triton.server import TritonServer
-from tests.conftest import TEST_EXIT_TIMEOUT_S, dump_log_on_failure
+from tests.conftest import serving
 
 pytestmark = pytest.mark.integration
 
@@ -22,12 +21,8 @@ def bare_config_server(tmp_path_factory, request):
     (model_dir / "1").mkdir(parents=True)
     shutil.copy(project_root() / "model_repository/mlp_classifier/1/model.onnx", model_dir / "1/model.onnx")
     (model_dir / "config.pbtxt").write_text('backend: "onnx"\n')
-    server = TritonServer(repositories=[repository], exit_timeout_s=TEST_EXIT_TIMEOUT_S)
-    failed_before = request.session.testsfailed
-    server.start()
-    yield server
-    dump_log_on_failure(request, server, failed_before)
-    server.stop()
+    with serving(request, [repository]) as server:
+        yield server
 
 
 def test_config_is_completed_from_the_onnx_graph(bare_config_server):

@@ -19,12 +19,11 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import TEST_EXIT_TIMEOUT_S, dump_log_on_failure
+from tests.conftest import serving
 from dspark.cli.route import read_metrics, route
 from dspark.paths import project_root
 from dspark.routing.config import RoutingConfig, ShadowPolicy, TierPolicy
 from dspark.routing.graying import VersionSplitter, routing_key
-from dspark.triton.server import TritonServer
 
 pytestmark = pytest.mark.integration
 X = np.array([1.0, 2.0, 3.0], dtype=np.float32)
@@ -49,15 +48,9 @@ def live(request, tmp_path_factory):
         (repo / "router_demo_target" / str(version)).mkdir(exist_ok=True)
         set_parameter(repo / "router_demo_target", f"version_{version}", behaviour)
     set_parameter(repo / "router_demo", "target_versions", ",".join(str(v) for v in [1, *BEHAVIOUR]))
-    server = TritonServer(repositories=[repo], exit_timeout_s=TEST_EXIT_TIMEOUT_S,
-                          extra_args=["--http-header-forward-pattern=dspark-.*",
-                                      "--grpc-header-forward-pattern=dspark-.*"])
-    failed_before = request.session.testsfailed
-    server.start()
-    server.repo = repo
-    yield server
-    dump_log_on_failure(request, server, failed_before)
-    server.stop()
+    with serving(request, [repo]) as server:
+        server.repo = repo
+        yield server
 
 
 def metric(server, name, **labels):
