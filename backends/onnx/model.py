@@ -73,12 +73,13 @@ class TritonPythonModel:
         self.batched = self.model_config["max_batch_size"] > 0
         self.inputs = [TensorSpec.from_config(entry) for entry in self.model_config["input"]]
         self.output_specs = [TensorSpec.from_config(entry) for entry in self.model_config["output"]]
+        spinning = parameter_bool(params, "allow_spinning", False)
         self.runner = OnnxRunner(
             model_path,
             providers=parameter_list(params, "execution_providers", ("CPUExecutionProvider",)),
             intra_op_threads=parameter_int(params, "intra_op_threads", 1),
             inter_op_threads=parameter_int(params, "inter_op_threads", 1),
-            allow_spinning=parameter_bool(params, "allow_spinning", False),
+            allow_spinning=spinning,
             graph_optimization_level=params.get("graph_optimization_level") or "all",
         )
         logger = pb_utils.Logger
@@ -87,7 +88,7 @@ class TritonPythonModel:
         logger.log_info(
             f"onnx backend: loaded {args['model_name']} version {args['model_version']} from {model_path} "
             f"on {self.runner.choice.chosen}, intra_op_threads={self.runner.session.get_session_options().intra_op_num_threads}, "
-            f"spinning={'on' if parameter_bool(params, 'allow_spinning', False) else 'off'}"
+            f"spinning={'on' if spinning else 'off'}"
         )
         labels = {"model": args["model_name"], "version": args["model_version"]}
         # Families must outlive their metrics, so both are kept on the instance.

@@ -19,19 +19,11 @@ def sample_features(rows: int = 2, seed: int = 7) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((rows, FEATURES)).astype(np.float32)
 
 
-def classify_http(url: str, model: str, features: np.ndarray) -> np.ndarray:
-    client = httpclient.InferenceServerClient(url)
-    tensor = httpclient.InferInput("features", list(features.shape), "FP32")
+def classify(client_module, url: str, model: str, input_name: str, features: np.ndarray) -> np.ndarray:
+    """One classification call through tritonclient.http or tritonclient.grpc (same API)."""
+    tensor = client_module.InferInput(input_name, list(features.shape), "FP32")
     tensor.set_data_from_numpy(features)
-    return client.infer(model, [tensor]).as_numpy("probabilities")
-
-
-def classify_grpc(url: str, model: str, features: np.ndarray) -> np.ndarray:
-    client = grpcclient.InferenceServerClient(url)
-    tensor = grpcclient.InferInput("raw_features" if model == "scaled_classifier" else "features",
-                                   list(features.shape), "FP32")
-    tensor.set_data_from_numpy(features)
-    return client.infer(model, [tensor]).as_numpy("probabilities")
+    return client_module.InferenceServerClient(url).infer(model, [tensor]).as_numpy("probabilities")
 
 
 def generate_http(url: str, model: str, prompt: str, **sampling) -> tuple[str, float]:
@@ -52,12 +44,12 @@ def _describe(row: np.ndarray) -> str:
 
 def run_samples(http_url: str, grpc_url: str, echo: Callable[[str], None] = print) -> None:
     features = sample_features()
-    probabilities = classify_http(http_url, "mlp_classifier", features)
+    probabilities = classify(httpclient, http_url, "mlp_classifier", "features", features)
     echo("mlp_classifier over HTTP (2 rows of 16 standardized features):")
     for row in probabilities:
         echo(_describe(row))
     raw = features * 2.5 + 10.0  # unscaled measurements; the ensemble standardizes them first
-    probabilities = classify_grpc(grpc_url, "scaled_classifier", raw)
+    probabilities = classify(grpcclient, grpc_url, "scaled_classifier", "raw_features", raw)
     echo("scaled_classifier ensemble over gRPC (feature_scaler -> mlp_classifier, raw measurements):")
     for row in probabilities:
         echo(_describe(row))
