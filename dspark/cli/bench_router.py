@@ -25,7 +25,9 @@ import numpy as np
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from dspark.routing.config import FluctuationPolicy, RoutingConfig, TierPolicy
+from dspark.cli.bench import percentile
+from dspark.cli.route import read_metrics
+from dspark.routing.config import RoutingConfig, TierPolicy
 
 TIERS = ("diamond", "gold", "standard")
 
@@ -83,8 +85,8 @@ class Result:
         return {
             "sent": len(mine),
             "ok": len(ok),
-            "p50_ms": 1000 * float(np.percentile(ok, 50)) if ok else float("nan"),
-            "p99_ms": 1000 * float(np.percentile(ok, 99)) if ok else float("nan"),
+            "p50_ms": 1000 * percentile(ok, 50),
+            "p99_ms": 1000 * percentile(ok, 99),
             "rejected": dict(Counter(o.reason for o in mine if o.reason != "ok")),
         }
 
@@ -107,8 +109,6 @@ def build_repository(root: Path, service_ms: float, instances: int, max_inflight
             tiers={t: TierPolicy(weight=w, deadline_ms=deadlines_ms[t], max_queue=10_000)
                    for t, w in zip(TIERS, (8, 3, 1))},
             max_inflight=max_inflight,
-            fluctuation=FluctuationPolicy(),
-            shares={1: 100},
         ).validate().save(root / name / "routing.yaml")
     (root / "bench_passthrough" / "1").mkdir(parents=True)
     (root / "bench_passthrough" / "1" / "model.py").write_text(PASSTHROUGH_MODEL)
@@ -232,12 +232,8 @@ def measure_overhead(url: str, rounds: int, calls: int) -> dict[str, float]:
 
 def fast_path_count(metrics_url: str, model: str) -> float:
     """The router's dspark_router_fast_path_total from /metrics (counted every 0.5 s)."""
-    import urllib.request
-
     time.sleep(1.0)
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("dspark_router_fast_path_total") and f'model="{model}"' in line)
+    return sum(v for n, _, v in read_metrics(metrics_url, model) if n == "dspark_router_fast_path_total")
 
 
 def unloaded_p99(url: str, calls: int) -> float:
@@ -251,7 +247,7 @@ def unloaded_p99(url: str, calls: int) -> float:
         t = time.perf_counter()
         client.infer("bench_router", [inp], parameters={"tier": "diamond"})
         times.append(time.perf_counter() - t)
-    return 1000 * float(np.percentile(times, 99))
+    return 1000 * percentile(times, 99)
 
 
 def bursty(capacity: float, duration_s: float, base: float = 0.65, burst: float = 1.8,

@@ -16,9 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import click
-from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2
-
+from dspark.repository.modelspec import load_config
 from dspark.routing.config import ConfigError, RoutingConfig
 
 _SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
@@ -30,7 +28,7 @@ def router_files(repository: Path, model: str) -> tuple[Path, set[int] | None]:
     config_path = repository / model / "config.pbtxt"
     if not config_path.is_file():
         raise click.ClickException(f"--model: no {config_path}; is '{model}' a model in {repository}?")
-    config = text_format.Parse(config_path.read_text(), model_config_pb2.ModelConfig())
+    config = load_config(config_path)
     if config.backend != "qos_router":
         raise click.ClickException(f"--model: '{model}' uses backend '{config.backend}', not qos_router")
     params = {k: v.string_value for k, v in config.parameters.items()}

@@ -39,7 +39,6 @@ class VersionSplitter:
     """
 
     def __init__(self, shares: Mapping[int, float]):
-        self.shares = dict(shares)
         self._bounds: list[tuple[int, int]] = []  # (lowest bucket of range, version), top-down
         upper = BUCKETS
         for version in sorted(shares, reverse=True):

@@ -162,8 +162,6 @@ class RouterCore:
         self._lock = threading.Lock()  # scheduler state, shared by the loop and the fast path
         self._handoffs = 0  # submitted requests the loop has not queued yet
         self.target_ms = 0.0  # EWMA of primary target call latency; gates the fast path
-        self.inline_count = 0  # requests served by the fast path
-        self._inline_exported = 0
         self._inline_requests: Counter[tuple[str, int]] = Counter()  # exported per tick, not per request
 
     # --- called from other threads -----------------------------------------------------
@@ -203,7 +201,6 @@ class RouterCore:
         shadow = config.shadow.version is not None and shadow_sampled(key, config.shadow.percent)
         with self._lock:
             self._inline_requests[(tier, version)] += 1
-            self.inline_count += 1
         return Inline(tier, version, key, shadow, now)
 
     def finish_inline(self, ticket: Inline, payload: Any = None, outputs: Outputs | None = None,
@@ -290,7 +287,7 @@ class RouterCore:
         round trip that would otherwise compete with the next request (~0.1 ms each)."""
         with self._lock:
             counts, self._inline_requests = self._inline_requests, Counter()
-            total, self._inline_exported = self.inline_count - self._inline_exported, self.inline_count
+        total = sum(counts.values())
         for (tier, version), n in counts.items():
             self.metrics.request(tier, version, n)
         if total:

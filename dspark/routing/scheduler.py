@@ -130,10 +130,6 @@ class TierScheduler(Generic[T]):
             if name not in config.tiers:
                 tier.policy = TierPolicy(weight=floor, deadline_ms=tier.policy.deadline_ms, max_queue=0)
 
-    @property
-    def tiers(self) -> list[str]:
-        return list(self.config.tiers)
-
     def resolve_tier(self, tier: str | None) -> str:
         if tier is None or tier == "":
             return self.config.default_tier
