@@ -45,9 +45,6 @@ cdef extern from "fused_layer.h" nogil:
     void dspark_sgemm(const float *a, const float *b, float *c, size_t m, size_t k, size_t n)
 
 
-GELU_KINDS = {"erf": 0, "tanh": 1}
-
-
 cdef const dspark_simd_kernels *_selected() except NULL:
     cdef char err[256]
     cdef int isa = dspark_isa_select(err, sizeof(err))
@@ -79,10 +76,6 @@ def blas_info():
         "config": dspark_blas_config().decode().strip(),
         "threads": dspark_blas_get_threads(),
     }
-
-
-def set_blas_threads(int threads):
-    dspark_blas_set_threads(threads)
 
 
 cdef float *_scratch(size_t n_floats) except NULL:

@@ -194,7 +194,6 @@ def bench_pool(steps: int, seeds: int, headroom: float, rounds: int, weights: Pa
     """BFC pool vs first-fit vs np.empty on a serving-shaped trace, a request loop, model load."""
     import statistics
     import tempfile
-    from dataclasses import asdict
 
     from dspark.engines.fused_transformer import FusedTransformer, TransformerConfig, make_weights, save_weights
     from dspark.kernels.pool import MemoryPool
