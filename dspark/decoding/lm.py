@@ -9,23 +9,10 @@ import onnx
 import onnxruntime as ort
 
 from dspark.decoding.onnx_lm import LMConfig
+from dspark.engines.onnx_session import make_session_options
 
 PAD_MULTIPLE = 16  # keys per call padded to this (see onnx_lm's note on bitwise equality)
 MIN_ROWS = 2
-
-
-def session_options(threads: int) -> ort.SessionOptions:
-    """Spinning off: two sessions (draft, target) spinning on 2 cores slow each other ~2x."""
-    try:
-        from dspark.engines.onnx_session import make_session_options
-        return make_session_options(intra_op_threads=threads, inter_op_threads=1)
-    except ImportError:  # the foundation's helper; same settings
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
-        return opts
 
 
 @dataclass
@@ -72,7 +59,9 @@ class OnnxLM:
             model = onnx.load(str(model))
         props = {p.key: p.value for p in model.metadata_props}
         self.config = LMConfig.from_json(props["dspark_lm_config"])
-        self.session = ort.InferenceSession(model.SerializeToString(), session_options(threads),
+        # spinning off: two sessions (draft, target) spinning on 2 cores slow each other ~2x
+        options = make_session_options(intra_op_threads=threads, inter_op_threads=1)
+        self.session = ort.InferenceSession(model.SerializeToString(), options,
                                             providers=["CPUExecutionProvider"])
         self._outputs = [o.name for o in self.session.get_outputs()]
         self.calls = 0
