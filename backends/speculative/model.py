@@ -117,8 +117,8 @@ class TritonPythonModel:
         if prompt is None:
             raise InvalidParameter("text_input", "is required")
         prompt = prompt.decode("utf-8", errors="replace") if isinstance(prompt, bytes) else str(prompt)
-        stream = bool(_scalar(request, "stream") or False)
-        exclude = _scalar(request, "exclude_input_in_output")
+        stream = bool(_scalar(request, "stream"))
+        exclude = bool(_scalar(request, "exclude_input_in_output"))
         raw = _scalar(request, "sampling_parameters")
         sampling, spec = parse_sampling_parameters(raw, self.default_spec)
         stats = DecodeStats()
@@ -133,7 +133,7 @@ class TritonPythonModel:
             sender.send(flags=FINAL)
         else:
             text = "".join(pieces)
-            if not (exclude is not None and bool(exclude)):
+            if not exclude:
                 text = prompt + text
             sender.send(pb_utils.InferenceResponse(output_tensors=[_text_tensor(text)]), flags=FINAL)
         self._record(stats, time.perf_counter() - started)

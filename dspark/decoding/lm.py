@@ -9,23 +9,10 @@ import onnx
 import onnxruntime as ort
 
 from dspark.decoding.onnx_lm import LMConfig
+from dspark.engines.onnx_session import make_session_options
 
 PAD_MULTIPLE = 16  # keys per call padded to this (see onnx_lm's note on bitwise equality)
 MIN_ROWS = 2
-
-
-def session_options(threads: int) -> ort.SessionOptions:
-    """Spinning off: two sessions (draft, target) spinning on 2 cores slow each other ~2x."""
-    try:
-        from dspark.engines.onnx_session import make_session_options
-        return make_session_options(intra_op_threads=threads, inter_op_threads=1)
-    except ImportError:  # the foundation's helper; same settings
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
-        return opts
 
 
 @dataclass
@@ -72,22 +59,22 @@ class OnnxLM:
             model = onnx.load(str(model))
         props = {p.key: p.value for p in model.metadata_props}
         self.config = LMConfig.from_json(props["dspark_lm_config"])
-        self.session = ort.InferenceSession(model.SerializeToString(), session_options(threads),
+        # spinning off: two sessions (draft, target) spinning on 2 cores slow each other ~2x
+        options = make_session_options(intra_op_threads=threads, inter_op_threads=1)
+        self.session = ort.InferenceSession(model.SerializeToString(), options,
                                             providers=["CPUExecutionProvider"])
         self._outputs = [o.name for o in self.session.get_outputs()]
-        self.calls = 0
-        self.rows = 0
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
         return KVCache.allocate(self.config, capacity or self.config.ctx)
 
     def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray | None = None,
-                past_visible: np.ndarray | None = None, append: bool = True) -> np.ndarray:
+                past_visible: np.ndarray | None = None) -> np.ndarray:
         """Run T new tokens against the cache; return logits ``[T, vocab]``.
 
         ``tree_mask`` (T x T, default causal) says which new tokens see which; ``past_visible``
-        (T x length, default all) which cached rows they see. With ``append`` the new rows are
-        written into the cache after its current length.
+        (T x length, default all) which cached rows they see. The new rows are written into
+        the cache after its current length.
         """
         tokens = np.asarray(tokens, np.int64)
         positions = np.asarray(positions, np.int64)
@@ -115,12 +102,9 @@ class OnnxLM:
             feeds[f"past_key_{i}"] = cache.keys[i][:, :past]
             feeds[f"past_value_{i}"] = cache.values[i][:, :past]
         out = self.session.run(self._outputs, feeds)
-        self.calls += 1
-        self.rows += t
-        if append:
-            for i in range(self.config.n_layer):
-                cache.keys[i][:, length:length + t] = out[1 + 2 * i][:, :t]
-                cache.values[i][:, length:length + t] = out[2 + 2 * i][:, :t]
-            cache.positions[length:length + t] = positions[:t]
-            cache.length = length + t
+        for i in range(self.config.n_layer):
+            cache.keys[i][:, length:length + t] = out[1 + 2 * i][:, :t]
+            cache.values[i][:, length:length + t] = out[2 + 2 * i][:, :t]
+        cache.positions[length:length + t] = positions[:t]
+        cache.length = length + t
         return out[0][0, :t]
