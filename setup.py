@@ -48,6 +48,9 @@ EXTENSIONS = [
                      libraries=[name for name, _ in SIMD_LIBRARIES] + [scipy_openblas32.get_library()],
                      extra_compile_args=["-O3"], **OPENBLAS),
     cython_extension("pool", ["pool.pyx", "bfc_pool.c"], extra_compile_args=["-O3"]),
+    cython_extension("lm_step", ["lm_step.pyx", "lm_forward.c"],
+                     libraries=[scipy_openblas32.get_library()], extra_compile_args=["-O3"],
+                     **OPENBLAS),
 ]
 
 setup(

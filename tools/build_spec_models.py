@@ -3,7 +3,7 @@
 tools/weights/spec_{target,draft}.npz (fp16, made by tools/spec_train.py) become
 model_repository/spec_target/1/model.onnx and spec_draft/1/model.onnx (graphs from
 dspark.decoding.onnx_lm), and the tokenizer is copied next to the speculative model spec_lm.
-Skips a model whose ONNX file is newer than its weights.
+Skips a model whose ONNX file is newer than its weights and the graph builder.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ TOKENIZER = WEIGHTS / "spec_bpe.json"
 def build(role: str) -> Path:
     source = WEIGHTS / f"spec_{role}.npz"
     out = REPOSITORY / f"spec_{role}" / "1" / "model.onnx"
-    if out.exists() and out.stat().st_mtime >= source.stat().st_mtime:
+    inputs = (source, ROOT / "dspark" / "decoding" / "onnx_lm.py")
+    if out.exists() and out.stat().st_mtime >= max(p.stat().st_mtime for p in inputs):
         return out
     weights, cfg = load_weights_npz(source)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,8 @@ Config parameters: target_model and draft_model (names of sibling models in this
 whose version 1 holds model.onnx), tokenizer (file in this model's version folder,
 tokenizer.json), default_method (tree), num_speculative_tokens (4), tree_width (4),
 intra_op_threads (1), stream_interval_ms (10: a streamed response carries all text produced
-since the last one and goes out at most this often; the first at once).
+since the last one and goes out at most this often; the first at once), draft_runtime (kernel:
+dspark's C forward pass; onnxruntime).
 """
 import json
 import threading
@@ -24,7 +25,7 @@ import triton_python_backend_utils as pb_utils
 from dspark.decoding.engine import DecodeStats, PromptTooLong
 from dspark.decoding.request import parse_sampling_parameters
 from dspark.decoding.sampling import InvalidParameter, SpeculativeParams
-from dspark.decoding.text import TextGenerator, send_coalesced
+from dspark.decoding.text import DRAFT_RUNTIMES, TextGenerator, send_coalesced
 from dspark.triton.adapter import config_parameters, parameter_int
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -60,7 +61,12 @@ class TritonPythonModel:
                 raise pb_utils.TritonModelException(
                     f"speculative backend: {path} does not exist: run `make setup` (it builds the "
                     "LM pair from tools/weights) or fix the model's parameters")
-        self.generator = TextGenerator.from_files(target, draft, tokenizer, threads)
+        draft_runtime = params.get("draft_runtime") or "kernel"
+        if draft_runtime not in DRAFT_RUNTIMES:
+            raise pb_utils.TritonModelException(
+                f"speculative backend: parameter draft_runtime is {draft_runtime!r}; use one of "
+                f"{sorted(DRAFT_RUNTIMES)}")
+        self.generator = TextGenerator.from_files(target, draft, tokenizer, threads, draft_runtime)
         self.stream_interval_s = parameter_int(params, "stream_interval_ms", 10, minimum=0) / 1e3
         self.default_spec = SpeculativeParams(
             method=params.get("default_method") or "tree",
@@ -87,7 +93,7 @@ class TritonPythonModel:
         self.workers = set()
         pb_utils.Logger.log_info(
             f"speculative backend: {args['model_name']} target={target.parent.parent.name} "
-            f"draft={draft_name or 'none'} default={self.default_spec}")
+            f"draft={draft_name or 'none'} ({draft_runtime}) default={self.default_spec}")
 
     def execute(self, requests):
         # Each request runs on its own thread (ORT releases the GIL), so requests overlap.

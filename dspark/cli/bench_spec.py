@@ -25,6 +25,8 @@ def spec(max_tokens: int, per_category: int, repeats: int, threads: int, server:
          sampled: bool, json_out: Optional[Path]) -> None:
     """Plain decoding vs draft, prompt-lookup, hybrid and tree speculation on the demo LM pair."""
     from dspark.decoding import benchmark as bm
+    from dspark.decoding.engine import SpeculativeEngine
+    from dspark.decoding.lm import OnnxLM
     from dspark.decoding.sampling import SamplingParams
     from dspark.decoding.text import TextGenerator
 
@@ -35,19 +37,23 @@ def spec(max_tokens: int, per_category: int, repeats: int, threads: int, server:
     if missing:
         raise click.ClickException(f"missing {', '.join(missing)}: run `make setup` first")
     gen = TextGenerator.from_files(*paths, threads=threads)
+    # the same models with the draft on ORT instead of dspark's C forward pass
+    ort_draft = OnnxLM(paths[1], threads)
+    gen_ort = TextGenerator(SpeculativeEngine(gen.engine.target, ort_draft), gen.tokenizer)
     prompts = bm.heldout_prompts(per_category)
     report: dict = {"max_tokens": max_tokens, "prompts": len(prompts), "repeats": repeats}
 
-    costs = bm.cost_profile(gen)
+    costs = bm.cost_profile(gen, ort_draft=ort_draft)
     report["costs_ms"] = costs
     click.echo(f"per call (ms, context {costs['context']}): " + ", ".join(
         f"{k}={v}" for k, v in costs.items() if k != "context"))
-    click.echo(f"draft/target cost ratio {costs['draft_1'] / costs['target_1']:.2f}; "
+    click.echo(f"draft/target cost ratio {costs['draft_1'] / costs['target_1']:.2f} "
+               f"(draft on ORT: {costs['draft_1_ort'] / costs['target_1']:.2f}); "
                f"verify 5 rows / 1 row {costs['target_5'] / costs['target_1']:.2f}; "
                f"17-node tree / 1 row {costs['target_17'] / costs['target_1']:.2f}")
 
     greedy = SamplingParams(max_tokens=max_tokens)
-    results = bm.run_inprocess(gen, prompts, bm.METHODS, greedy, repeats)
+    results = bm.run_inprocess(gen, prompts, bm.METHODS, greedy, repeats, {"draft_ort": gen_ort})
     rows = bm.summary_rows(results, check_identical=True)
     report["greedy"] = rows
     click.echo(f"\nGreedy, in process ({len(prompts)} held-out prompts x {max_tokens} tokens, "

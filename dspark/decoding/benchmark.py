@@ -12,6 +12,7 @@ import numpy as np
 
 from dspark.decoding.corpus import split_documents
 from dspark.decoding.engine import DecodeStats
+from dspark.decoding.lm import OnnxLM
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.decoding.text import TextGenerator
 
@@ -19,6 +20,7 @@ METHODS: dict[str, SpeculativeParams] = {
     "none": SpeculativeParams("none"),
     "draft": SpeculativeParams("draft", num_speculative_tokens=6),
     "draft_k4_fixed": SpeculativeParams("draft", num_speculative_tokens=4, adaptive=False),
+    "draft_ort": SpeculativeParams("draft", num_speculative_tokens=6),  # draft run by ORT
     "ngram": SpeculativeParams("ngram", num_speculative_tokens=6),
     "hybrid": SpeculativeParams("hybrid", num_speculative_tokens=6),
     "tree_w2": SpeculativeParams("tree", num_speculative_tokens=4, tree_width=2),
@@ -128,13 +130,17 @@ def run_one(gen: TextGenerator, prompt: str, sampling: SamplingParams, spec: Spe
 
 
 def run_inprocess(gen: TextGenerator, prompts: list[Prompt], methods: dict[str, SpeculativeParams],
-                  sampling: SamplingParams, repeats: int = 3) -> dict[str, MethodResult]:
+                  sampling: SamplingParams, repeats: int = 3,
+                  generators: dict[str, TextGenerator] | None = None) -> dict[str, MethodResult]:
     """Every method on every prompt; methods interleaved per prompt so machine noise hits all
-    alike; each prompt's time is the median of ``repeats``."""
+    alike; each prompt's time is the median of ``repeats``. ``generators`` gives some methods
+    another generator (e.g. the same models with the draft on ORT)."""
     results = {name: MethodResult(name) for name in methods}
+    generators = generators or {}
     for prompt in prompts:
         for name, spec in methods.items():
-            runs = [run_one(gen, prompt.text, sampling, spec) for _ in range(repeats)]
+            method_gen = generators.get(name, gen)
+            runs = [run_one(method_gen, prompt.text, sampling, spec) for _ in range(repeats)]
             runs.sort(key=lambda r: r[1])
             tokens, seconds, per_token, stats = runs[len(runs) // 2]
             r = results[name]
@@ -153,8 +159,10 @@ def run_inprocess(gen: TextGenerator, prompts: list[Prompt], methods: dict[str, 
     return results
 
 
-def cost_profile(gen: TextGenerator, context: int = 300, repeats: int = 60) -> dict:
-    """Median ms of one target/draft call at a given context: 1 row, k+1 rows, a w4 x 4 tree."""
+def cost_profile(gen: TextGenerator, context: int = 300, repeats: int = 60,
+                 ort_draft: OnnxLM | None = None) -> dict:
+    """Median ms of one target/draft call at a given context: 1 row, k+1 rows, a w4 x 4 tree
+    (``ort_draft``: the same draft on ORT, for comparison)."""
     def timed(lm, rows: int) -> float:
         cache = lm.new_cache()
         lm.forward(cache, np.zeros(context, np.int64), np.arange(context))
@@ -171,6 +179,8 @@ def cost_profile(gen: TextGenerator, context: int = 300, repeats: int = 60) -> d
     if gen.engine.draft is not None:
         out["draft_1"] = timed(gen.engine.draft, 1)
         out["draft_4"] = timed(gen.engine.draft, 4)
+    if ort_draft is not None:
+        out["draft_1_ort"] = timed(ort_draft, 1)
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
 

@@ -2,17 +2,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import numpy_helper
 
-from dspark.decoding.onnx_lm import LMConfig
+from dspark.decoding.onnx_lm import GRAPH_FORMAT, LMConfig
 from dspark.engines.onnx_session import make_session_options
 
 PAD_MULTIPLE = 16  # keys per call padded to this (see onnx_lm's note on bitwise equality)
 MIN_ROWS = 2
+KERNEL_MAX_ROWS = 16  # KernelLM hands longer inputs (prompts) to ORT, whose GEMMs do them faster
 
 
 @dataclass
@@ -51,14 +54,28 @@ class KVCache:
         self.length = start + n
 
 
+@lru_cache(maxsize=64)
+def _causal(t: int) -> np.ndarray:
+    return np.tri(t, dtype=bool)
+
+
+def _read_model(model: onnx.ModelProto | str | Path) -> tuple[onnx.ModelProto, LMConfig]:
+    source = "the model" if isinstance(model, onnx.ModelProto) else str(model)
+    if not isinstance(model, onnx.ModelProto):
+        model = onnx.load(str(model))
+    props = {p.key: p.value for p in model.metadata_props}
+    if props.get("dspark_lm_format") != GRAPH_FORMAT:
+        raise ValueError(f"{source} is an LM graph of format {props.get('dspark_lm_format', '1')}, "
+                         f"this dspark needs format {GRAPH_FORMAT}: rebuild it (make setup, or "
+                         "python tools/build_spec_models.py)")
+    return model, LMConfig.from_json(props["dspark_lm_config"])
+
+
 class OnnxLM:
     """One LM graph from ``onnx_lm.build_lm_onnx`` in an ORT session."""
 
     def __init__(self, model: onnx.ModelProto | str | Path, threads: int = 1):
-        if not isinstance(model, onnx.ModelProto):
-            model = onnx.load(str(model))
-        props = {p.key: p.value for p in model.metadata_props}
-        self.config = LMConfig.from_json(props["dspark_lm_config"])
+        model, self.config = _read_model(model)
         # spinning off: two sessions (draft, target) spinning on 2 cores slow each other ~2x
         options = make_session_options(intra_op_threads=threads, inter_op_threads=1)
         self.session = ort.InferenceSession(model.SerializeToString(), options,
@@ -89,14 +106,23 @@ class OnnxLM:
         rows = max(t, MIN_ROWS)
         past = -(-(length + rows) // PAD_MULTIPLE) * PAD_MULTIPLE - rows  # >= length
         mask = np.zeros((1, rows, past + rows), bool)
-        mask[0, :t, :length] = True if past_visible is None else past_visible
-        mask[0, :t, past:past + t] = np.tril(np.ones((t, t), bool)) if tree_mask is None else tree_mask
-        mask[0, t:, past + t:] = np.eye(rows - t, dtype=bool)
-        if rows > t:
-            tokens = np.concatenate([tokens, np.zeros(rows - t, np.int64)])
-            positions = np.concatenate([positions, np.full(rows - t, positions[-1])])
-        key_positions = np.concatenate([cache.positions[:past], positions])
-        feeds = {"input_ids": tokens[None], "positions": positions[None],
+        if past_visible is None:
+            mask[0, :t, :length] = True
+        else:
+            mask[0, :t, :length] = past_visible
+        if tree_mask is None:
+            mask[0, :t, past:past + t] = _causal(t)
+        else:
+            mask[0, :t, past:past + t] = tree_mask
+        ids = np.zeros((1, rows), np.int64)
+        ids[0, :t] = tokens
+        # the new rows' positions go in the slots after the past (scratch, overwritten below)
+        key_positions = cache.positions[:past + rows]
+        key_positions[past:past + t] = positions
+        key_positions[past + t:] = key_positions[past + t - 1]
+        for r in range(t, rows):
+            mask[0, r, past + r] = True
+        feeds = {"input_ids": ids, "positions": key_positions[None, past:],
                  "key_positions": key_positions[None], "attention_mask": mask}
         for i in range(self.config.n_layer):
             feeds[f"past_key_{i}"] = cache.keys[i][:, :past]
@@ -107,4 +133,40 @@ class OnnxLM:
             cache.values[i][:, length:length + t] = out[2 + 2 * i][:, :t]
         cache.positions[length:length + t] = positions[:t]
         cache.length = length + t
-        return out[0][0, :t]
+        return out[0][:t]
+
+
+class KernelLM(OnnxLM):
+    """The same LM file, run by dspark's C forward pass (``cython_ext/lm_forward.c``, OpenBLAS
+    for the products) for up to ``KERNEL_MAX_ROWS`` new tokens, by ORT above that (a prompt).
+    Meant for the draft: a draft step is a few hundred kFLOP, and ORT's per-node overhead
+    (~70 nodes) was most of a draft call. Both write the same cache layout. Logits match the
+    ORT graph's to float rounding, not bit for bit, which a draft does not need (the target
+    verifies every guess); the target stays on ORT, where greedy equality is built in."""
+
+    def __init__(self, model: onnx.ModelProto | str | Path, threads: int = 1):
+        from dspark._ext.lm_step import LMStep
+
+        model, _ = _read_model(model)
+        super().__init__(model, threads)
+        weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        self._step = LMStep(weights, self.config.n_layer, self.config.n_head, self.config.vocab)
+
+    def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray | None = None,
+                past_visible: np.ndarray | None = None) -> np.ndarray:
+        t, length = len(tokens), cache.length
+        if t == 0 or t > KERNEL_MAX_ROWS:
+            return super().forward(cache, tokens, positions, tree_mask, past_visible)
+        if length + t > cache.capacity:
+            raise ValueError(f"context full: {length} cached + {t} new > {cache.capacity}")
+        mask = np.empty((t, length + t), bool)
+        mask[:, :length] = True if past_visible is None else past_visible
+        mask[:, length:] = _causal(t) if tree_mask is None else tree_mask
+        positions = np.ascontiguousarray(positions, np.int64)
+        cache.positions[length:length + t] = positions
+        logits = np.empty((t, self.config.vocab), np.float32)
+        self._step.forward(cache.keys, cache.values, np.ascontiguousarray(tokens, np.int64),
+                           positions, mask.view(np.uint8), length, cache.positions[:length + t],
+                           logits)
+        cache.length = length + t
+        return logits

@@ -9,9 +9,11 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from dspark.decoding.engine import DecodeStats, SpeculativeEngine
-from dspark.decoding.lm import OnnxLM
+from dspark.decoding.lm import KernelLM, OnnxLM
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.decoding.tokenizer import BPETokenizer
+
+DRAFT_RUNTIMES = {"kernel": KernelLM, "onnxruntime": OnnxLM}
 
 
 class TextGenerator:
@@ -20,10 +22,11 @@ class TextGenerator:
         self.tokenizer = tokenizer
 
     @classmethod
-    def from_files(cls, target: Path, draft: Path | None, tokenizer: Path,
-                   threads: int = 1) -> "TextGenerator":
-        return cls(SpeculativeEngine(OnnxLM(target, threads),
-                                     OnnxLM(draft, threads) if draft else None),
+    def from_files(cls, target: Path, draft: Path | None, tokenizer: Path, threads: int = 1,
+                   draft_runtime: str = "kernel") -> "TextGenerator":
+        """``draft_runtime``: "kernel" (dspark's C forward pass) or "onnxruntime"."""
+        draft_lm = DRAFT_RUNTIMES[draft_runtime](draft, threads) if draft else None
+        return cls(SpeculativeEngine(OnnxLM(target, threads), draft_lm),
                    BPETokenizer.load(tokenizer))
 
     def stream(self, prompt: str, sampling: SamplingParams, spec: SpeculativeParams,

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dspark.decoding.engine import DecodeStats, PromptTooLong, SpeculativeEngine, best_k
-from dspark.decoding.lm import OnnxLM
+from dspark.decoding.lm import KernelLM, OnnxLM
 from dspark.decoding.onnx_lm import LMConfig, build_lm_onnx, random_weights
 from dspark.decoding.sampling import (SamplingParams, SpeculativeParams, accept_among,
                                       distribution)
@@ -12,17 +12,19 @@ from dspark.decoding.sampling import (SamplingParams, SpeculativeParams, accept_
 CFG = LMConfig(n_layer=2, d_model=32, n_head=2, vocab=24, ctx=128)
 
 
-def engine_pair(seed: int, noise: float, cfg: LMConfig = CFG) -> SpeculativeEngine:
+def engine_pair(seed: int, noise: float, cfg: LMConfig = CFG, draft_cls=OnnxLM) -> SpeculativeEngine:
     """A target and a draft that is the target plus noise (a partly agreeing draft)."""
     weights = random_weights(cfg, seed=seed, scale=1.5)
     rng = np.random.default_rng(seed + 1)
     noisy = {k: v + noise * v.std() * rng.standard_normal(v.shape).astype(np.float32)
              for k, v in weights.items()}
-    return SpeculativeEngine(OnnxLM(build_lm_onnx(weights, cfg)), OnnxLM(build_lm_onnx(noisy, cfg)))
+    return SpeculativeEngine(OnnxLM(build_lm_onnx(weights, cfg)), draft_cls(build_lm_onnx(noisy, cfg)))
 
 
-# seed 0: the draft is the target (everything accepted); then ever noisier drafts
-ENGINES = {seed: engine_pair(seed, noise) for seed, noise in ((0, 0.0), (1, 0.05), (2, 0.3), (3, 1.0))}
+# seed 0: the draft is the target (everything accepted); then ever noisier drafts, two of them
+# run by the C kernel as served drafts are
+ENGINES = {seed: engine_pair(seed, noise, draft_cls=cls) for seed, noise, cls in
+           ((0, 0.0, OnnxLM), (1, 0.05, KernelLM), (2, 0.3, OnnxLM), (3, 1.0, KernelLM))}
 
 
 def with_confidence(engine: SpeculativeEngine, min_confidence: float) -> SpeculativeEngine:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dspark.decoding.lm import OnnxLM
+from dspark.decoding.lm import KernelLM, OnnxLM
 from dspark.decoding.onnx_lm import LMConfig, alibi_slopes, build_lm_onnx, random_weights
 
 CFG = LMConfig(n_layer=2, d_model=32, n_head=2, vocab=24, ctx=96)
@@ -123,3 +123,38 @@ def test_context_overflow_is_refused(lm):
     model.forward(cache, np.zeros(CFG.ctx - 1, np.int64), np.arange(CFG.ctx - 1))
     with pytest.raises(ValueError, match="context full"):
         model.forward(cache, [1, 2], [CFG.ctx - 1, CFG.ctx])
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), prefix=st.integers(1, 60), chunk=st.integers(1, 6),
+       width=st.integers(1, 4))
+def test_kernel_draft_matches_the_graph(seed, prefix, chunk, width):
+    """The C forward pass (what serves drafts) gives the ORT graph's logits to float rounding,
+    for a long prefix (handed to ORT), short chunks, a level of siblings that see only part
+    of the cache, and after a compaction; and both write the same cache."""
+    weights = random_weights(CFG, seed=5)
+    graph = build_lm_onnx(weights, CFG)
+    ort_lm, kernel_lm = OnnxLM(graph), KernelLM(graph)
+    rng = np.random.default_rng(seed)
+    history = rng.integers(0, CFG.vocab, prefix)
+    caches = {m: m.new_cache() for m in (ort_lm, kernel_lm)}
+
+    def both(*args, **kwargs):
+        out = [m.forward(c, *args, **kwargs) for m, c in caches.items()]
+        np.testing.assert_allclose(out[1], out[0], rtol=1e-4, atol=1e-4)
+
+    both(history[:-chunk] if prefix > chunk else history[:1], np.arange(max(prefix - chunk, 1)))
+    start = caches[ort_lm].length
+    both(history[start:], np.arange(start, prefix))
+    length = caches[ort_lm].length
+    visible = rng.random((width, length)) < 0.7
+    visible[:, 0] = True
+    both(rng.integers(0, CFG.vocab, width), np.full(width, prefix), tree_mask=np.eye(width, dtype=bool),
+         past_visible=visible)
+    for m, c in caches.items():
+        c.keep_rows(length, np.array([width - 1]))
+    both([3, 4], [prefix + 1, prefix + 2])
+    n = caches[ort_lm].length
+    for a, b in zip(caches[ort_lm].keys + caches[ort_lm].values,
+                    caches[kernel_lm].keys + caches[kernel_lm].values):
+        np.testing.assert_allclose(b[:, :n], a[:, :n], rtol=1e-4, atol=1e-4)

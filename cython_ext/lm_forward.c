@@ -1,0 +1,138 @@
+/* The speculative LM's forward pass in C over OpenBLAS (see lm_forward.h). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cblas.h>
+#include "lm_forward.h"
+
+/* Up to this many rows one sgemv per row beats sgemm, which packs its operands on every call
+ * (the same rule as fused_layer.c). */
+#define GEMV_MAX_ROWS 3
+
+/* y[t, n] (+)= x[t, k] @ w[k, n], row strides ldx / ldy; accumulate adds to y. */
+static void matmul(const float *x, size_t ldx, size_t t, size_t k, const float *w, size_t n,
+                   float *y, size_t ldy, int accumulate) {
+    const float beta = accumulate ? 1.0f : 0.0f;
+    if (t <= GEMV_MAX_ROWS) {
+        for (size_t r = 0; r < t; r++)
+            scipy_cblas_sgemv(CblasRowMajor, CblasTrans, (blasint)k, (blasint)n, 1.0f, w,
+                              (blasint)n, x + r * ldx, 1, beta, y + r * ldy, 1);
+        return;
+    }
+    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)t, (blasint)n,
+                      (blasint)k, 1.0f, x, (blasint)ldx, w, (blasint)n, beta, y, (blasint)ldy);
+}
+
+static void add_bias(float *y, size_t t, size_t n, const float *bias) {
+    for (size_t r = 0; r < t; r++)
+        for (size_t j = 0; j < n; j++) y[r * n + j] += bias[j];
+}
+
+static void layer_norm(const float *x, size_t t, size_t d, const float *w, const float *b,
+                       float *out) {
+    for (size_t r = 0; r < t; r++) {
+        const float *xr = x + r * d;
+        float mean = 0.0f, var = 0.0f;
+        for (size_t j = 0; j < d; j++) mean += xr[j];
+        mean /= (float)d;
+        for (size_t j = 0; j < d; j++) var += (xr[j] - mean) * (xr[j] - mean);
+        const float inv = 1.0f / sqrtf(var / (float)d + 1e-5f);
+        for (size_t j = 0; j < d; j++) out[r * d + j] = (xr[j] - mean) * inv * w[j] + b[j];
+    }
+}
+
+static void gelu_tanh(float *x, size_t n) {
+    const float c = 0.7978845608028654f;  /* sqrt(2 / pi) */
+    for (size_t i = 0; i < n; i++) {
+        const float v = x[i];
+        x[i] = 0.5f * v * (1.0f + tanhf(c * (v + 0.044715f * v * v * v)));
+    }
+}
+
+/* att[t, d] = softmax(q k^T / sqrt(Dh) + ALiBi, masked) v, head by head; scores is [t, s]. */
+static void attention(const dspark_lm_model *m, const dspark_lm_layer *L, const float *qkv,
+                      size_t qkv_n, size_t t, const uint8_t *mask, size_t s,
+                      const int64_t *positions, const int64_t *key_positions, float *scores,
+                      float *att) {
+    const size_t h_n = m->n_head, dh = m->head_dim, d = m->d_model;
+    const size_t k_stride = h_n * dh, v_stride = h_n * (dh + 1);
+    const float scale = 1.0f / sqrtf((float)dh);
+    for (size_t h = 0; h < h_n; h++) {
+        const float *q = qkv + h * dh;
+        const float *k = L->keys + h * dh;
+        const float *v = L->values + h * (dh + 1);
+        if (t <= GEMV_MAX_ROWS) {
+            for (size_t r = 0; r < t; r++)
+                scipy_cblas_sgemv(CblasRowMajor, CblasNoTrans, (blasint)s, (blasint)dh, scale, k,
+                                  (blasint)k_stride, q + r * qkv_n, 1, 0.0f, scores + r * s, 1);
+        } else {
+            scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)t, (blasint)s,
+                              (blasint)dh, scale, q, (blasint)qkv_n, k, (blasint)k_stride, 0.0f,
+                              scores, (blasint)s);
+        }
+        const float slope = m->neg_slopes[h];
+        for (size_t r = 0; r < t; r++) {
+            float *row = scores + r * s;
+            const uint8_t *visible = mask + r * s;
+            float top = -INFINITY;
+            for (size_t j = 0; j < s; j++) {
+                row[j] = visible[j] ? row[j] + slope * (float)(positions[r] - key_positions[j])
+                                    : -INFINITY;
+                if (row[j] > top) top = row[j];
+            }
+            float sum = 0.0f;
+            for (size_t j = 0; j < s; j++) {
+                row[j] = visible[j] ? expf(row[j] - top) : 0.0f;
+                sum += row[j];
+            }
+            const float inv = 1.0f / sum;
+            for (size_t j = 0; j < s; j++) row[j] *= inv;
+        }
+        if (t <= GEMV_MAX_ROWS) {
+            for (size_t r = 0; r < t; r++)
+                scipy_cblas_sgemv(CblasRowMajor, CblasTrans, (blasint)s, (blasint)dh, 1.0f, v,
+                                  (blasint)v_stride, scores + r * s, 1, 0.0f, att + r * d + h * dh, 1);
+        } else {
+            scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)t, (blasint)dh,
+                              (blasint)s, 1.0f, scores, (blasint)s, v, (blasint)v_stride, 0.0f,
+                              att + h * dh, (blasint)d);
+        }
+    }
+}
+
+int dspark_lm_forward(const dspark_lm_model *m, const dspark_lm_layer *layers,
+                      const int64_t *tokens, const int64_t *positions, size_t t,
+                      const uint8_t *mask, size_t length, const int64_t *key_positions,
+                      float *logits) {
+    const size_t d = m->d_model, dh = m->head_dim, h_n = m->n_head, ff = m->ff;
+    const size_t qkv_n = 2 * d + h_n * (dh + 1), s = length + t;
+    float *buf = malloc(sizeof(float) * t * (3 * d + qkv_n + ff + s));
+    if (!buf) return -1;
+    float *x = buf, *a = x + t * d, *att = a + t * d, *qkv = att + t * d, *hid = qkv + t * qkv_n;
+    float *scores = hid + t * ff;
+    for (size_t r = 0; r < t; r++) memcpy(x + r * d, m->tok_emb + tokens[r] * d, d * sizeof(float));
+    for (size_t i = 0; i < m->n_layer; i++) {
+        const dspark_lm_layer *L = layers + i;
+        layer_norm(x, t, d, L->ln1_w, L->ln1_b, a);
+        for (size_t r = 0; r < t; r++) memcpy(qkv + r * qkv_n, L->qkv_b, qkv_n * sizeof(float));
+        matmul(a, d, t, d, L->qkv_w, qkv_n, qkv, qkv_n, 1);
+        for (size_t r = 0; r < t; r++) {
+            memcpy(L->keys + (length + r) * h_n * dh, qkv + r * qkv_n + d, d * sizeof(float));
+            memcpy(L->values + (length + r) * h_n * (dh + 1), qkv + r * qkv_n + 2 * d,
+                   h_n * (dh + 1) * sizeof(float));
+        }
+        attention(m, L, qkv, qkv_n, t, mask, s, positions, key_positions, scores, att);
+        add_bias(x, t, d, L->proj_b);
+        matmul(att, d, t, d, L->proj_w, d, x, d, 1);
+        layer_norm(x, t, d, L->ln2_w, L->ln2_b, a);
+        for (size_t r = 0; r < t; r++) memcpy(hid + r * ff, L->fc_b, ff * sizeof(float));
+        matmul(a, d, t, d, L->fc_w, ff, hid, ff, 1);
+        gelu_tanh(hid, t * ff);
+        add_bias(x, t, d, L->fc_proj_b);
+        matmul(hid, ff, t, ff, L->fc_proj_w, d, x, d, 1);
+    }
+    layer_norm(x, t, d, m->lnf_w, m->lnf_b, a);
+    matmul(a, d, t, d, m->tok_emb_t, m->vocab, logits, m->vocab, 0);
+    free(buf);
+    return 0;
+}
