@@ -50,7 +50,7 @@ static void gelu_tanh(float *x, size_t n) {
 }
 
 /* att[t, d] = softmax(q k^T / sqrt(Dh) + ALiBi, masked) v, head by head; scores is [t, s]. */
-static void attention(const dspark_lm_model *m, const dspark_lm_layer *L, const float *qkv,
+static void attention(const dspark_lm_model *m, const float *keys, const float *values, const float *qkv,
                       size_t qkv_n, size_t t, const uint8_t *mask, size_t s,
                       const int64_t *positions, const int64_t *key_positions, float *scores,
                       float *att) {
@@ -59,8 +59,8 @@ static void attention(const dspark_lm_model *m, const dspark_lm_layer *L, const 
     const float scale = 1.0f / sqrtf((float)dh);
     for (size_t h = 0; h < h_n; h++) {
         const float *q = qkv + h * dh;
-        const float *k = L->keys + h * dh;
-        const float *v = L->values + h * (dh + 1);
+        const float *k = keys + h * dh;
+        const float *v = values + h * (dh + 1);
         if (t <= GEMV_MAX_ROWS) {
             for (size_t r = 0; r < t; r++)
                 scipy_cblas_sgemv(CblasRowMajor, CblasNoTrans, (blasint)s, (blasint)dh, scale, k,
@@ -101,7 +101,7 @@ static void attention(const dspark_lm_model *m, const dspark_lm_layer *L, const 
 }
 
 int dspark_lm_forward(const dspark_lm_model *m, const dspark_lm_layer *layers,
-                      const int64_t *tokens, const int64_t *positions, size_t t,
+                      float *const *keys, float *const *values, const int64_t *tokens, const int64_t *positions, size_t t,
                       const uint8_t *mask, size_t length, const int64_t *key_positions,
                       float *logits) {
     const size_t d = m->d_model, dh = m->head_dim, h_n = m->n_head, ff = m->ff;
@@ -117,11 +117,11 @@ int dspark_lm_forward(const dspark_lm_model *m, const dspark_lm_layer *layers,
         for (size_t r = 0; r < t; r++) memcpy(qkv + r * qkv_n, L->qkv_b, qkv_n * sizeof(float));
         matmul(a, d, t, d, L->qkv_w, qkv_n, qkv, qkv_n, 1);
         for (size_t r = 0; r < t; r++) {
-            memcpy(L->keys + (length + r) * h_n * dh, qkv + r * qkv_n + d, d * sizeof(float));
-            memcpy(L->values + (length + r) * h_n * (dh + 1), qkv + r * qkv_n + 2 * d,
+            memcpy(keys[i] + (length + r) * h_n * dh, qkv + r * qkv_n + d, d * sizeof(float));
+            memcpy(values[i] + (length + r) * h_n * (dh + 1), qkv + r * qkv_n + 2 * d,
                    h_n * (dh + 1) * sizeof(float));
         }
-        attention(m, L, qkv, qkv_n, t, mask, s, positions, key_positions, scores, att);
+        attention(m, keys[i], values[i], qkv, qkv_n, t, mask, s, positions, key_positions, scores, att);
         add_bias(x, t, d, L->proj_b);
         matmul(att, d, t, d, L->proj_w, d, x, d, 1);
         layer_norm(x, t, d, L->ln2_w, L->ln2_b, a);

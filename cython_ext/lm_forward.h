@@ -14,8 +14,6 @@ typedef struct {
     const float *ln2_w, *ln2_b;
     const float *fc_w, *fc_b;       /* [d, ff] */
     const float *fc_proj_w, *fc_proj_b;  /* [ff, d] */
-    float *keys;                    /* cache [slots, H, Dh] */
-    float *values;                  /* cache [slots, H, Dh + 1] */
 } dspark_lm_layer;
 
 typedef struct {
@@ -27,11 +25,11 @@ typedef struct {
 } dspark_lm_model;
 
 /* Runs t new tokens after `length` cached rows: writes their keys/values into cache slots
- * length..length+t-1, lets row r see key s where mask[r * (length + t) + s] != 0, and
+ * length..length+t-1 (keys[i]: layer i's [slots, H, Dh], values[i]: [slots, H, Dh + 1]), lets row r see key s where mask[r * (length + t) + s] != 0, and
  * writes logits[t, vocab]. key_positions holds length + t positions (the new ones last).
  * Returns 0, or -1 when scratch memory could not be had. */
 int dspark_lm_forward(const dspark_lm_model *m, const dspark_lm_layer *layers,
-                      const int64_t *tokens, const int64_t *positions, size_t t,
+                      float *const *keys, float *const *values, const int64_t *tokens, const int64_t *positions, size_t t,
                       const uint8_t *mask, size_t length, const int64_t *key_positions,
                       float *logits);
 #endif

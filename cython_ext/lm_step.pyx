@@ -3,7 +3,7 @@
 import numpy as np
 
 from libc.stdint cimport int64_t, uint8_t
-from libc.stdlib cimport calloc, free
+from libc.stdlib cimport calloc, free, malloc
 
 
 cdef extern from "lm_forward.h" nogil:
@@ -20,8 +20,6 @@ cdef extern from "lm_forward.h" nogil:
         const float *fc_b
         const float *fc_proj_w
         const float *fc_proj_b
-        float *keys
-        float *values
     ctypedef struct dspark_lm_model:
         size_t n_layer, d_model, n_head, head_dim, ff, vocab
         const float *tok_emb
@@ -30,7 +28,7 @@ cdef extern from "lm_forward.h" nogil:
         const float *lnf_b
         const float *neg_slopes
     int dspark_lm_forward(const dspark_lm_model *m, const dspark_lm_layer *layers,
-                          const int64_t *tokens, const int64_t *positions, size_t t,
+                          float *const *keys, float *const *values, const int64_t *tokens, const int64_t *positions, size_t t,
                           const uint8_t *mask, size_t length, const int64_t *key_positions,
                           float *logits)
 
@@ -88,17 +86,25 @@ cdef class LMStep:
                 const int64_t[::1] positions not None, const uint8_t[:, ::1] mask not None,
                 size_t length, const int64_t[::1] key_positions not None,
                 float[:, ::1] logits not None):
-        """Shapes are checked by KernelLM; keys[i] / values[i] are C-order float32 caches."""
-        cdef size_t i, t = tokens.shape[0]
+        """Shapes are checked by KernelLM; keys[i] / values[i] are C-order float32 caches.
+        The cache pointers go per call (not into the shared layer table): requests run
+        concurrently on their own threads over one LMStep."""
+        cdef size_t i, n = self.model.n_layer, t = tokens.shape[0]
         cdef float[::1] k, v
         cdef int rc
-        for i in range(self.model.n_layer):
-            k = keys[i].reshape(-1)
-            v = values[i].reshape(-1)
-            self.layers[i].keys = &k[0]
-            self.layers[i].values = &v[0]
-        with nogil:
-            rc = dspark_lm_forward(&self.model, self.layers, &tokens[0], &positions[0], t,
-                                   &mask[0, 0], length, &key_positions[0], &logits[0, 0])
+        cdef float **ptrs = <float **>malloc(2 * n * sizeof(float *))
+        if ptrs == NULL:
+            raise MemoryError("LMStep: no memory for the cache table")
+        try:
+            for i in range(n):
+                k = keys[i].reshape(-1)
+                v = values[i].reshape(-1)
+                ptrs[i], ptrs[n + i] = &k[0], &v[0]
+            with nogil:
+                rc = dspark_lm_forward(&self.model, self.layers, ptrs, ptrs + n, &tokens[0],
+                                       &positions[0], t, &mask[0, 0], length, &key_positions[0],
+                                       &logits[0, 0])
+        finally:
+            free(ptrs)
         if rc != 0:
             raise MemoryError("LMStep: no memory for the forward pass's scratch")

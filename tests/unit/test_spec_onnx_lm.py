@@ -158,3 +158,20 @@ def test_kernel_draft_matches_the_graph(seed, prefix, chunk, width):
     for a, b in zip(caches[ort_lm].keys + caches[ort_lm].values,
                     caches[kernel_lm].keys + caches[kernel_lm].values):
         np.testing.assert_allclose(b[:, :n], a[:, :n], rtol=1e-4, atol=1e-4)
+
+
+def test_kernel_draft_serves_concurrent_requests_from_their_own_caches():
+    """Requests share one KernelLM on their own threads (the GIL is released in the C pass)."""
+    from concurrent.futures import ThreadPoolExecutor
+    model = KernelLM(build_lm_onnx(random_weights(CFG, seed=9), CFG))
+    prompts = [np.random.default_rng(s).integers(0, CFG.vocab, 40) for s in range(4)]
+
+    def decode(tokens):
+        cache = model.new_cache()
+        return np.stack([model.forward(cache, [tok], [i])[0] for i, tok in enumerate(tokens)])
+
+    alone = [decode(p) for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(decode, prompts * 5))
+    for i, logits in enumerate(together):
+        assert np.array_equal(logits, alone[i % 4])
