@@ -244,10 +244,12 @@ class SpeculativeEngine:
         for level in range(1, depth + 1):
             if level > 1:
                 nodes = frontier
-                past = np.zeros((len(nodes), cache.length), bool)
-                past[:, :committed] = True
-                for r, node in enumerate(nodes):
-                    past[r, [tree.draft_rows[a] for a in tree.ancestors(node)[:-1]]] = True
+                past = None  # rows fed so far form one chain: all are ancestors of every node
+                if len(tree.draft_rows) > level - 2:
+                    past = np.zeros((len(nodes), cache.length), bool)
+                    past[:, :committed] = True
+                    for r, node in enumerate(nodes):
+                        past[r, [tree.draft_rows[a] for a in tree.ancestors(node)[:-1]]] = True
                 base = cache.length
                 logits = self.draft.forward(cache, [tree.tokens[n] for n in nodes],
                                             [root_pos + tree.depths[n] for n in nodes],
