@@ -6,11 +6,13 @@ the time budget, so a run ends on time whatever the machine's speed. Weights are
 fp16 ``.npz`` in the layout ``dspark.decoding.onnx_lm`` builds ONNX from. The committed pair
 was made by (see docs/speculative.md):
 
-    python tools/spec_train.py --role target --minutes 21 --out /tmp/spec_target.npz
-    python tools/spec_train.py --role target --minutes 18 --lr 1.5e-3 --init /tmp/spec_target.npz \
-        --out tools/weights/spec_target.npz
-    python tools/spec_train.py --role draft --minutes 7 --teacher tools/weights/spec_target.npz \
-        --out tools/weights/spec_draft.npz
+    python tools/spec_train.py --role target --minutes 21 --out /tmp/t1.npz
+    python tools/spec_train.py --role target --minutes 18 --lr 1.5e-3 --init /tmp/t1.npz --out /tmp/t2.npz
+    python tools/spec_train.py --role target --minutes 75 --lr 2e-3 --prose-share 0.15 \
+        --init /tmp/t2.npz --out tools/weights/spec_target.npz
+    python tools/spec_train.py --role draft --minutes 7 --teacher /tmp/t2.npz --out /tmp/d1.npz
+    python tools/spec_train.py --role draft --minutes 14 --lr 2e-3 --prose-share 0.15 \
+        --init /tmp/d1.npz --teacher tools/weights/spec_target.npz --out tools/weights/spec_draft.npz
 """
 from __future__ import annotations
 

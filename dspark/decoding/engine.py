@@ -171,16 +171,26 @@ class SpeculativeEngine:
             if budget <= 0:
                 stats.finish_reason = "length"
                 break
-            width = spec.tree_width if spec.method == "tree" else 1
+            # Greedy hybrid verifies the draft chain and the lookup chain together as two
+            # branches (a draft step costs ~0.02 of a target pass, a row ~0.03); sampled hybrid
+            # takes one of them, since the rejection rule needs one proposer per node.
+            merge = spec.method == "hybrid" and sampling.greedy
+            width = spec.tree_width if spec.method == "tree" else 2 if merge else 1
             limit = min(budget - 1, room // width)
             t = time.perf_counter()
-            tree = _Tree()
+            tree, lookup, drafted = _Tree(), [], []
             if spec.method in ("ngram", "hybrid") and limit > 0:
                 tree = self._ngram_tree(history, min(ks["ngram"], limit),
                                         HYBRID_MIN_NGRAM if spec.method == "hybrid" else 1)
-            if spec.method in ("draft", "tree", "hybrid") and not tree.tokens and limit > 0:
+                lookup = list(tree.tokens)
+            if spec.method in ("draft", "tree", "hybrid") and (merge or not lookup) and limit > 0:
                 depth = min(spec.num_speculative_tokens if spec.method == "tree" else ks["draft"], limit)
-                tree = self._draft_tree(draft_cache, history, depth, width, sampling, rng, stats)
+                tree = self._draft_tree(draft_cache, history, depth, 1 if merge else width,
+                                        sampling, rng, stats)
+                drafted = list(tree.tokens)
+                parent = -1
+                for tok in lookup:  # merged where the two agree
+                    parent = tree.add(tok, parent)
             t_draft = time.perf_counter() - t
             stats.draft_s += t_draft
             t = time.perf_counter()
@@ -196,13 +206,15 @@ class SpeculativeEngine:
             history.extend(new)
             generated += len(new)
             stats.generated_tokens = generated
-            if spec.method != "tree" and spec.adaptive and tree.tokens:
-                who = tree.proposer
-                rates[who] = 0.8 * rates[who] + 0.2 * (len(new) - 1) / len(tree.tokens)
-                if who == "draft" and t_target > 0:
-                    costs[who] = 0.8 * costs[who] + 0.2 * (t_draft / len(tree.tokens)) / t_target
-                ks[who] = best_k(rates[who], costs[who], spec.num_speculative_tokens)
-                stats.k_history.append(ks[who])
+            if spec.method != "tree" and spec.adaptive:
+                for who, chain in (("draft", drafted), ("ngram", lookup)):
+                    if not chain:
+                        continue
+                    rates[who] = 0.8 * rates[who] + 0.2 * _agreed(chain, new) / len(chain)
+                    if who == "draft" and t_target > 0:
+                        costs[who] = 0.8 * costs[who] + 0.2 * (t_draft / len(chain)) / t_target
+                    ks[who] = best_k(rates[who], costs[who], spec.num_speculative_tokens)
+                    stats.k_history.append(ks[who])
             yield new
         else:
             stats.finish_reason = "length"
@@ -343,6 +355,16 @@ class SpeculativeEngine:
                 break
             rows.append(tree.draft_rows[node] - committed)
         cache.keep_rows(committed, np.array(rows, dtype=np.int64))
+
+
+def _agreed(chain: list[int], new: list[int]) -> int:
+    """How many leading tokens of a proposed chain the pass accepted."""
+    n = 0
+    for proposed, kept in zip(chain, new[:-1]):
+        if proposed != kept:
+            break
+        n += 1
+    return n
 
 
 def _prefill(lm: OnnxLM, cache: KVCache, prompt: list[int]) -> None:
