@@ -9,7 +9,7 @@ text_output (BYTES).
 
 Config parameters: target_model and draft_model (names of sibling models in this repository
 whose version 1 holds model.onnx), tokenizer (file in this model's version folder,
-tokenizer.json), default_method (tree), num_speculative_tokens (4), tree_width (4),
+tokenizer.json), default_method (hybrid), num_speculative_tokens (4), tree_width (4),
 intra_op_threads (1), stream_interval_ms (10: a streamed response carries all text produced
 since the last one and goes out at most this often; the first at once), draft_runtime (kernel:
 dspark's C forward pass; onnxruntime).
@@ -69,7 +69,7 @@ class TritonPythonModel:
         self.generator = TextGenerator.from_files(target, draft, tokenizer, threads, draft_runtime)
         self.stream_interval_s = parameter_int(params, "stream_interval_ms", 10, minimum=0) / 1e3
         self.default_spec = SpeculativeParams(
-            method=params.get("default_method") or "tree",
+            method=params.get("default_method") or "hybrid",
             num_speculative_tokens=parameter_int(params, "num_speculative_tokens", 4, minimum=1),
             tree_width=parameter_int(params, "tree_width", 4, minimum=1)).validate()
         labels = {"model": args["model_name"], "version": args["model_version"]}

@@ -1,6 +1,6 @@
 """Speculative decoding over ORT sessions: plain, draft (adaptive k), prompt lookup, hybrid
-(prompt lookup where it finds a match of at least ``HYBRID_MIN_NGRAM`` tokens, the draft
-otherwise) and tree.
+(the draft chain plus the lookup chain where a match of at least ``HYBRID_MIN_NGRAM`` tokens
+exists; sampled: the lookup where it matches, the draft otherwise) and tree.
 
 Every method proposes a tree of tokens (a chain is a tree of width 1) hanging off the last
 committed token, the target scores the whole tree in one pass with a tree attention mask, the
