@@ -106,17 +106,11 @@ class OnnxLM:
         rows = max(t, MIN_ROWS)
         past = -(-(length + rows) // PAD_MULTIPLE) * PAD_MULTIPLE - rows  # >= length
         mask = np.zeros((1, rows, past + rows), bool)
-        if past_visible is None:
-            mask[0, :t, :length] = True
-        else:
-            mask[0, :t, :length] = past_visible
-        if tree_mask is None:
-            mask[0, :t, past:past + t] = _causal(t)
-        else:
-            mask[0, :t, past:past + t] = tree_mask
+        mask[0, :t, :length] = True if past_visible is None else past_visible
+        mask[0, :t, past:past + t] = _causal(t) if tree_mask is None else tree_mask
         ids = np.zeros((1, rows), np.int64)
         ids[0, :t] = tokens
-        # the new rows' positions go in the slots after the past (scratch, overwritten below)
+        # the new rows' positions go in the slots after the past: scratch, beyond the valid length
         key_positions = cache.positions[:past + rows]
         key_positions[past:past + t] = positions
         key_positions[past + t:] = key_positions[past + t - 1]
