@@ -1,6 +1,8 @@
 """The demo QoS router (router_demo) on the session server: a client calls it as it would the target."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -27,9 +29,20 @@ def grpc_call(server, model, **kwargs):
     return client.infer(model, [tensor], **kwargs)
 
 
-def dispatched(server, tier):
-    return sum(v for n, labels, v in read_metrics(server.metrics_url, "router_demo")
-               if n == "dspark_router_requests_total" and labels["tier"] == tier)
+def dispatched(server, tier, settle_s=0.3, timeout_s=10.0):
+    """The tier's dispatch count once it has stopped changing for ``settle_s``: a count can land
+    on /metrics after the client already has its answer (seen as a flake in CI)."""
+    last, since = None, time.monotonic()
+    deadline = since + timeout_s
+    while time.monotonic() < deadline:
+        value = sum(v for n, labels, v in read_metrics(server.metrics_url, "router_demo")
+                    if n == "dspark_router_requests_total" and labels["tier"] == tier)
+        if value != last:
+            last, since = value, time.monotonic()
+        elif time.monotonic() - since >= settle_s:
+            break
+        time.sleep(0.05)
+    return last
 
 
 def test_router_answers_like_the_target_over_http_and_grpc(triton_server):
