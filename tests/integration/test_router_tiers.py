@@ -29,9 +29,10 @@ def grpc_call(server, model, **kwargs):
     return client.infer(model, [tensor], **kwargs)
 
 
-def dispatched(server, tier, settle_s=0.3, timeout_s=10.0):
-    """The tier's dispatch count once it has stopped changing for ``settle_s``: a count can land
-    on /metrics after the client already has its answer (seen as a flake in CI)."""
+def dispatched(server, tier, settle_s=0.7, timeout_s=10.0):
+    """The tier's dispatch count once it has stopped changing for ``settle_s``: the router
+    exports its counts every 0.5 s, so a count can land on /metrics after the client already has
+    its answer (seen as a flake in CI)."""
     last, since = None, time.monotonic()
     deadline = since + timeout_s
     while time.monotonic() < deadline:
