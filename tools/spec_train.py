@@ -12,7 +12,10 @@ was made by (see docs/speculative.md):
         --init /tmp/t2.npz --out tools/weights/spec_target.npz
     python tools/spec_train.py --role draft --minutes 7 --teacher /tmp/t2.npz --out /tmp/d1.npz
     python tools/spec_train.py --role draft --minutes 14 --lr 2e-3 --prose-share 0.15 \
-        --init /tmp/d1.npz --teacher tools/weights/spec_target.npz --out tools/weights/spec_draft.npz
+        --init /tmp/d1.npz --teacher tools/weights/spec_target.npz --out /tmp/d2.npz
+    python tools/spec_train.py --role draft --minutes 16 --lr 1e-3 --distill-weight 0.9 \
+        --prose-share 0.15 --init /tmp/d2.npz --teacher tools/weights/spec_target.npz \
+        --out tools/weights/spec_draft.npz
 """
 from __future__ import annotations
 
