@@ -25,11 +25,11 @@ typedef struct {
 } dspark_lm_model;
 
 /* Runs t new tokens after `length` cached rows: writes their keys/values into cache slots
- * length..length+t-1 (keys[i]: layer i's [slots, H, Dh], values[i]: [slots, H, Dh + 1]), lets row r see key s where mask[r * (length + t) + s] != 0, and
- * writes logits[t, vocab]. key_positions holds length + t positions (the new ones last).
+ * length..length+t-1 (keys[i]: layer i's [slots, H, Dh], values[i]: [slots, H, Dh + 1]), lets
+ * row r see key s where mask[r * (length + t) + s] != 0, and writes logits[t, vocab]. key_positions holds length + t positions (the new ones last).
  * Returns 0, or -1 when scratch memory could not be had. */
 int dspark_lm_forward(const dspark_lm_model *m, const dspark_lm_layer *layers,
-                      float *const *keys, float *const *values, const int64_t *tokens, const int64_t *positions, size_t t,
-                      const uint8_t *mask, size_t length, const int64_t *key_positions,
-                      float *logits);
+                      float *const *keys, float *const *values, const int64_t *tokens,
+                      const int64_t *positions, size_t t, const uint8_t *mask, size_t length,
+                      const int64_t *key_positions, float *logits);
 #endif

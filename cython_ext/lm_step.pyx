@@ -8,29 +8,15 @@ from libc.stdlib cimport calloc, free, malloc
 
 cdef extern from "lm_forward.h" nogil:
     ctypedef struct dspark_lm_layer:
-        const float *ln1_w
-        const float *ln1_b
-        const float *qkv_w
-        const float *qkv_b
-        const float *proj_w
-        const float *proj_b
-        const float *ln2_w
-        const float *ln2_b
-        const float *fc_w
-        const float *fc_b
-        const float *fc_proj_w
-        const float *fc_proj_b
+        const float *ln1_w, *ln1_b, *qkv_w, *qkv_b, *proj_w, *proj_b
+        const float *ln2_w, *ln2_b, *fc_w, *fc_b, *fc_proj_w, *fc_proj_b
     ctypedef struct dspark_lm_model:
         size_t n_layer, d_model, n_head, head_dim, ff, vocab
-        const float *tok_emb
-        const float *tok_emb_t
-        const float *lnf_w
-        const float *lnf_b
-        const float *neg_slopes
+        const float *tok_emb, *tok_emb_t, *lnf_w, *lnf_b, *neg_slopes
     int dspark_lm_forward(const dspark_lm_model *m, const dspark_lm_layer *layers,
-                          float *const *keys, float *const *values, const int64_t *tokens, const int64_t *positions, size_t t,
-                          const uint8_t *mask, size_t length, const int64_t *key_positions,
-                          float *logits)
+                          float *const *keys, float *const *values, const int64_t *tokens,
+                          const int64_t *positions, size_t t, const uint8_t *mask,
+                          size_t length, const int64_t *key_positions, float *logits)
 
 
 cdef extern from "cblas.h" nogil:
