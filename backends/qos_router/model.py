@@ -27,7 +27,7 @@ import triton_python_backend_utils as pb_utils
 
 from dspark.triton.adapter import config_parameters
 
-from dspark.routing.config import ConfigWatcher
+from dspark.routing.config import ConfigWatcher, router_parameters
 from dspark.routing.runtime import Job, RouterCore, RouterMetrics, is_primary_call
 
 TIER_KEYS = ("tier", "dspark-tier")
@@ -115,16 +115,12 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 f"router '{self.name}': config parameter 'target_model' is required (the model to front)")
         try:
-            versions = {int(v) for v in params.get("target_versions", "1").split(",") if v.strip()}
+            routing_file, versions = router_parameters(params, Path(args["model_repository"]))
         except ValueError:
             raise pb_utils.TritonModelException(
                 f"router '{self.name}': config parameter 'target_versions' must list version numbers, "
                 f"e.g. \"1,2\"; got {params['target_versions']!r}") from None
         self.output_names = [o["name"] for o in config.get("output", [])]
-        model_dir = Path(args["model_repository"])
-        routing_file = Path(params.get("routing_file", "routing.yaml"))
-        if not routing_file.is_absolute():
-            routing_file = model_dir / routing_file
 
         log = logging.getLogger("dspark.routing")
         if not any(isinstance(h, _TritonLogHandler) for h in log.handlers):
@@ -150,10 +146,11 @@ class TritonPythonModel:
         response = await asyncio.get_running_loop().run_in_executor(
             None, self._exec_timed, request, is_primary_call())
         if response.has_error():
-            raise RuntimeError(
-                f"target '{self.target}' version {version} failed: {response.error().message()}")
-        # copy: the BLS response's shared memory is released once the response object goes
-        return {t.name(): np.array(t.as_numpy(), copy=True) for t in response.output_tensors()}
+            raise RuntimeError(self._target_failed(version, response.error().message()))
+        return _copies(response.output_tensors())
+
+    def _target_failed(self, version, message):
+        return f"target '{self.target}' version {version} failed: {message}"
 
     def _exec_timed(self, request, primary):
         start = time.monotonic()
@@ -168,50 +165,54 @@ class TritonPythonModel:
         payload = primary = None
         try:
             if ticket.shadow:  # the shadow runs after this request is answered and released
-                payload = ({t.name(): np.array(t.as_numpy(), copy=True) for t in request.inputs()}, list(outputs))
+                payload = (_copies(request.inputs()), outputs)
             response = pb_utils.InferenceRequest(
                 model_name=self.target, model_version=ticket.version, inputs=request.inputs(),
-                requested_output_names=list(outputs),
+                requested_output_names=outputs,
             ).exec()
-            error = (f"target '{self.target}' version {ticket.version} failed: {response.error().message()}"
+            error = (self._target_failed(ticket.version, response.error().message())
                      if response.has_error() else None)
         except Exception as exc:
-            error = f"target '{self.target}' version {ticket.version} failed: {exc}"
+            error = self._target_failed(ticket.version, exc)
         if error is not None:
             self.core.finish_inline(ticket, failed=True)
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(error, pb_utils.TritonError.INTERNAL))
         tensors = response.output_tensors()
         if ticket.shadow:
-            primary = {t.name(): np.array(t.as_numpy(), copy=True) for t in tensors}
+            primary = _copies(tensors)
         self.core.finish_inline(ticket, payload, primary)
         return pb_utils.InferenceResponse(tensors)
 
+    def _fields(self, request):
+        """(tier, user id, request id, output names) of a client request."""
+        params = json.loads(request.parameters() or "{}")
+        return (_first(params, TIER_KEYS), _first(params, USER_KEYS), request.request_id() or None,
+                list(request.requested_output_names() or self.output_names))
+
     def execute(self, requests):
-        if len(requests) == 1:
-            request = requests[0]
-            try:
-                params = json.loads(request.parameters() or "{}")
-                ticket = self.core.try_inline(_first(params, TIER_KEYS), _first(params, USER_KEYS),
-                                              request.request_id() or None)
-            except Exception:
-                ticket = None  # the queued path below answers bad requests
-            if ticket is not None:
-                outputs = request.requested_output_names() or self.output_names
-                return [self._call_inline(request, ticket, outputs)]
+        parsed = []  # each request's fields, or why they could not be read
         for request in requests:
+            try:
+                parsed.append(self._fields(request))
+            except Exception as exc:
+                parsed.append(exc)
+        if len(requests) == 1 and not isinstance(parsed[0], Exception):
+            tier, user_id, request_id, outputs = parsed[0]
+            try:
+                ticket = self.core.try_inline(tier, user_id, request_id)
+            except Exception:
+                ticket = None  # the queued path below answers it
+            if ticket is not None:
+                return [self._call_inline(requests[0], ticket, outputs)]
+        for request, fields in zip(requests, parsed):
             sender = request.get_response_sender()
             try:
-                params = json.loads(request.parameters() or "{}")
+                if isinstance(fields, Exception):
+                    raise fields
+                tier, user_id, request_id, outputs = fields
                 # copies: the shadow call may run after this request is answered and released
-                inputs = {t.name(): np.array(t.as_numpy(), copy=True) for t in request.inputs()}
-                outputs = request.requested_output_names() or self.output_names
-                job = Job(
-                    payload=(inputs, list(outputs)),
-                    respond=_responder(sender),
-                    tier=_first(params, TIER_KEYS),
-                    user_id=_first(params, USER_KEYS),
-                    request_id=request.request_id() or None,
-                )
+                job = Job(payload=(_copies(request.inputs()), outputs), respond=_responder(sender),
+                          tier=tier, user_id=user_id, request_id=request_id)
             except Exception as exc:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
                     f"router '{self.name}': bad request: {exc}", pb_utils.TritonError.INVALID_ARG)),
@@ -222,6 +223,11 @@ class TritonPythonModel:
 
     def finalize(self):
         self.core.stop()
+
+
+def _copies(tensors):
+    """name -> copied array: a request's or BLS response's memory is released with its object."""
+    return {t.name(): np.array(t.as_numpy(), copy=True) for t in tensors}
 
 
 def _first(params, keys):

@@ -17,7 +17,7 @@ import statistics
 import tempfile
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import click
@@ -27,9 +27,10 @@ from tritonclient.grpc import model_config_pb2
 
 from dspark.cli.bench import percentile
 from dspark.cli.route import read_metrics
-from dspark.routing.config import RoutingConfig, TierPolicy
+from dspark.routing.config import RoutingConfig
 
-TIERS = ("diamond", "gold", "standard")
+DEFAULT_TIERS = RoutingConfig().tiers  # the demo's weights 8 / 3 / 1
+TIERS = tuple(DEFAULT_TIERS)
 
 
 def model_config(name: str, backend: str, instances: int, parameters: dict[str, str]) -> str:
@@ -106,8 +107,8 @@ def build_repository(root: Path, service_ms: float, instances: int, max_inflight
         (root / name / "config.pbtxt").write_text(
             model_config(name, "qos_router", 1, {"target_model": target, "target_versions": "1"}))
         RoutingConfig(
-            tiers={t: TierPolicy(weight=w, deadline_ms=deadlines_ms[t], max_queue=10_000)
-                   for t, w in zip(TIERS, (8, 3, 1))},
+            tiers={t: replace(policy, deadline_ms=deadlines_ms[t], max_queue=10_000)
+                   for t, policy in DEFAULT_TIERS.items()},
             max_inflight=max_inflight,
         ).validate().save(root / name / "routing.yaml")
     (root / "bench_passthrough" / "1").mkdir(parents=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 from dspark.repository.modelspec import load_config
-from dspark.routing.config import ConfigError, RoutingConfig
+from dspark.routing.config import ConfigError, RoutingConfig, router_parameters
 
 _SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -31,10 +31,8 @@ def router_files(repository: Path, model: str) -> tuple[Path, set[int] | None]:
     config = load_config(config_path)
     if config.backend != "qos_router":
         raise click.ClickException(f"--model: '{model}' uses backend '{config.backend}', not qos_router")
-    params = {k: v.string_value for k, v in config.parameters.items()}
-    routing = Path(params.get("routing_file", "routing.yaml"))
-    versions = {int(v) for v in params.get("target_versions", "1").split(",") if v.strip()}
-    return (routing if routing.is_absolute() else repository / model / routing), versions
+    return router_parameters({k: v.string_value for k, v in config.parameters.items()},
+                             repository / model)
 
 
 def read_metrics(url: str, model: str) -> list[tuple[str, dict[str, str], float]]:

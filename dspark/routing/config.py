@@ -16,7 +16,13 @@ from typing import Any, Mapping
 
 import yaml
 
-DEFAULT_TIERS = ("diamond", "gold", "standard")
+def router_parameters(params: Mapping[str, str], model_dir: Path) -> tuple[Path, set[int]]:
+    """The routing file (``routing_file``, relative to the router's model folder) and target
+    versions (``target_versions``, e.g. "1,2") a router model's config parameters name; a
+    version that is not a number raises ValueError."""
+    routing = Path(params.get("routing_file", "routing.yaml"))
+    versions = {int(v) for v in params.get("target_versions", "1").split(",") if v.strip()}
+    return (routing if routing.is_absolute() else model_dir / routing), versions
 
 
 class ConfigError(ValueError):
@@ -128,8 +134,7 @@ class RoutingConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "RoutingConfig":
         data = dict(data or {})
-        known = {"tiers", "default_tier", "max_inflight", "fluctuation", "shares", "shadow", "version",
-                 "inline_max_ms"}
+        known = set(cls.__dataclass_fields__)
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"{sorted(unknown)[0]}: unknown field (known: {', '.join(sorted(known))})")
@@ -155,7 +160,6 @@ class RoutingConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out["tiers"] = {name: asdict(t) for name, t in self.tiers.items()}
         out["shares"] = {int(v): float(s) for v, s in self.shares.items()}
         out["shadow"]["ignore_outputs"] = list(self.shadow.ignore_outputs)
         return out

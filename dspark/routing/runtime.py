@@ -99,7 +99,6 @@ class _DeferredMetrics:
 @dataclass
 class _Routed:
     job: Job
-    tier: str
     version: int
     key: str
 
@@ -211,7 +210,7 @@ class RouterCore:
         self.observe_target(elapsed)
         with self._lock:
             self.scheduler.release()
-            waiting = any(self.scheduler.queued().values())
+            waiting = self.scheduler.has_queued()
         if failed:
             self.metrics.rejection(ticket.tier, "target_error")
         else:
@@ -307,7 +306,7 @@ class RouterCore:
                     error = RouteError(f"parameter 'tier': {exc}", "INVALID_ARG", "unknown_tier")
                 else:
                     key = routing_key(job.user_id, job.request_id)
-                    routed = _Routed(job, tier, self.splitter.version_for(key), key)
+                    routed = _Routed(job, self.splitter.version_for(key), key)
                     try:
                         self.scheduler.submit(routed, tier, self.clock())
                     except QueueFull as exc:
@@ -342,7 +341,7 @@ class RouterCore:
             f"past the tier's queue deadline of {deadline_ms:.0f} ms", reason="deadline"))
 
     def _arm_timer(self, due: float | None) -> None:
-        if due is None or (self._timer_at is not None and self._timer_at <= due and self._timer is not None):
+        if due is None or (self._timer is not None and self._timer_at <= due):
             return
         if self._timer is not None:
             self._timer.cancel()
@@ -360,19 +359,19 @@ class RouterCore:
         task.add_done_callback(self._tasks.discard)
 
     async def _dispatch(self, pending: Pending[_Routed], started: float) -> None:
-        routed = pending.item
+        routed, tier = pending.item, pending.tier
         job = routed.job
-        self.metrics.queue_time(routed.tier, started - pending.enqueued_at)
-        self.metrics.request(routed.tier, routed.version)
+        self.metrics.queue_time(tier, started - pending.enqueued_at)
+        self.metrics.request(tier, routed.version)
         outputs: Outputs | None = None
         try:
             outputs = await self.call_target(job.payload, routed.version)
         except Exception as exc:  # the target's failure goes back to this client only
-            self.metrics.rejection(routed.tier, "target_error")
+            self.metrics.rejection(tier, "target_error")
             self._reply(job, None, RouteError(str(exc), "INTERNAL", "target_error"))
         else:
             self._reply(job, outputs, None)
-            self.metrics.latency(routed.tier, routed.version, self.clock() - job.arrived_at)
+            self.metrics.latency(tier, routed.version, self.clock() - job.arrived_at)
         finally:
             with self._lock:
                 self.scheduler.release()

@@ -102,6 +102,11 @@ class _Tier:
     queue: deque = field(default_factory=deque)
     current: float = 0.0  # smooth-WRR running credit
 
+    def weight(self, now: float) -> tuple[float, float]:
+        """(effective weight = base x (1 + f), f)."""
+        f = self.meter.factor(now)
+        return self.policy.weight * (1.0 + f), f
+
 
 class TierScheduler(Generic[T]):
     """Picks which queued request goes to the target next."""
@@ -162,11 +167,7 @@ class TierScheduler(Generic[T]):
 
     def weights(self, now: float) -> dict[str, tuple[float, float]]:
         """Per tier: (effective weight = base × (1 + f), f)."""
-        out = {}
-        for name, state in self._tiers.items():
-            f = state.meter.factor(now)
-            out[name] = (state.policy.weight * (1.0 + f), f)
-        return out
+        return {name: state.weight(now) for name, state in self._tiers.items()}
 
     def pop_next(self, now: float) -> Pending[T] | None:
         """Next request by smooth weighted round-robin over non-empty tiers, if a slot is free."""
@@ -178,7 +179,7 @@ class TierScheduler(Generic[T]):
         total = 0.0
         best: _Tier | None = None
         for name, state in eligible:
-            w = state.policy.weight * (1.0 + state.meter.factor(now))
+            w, _ = state.weight(now)
             state.current += w
             total += w
             if best is None or state.current > best.current:
@@ -197,7 +198,7 @@ class TierScheduler(Generic[T]):
         Only when that overtakes no one: nothing queued in any tier and a slot free. Counts the
         arrival for the fluctuation factor like ``submit``; the caller ``release``s the slot.
         """
-        if self.inflight >= self.config.max_inflight or any(s.queue for s in self._tiers.values()):
+        if self.inflight >= self.config.max_inflight or self.has_queued():
             return False
         self._tiers[tier].meter.record(now)
         self.inflight += 1
@@ -206,6 +207,9 @@ class TierScheduler(Generic[T]):
     def release(self) -> None:
         """A dispatched request finished (answer or error); frees its concurrency slot."""
         self.inflight -= 1
+
+    def has_queued(self) -> bool:
+        return any(s.queue for s in self._tiers.values())
 
     def queued(self) -> dict[str, int]:
         return {name: len(s.queue) for name, s in self._tiers.items()}
