@@ -75,7 +75,7 @@ def spec(max_tokens: int, per_category: int, repeats: int, threads: int, server:
         click.echo(bm.format_table(s_rows))
 
     if server:
-        report["server"] = _served(bm, prompts, results, max_tokens)
+        report["server"] = _served(bm, gen.tokenizer, prompts, results, max_tokens)
 
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -84,12 +84,12 @@ def spec(max_tokens: int, per_category: int, repeats: int, threads: int, server:
         raise click.ClickException(f"greedy outputs differ from plain decoding for {mismatched}")
 
 
-def _served(bm, prompts, results, max_tokens: int) -> list[dict]:
-    from dspark.decoding.tokenizer import BPETokenizer
+def _served(bm, tok, prompts, results, max_tokens: int) -> list[dict]:
+    from dataclasses import asdict
+
     from dspark.paths import demo_repositories
     from dspark.triton.server import TritonServer
 
-    tok = BPETokenizer.load(project_root() / "model_repository/spec_lm/1/tokenizer.json")
     rows = []
     server = TritonServer(repositories=demo_repositories(), model_control="explicit",
                           load_models=["spec_lm"])
@@ -97,8 +97,7 @@ def _served(bm, prompts, results, max_tokens: int) -> list[dict]:
     try:
         for method in ("none", "ngram", "hybrid", "tree", "draft"):
             spec = bm.METHODS[method]
-            spec_json = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
-                         "tree_width": spec.tree_width, "adaptive": spec.adaptive}
+            spec_json = asdict(spec)
             counts = [len(o) for o in results[method].outputs]
             inproc = results[method].end_to_end_tokens_per_s
             bm.run_server(server.grpc_url, "spec_lm", prompts[:2], spec_json, max_tokens, 1, counts[:2])

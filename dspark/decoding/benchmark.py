@@ -75,8 +75,6 @@ def distinct_8gram_share(tokens: list[int]) -> float:
 @dataclass
 class MethodResult:
     method: str
-    tokens: int = 0
-    seconds: float = 0.0
     per_token_ms: list[float] = field(default_factory=list)
     proposed: int = 0
     accepted: int = 0
@@ -87,6 +85,15 @@ class MethodResult:
     outputs: list[list[int]] = field(default_factory=list)
     prompt_seconds: list[float] = field(default_factory=list)
     prefill_s: float = 0.0  # the target reading the prompts; not in ``seconds``
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def seconds(self) -> float:
+        """Decoding time over all prompts (each prompt's median run)."""
+        return sum(self.prompt_seconds)
 
     @property
     def end_to_end_tokens_per_s(self) -> float:
@@ -144,8 +151,6 @@ def run_inprocess(gen: TextGenerator, prompts: list[Prompt], methods: dict[str, 
             runs.sort(key=lambda r: r[1])
             tokens, seconds, per_token, stats = runs[len(runs) // 2]
             r = results[name]
-            r.tokens += len(tokens)
-            r.seconds += seconds
             r.per_token_ms += per_token
             r.proposed += stats.proposed
             r.accepted += stats.accepted

@@ -42,7 +42,6 @@ class PromptTooLong(ValueError):
 
 @dataclass
 class DecodeStats:
-    prompt_tokens: int = 0
     generated_tokens: int = 0
     rounds: int = 0  # target passes after the prefill
     proposed: int = 0
@@ -51,9 +50,7 @@ class DecodeStats:
     prefill_s: float = 0.0  # the target reading the prompt (the same for every method)
     draft_s: float = 0.0
     target_s: float = 0.0
-    total_s: float = 0.0
     finish_reason: str = ""
-    k_history: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -74,7 +71,6 @@ class _Tree:
     candidates: dict[int, list[int]] = field(default_factory=dict)  # node (-1=root) -> draws
     q: dict[int, np.ndarray] = field(default_factory=dict)  # node -> draft dist of its children
     draft_rows: dict[int, int] = field(default_factory=dict)  # node -> row in the draft cache
-    proposer: str = "none"  # "draft" or "ngram": whose running acceptance this pass updates
 
     def add(self, token: int, parent: int) -> int:
         for child in self.candidates.get(parent, []):
@@ -100,11 +96,9 @@ class _Tree:
 
     def mask(self) -> np.ndarray:
         """(1 + n) x (1 + n) visibility of the verify pass: row 0 is the root."""
-        n = len(self.tokens)
-        m = np.zeros((n + 1, n + 1), bool)
-        m[:, 0] = True
-        for i in range(n):
-            m[i + 1, [a + 1 for a in self.ancestors(i)]] = True
+        m = np.eye(len(self.tokens) + 1, dtype=bool)
+        for i, parent in enumerate(self.parents):  # a parent's row is always filled first
+            m[i + 1] |= m[parent + 1]
         return m
 
 
@@ -131,20 +125,18 @@ class SpeculativeEngine:
         stats = stats if stats is not None else DecodeStats()
         spec.validate()
         sampling.validate()
-        if spec.method in ("draft", "tree", "hybrid") and self.draft is None:
+        uses_draft = spec.method in ("draft", "tree", "hybrid")
+        if uses_draft and self.draft is None:
             raise ValueError(f"method {spec.method!r} needs a draft model")
         if not prompt:
             raise PromptTooLong("the prompt is empty; give at least one token")
         if len(prompt) >= self.context:
             raise PromptTooLong(f"prompt is {len(prompt)} tokens but the context is "
                                 f"{self.context}; shorten it to at most {self.context - 1}")
-        t0 = time.perf_counter()
         rng = np.random.default_rng(sampling.seed)
-        stats.prompt_tokens = len(prompt)
         history = list(prompt)
         target_cache = self.target.new_cache(self.context)
-        draft_cache = (self.draft.new_cache(self.context)
-                       if spec.method in ("draft", "tree", "hybrid") else None)
+        draft_cache = self.draft.new_cache(self.context) if uses_draft else None
         # The draft reads the prompt on its own thread while the target does (ORT and the C
         # kernel release the GIL), so its prefill hides behind the target's.
         draft_prefill = (_Background(_prefill, self.draft, draft_cache, prompt)
@@ -161,6 +153,11 @@ class SpeculativeEngine:
         ks = {"draft": spec.num_speculative_tokens, "ngram": spec.num_speculative_tokens}
         rates = {"draft": 0.7, "ngram": 0.7}
         costs = {"draft": 0.25, "ngram": NGRAM_ROW_COST}
+        # Greedy hybrid verifies the draft chain and the lookup chain together as two branches
+        # (a draft step costs ~0.02 of a target pass, a row ~0.03); sampled hybrid takes one of
+        # them, since the rejection rule needs one proposer per node.
+        merge = spec.method == "hybrid" and sampling.greedy
+        width = spec.tree_width if spec.method == "tree" else 2 if merge else 1
         generated = 0
         while generated < sampling.max_tokens:
             if cancelled is not None and cancelled():
@@ -171,11 +168,6 @@ class SpeculativeEngine:
             if budget <= 0:
                 stats.finish_reason = "length"
                 break
-            # Greedy hybrid verifies the draft chain and the lookup chain together as two
-            # branches (a draft step costs ~0.02 of a target pass, a row ~0.03); sampled hybrid
-            # takes one of them, since the rejection rule needs one proposer per node.
-            merge = spec.method == "hybrid" and sampling.greedy
-            width = spec.tree_width if spec.method == "tree" else 2 if merge else 1
             limit = min(budget - 1, room // width)
             t = time.perf_counter()
             tree, lookup, drafted = _Tree(), [], []
@@ -183,7 +175,7 @@ class SpeculativeEngine:
                 tree = self._ngram_tree(history, min(ks["ngram"], limit),
                                         HYBRID_MIN_NGRAM if spec.method == "hybrid" else 1)
                 lookup = list(tree.tokens)
-            if spec.method in ("draft", "tree", "hybrid") and (merge or not lookup) and limit > 0:
+            if uses_draft and (merge or not lookup) and limit > 0:
                 depth = min(spec.num_speculative_tokens if spec.method == "tree" else ks["draft"], limit)
                 tree = self._draft_tree(draft_cache, history, depth, 1 if merge else width,
                                         sampling, rng, stats)
@@ -194,16 +186,15 @@ class SpeculativeEngine:
             t_draft = time.perf_counter() - t
             stats.draft_s += t_draft
             t = time.perf_counter()
-            new = self._verify(target_cache, history, tree, sampling, rng)
+            new, path = self._verify(target_cache, history, tree, sampling, rng)
             t_target = time.perf_counter() - t
             stats.target_s += t_target
             stats.rounds += 1
             stats.proposed += len(tree.tokens) and max(tree.depths)
             stats.accepted += len(new) - 1
-            if tree.proposer == "draft":
-                self._commit_draft(draft_cache, tree, new, len(history))
-            new = new[:sampling.max_tokens - generated]
-            history.extend(new)
+            if drafted:
+                self._commit_draft(draft_cache, tree, path, len(history))
+            history.extend(new)  # the tree's depth kept it within max_tokens
             generated += len(new)
             stats.generated_tokens = generated
             if spec.method != "tree" and spec.adaptive:
@@ -214,17 +205,15 @@ class SpeculativeEngine:
                     if who == "draft" and t_target > 0:
                         costs[who] = 0.8 * costs[who] + 0.2 * (t_draft / len(chain)) / t_target
                     ks[who] = best_k(rates[who], costs[who], spec.num_speculative_tokens)
-                    stats.k_history.append(ks[who])
             yield new
         else:
             stats.finish_reason = "length"
-        stats.total_s += time.perf_counter() - t0
 
     # -- proposals ---------------------------------------------------------------------------
     def _ngram_tree(self, history: list[int], depth: int, min_n: int = 1) -> _Tree:
         """Prompt lookup: the tokens that followed the latest earlier match of the last n
         (n from ``max_ngram`` down to ``min_n``)."""
-        tree = _Tree(proposer="ngram")
+        tree = _Tree()
         h = np.asarray(history)
         for n in range(min(self.max_ngram, len(h) - 1), min_n - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
@@ -243,7 +232,7 @@ class SpeculativeEngine:
         """Greedy: a beam of ``width`` best paths by draft log-probability, level by level.
         Sampled: ``width`` chains drawn i.i.d. from the draft (merged where they agree), so
         every node's candidates are i.i.d. draws, as lossless tree verification needs."""
-        tree = _Tree(proposer="draft")
+        tree = _Tree()
         catch_up = history[cache.length:]  # the root and anything committed since last round
         logits = self.draft.forward(cache, catch_up, np.arange(cache.length, len(history)))[-1:]
         stats.draft_calls += 1
@@ -312,8 +301,9 @@ class SpeculativeEngine:
 
     # -- verification ------------------------------------------------------------------------
     def _verify(self, cache: KVCache, history: list[int], tree: _Tree,
-                sampling: SamplingParams, rng: np.random.Generator) -> list[int]:
-        """One target pass over root + tree; keep the accepted path; return the new tokens."""
+                sampling: SamplingParams, rng: np.random.Generator) -> tuple[list[int], list[int]]:
+        """One target pass over root + tree; keep the accepted path; return the new tokens and
+        the accepted nodes."""
         base = cache.length
         root_pos = len(history) - 1
         ids = [history[-1]] + tree.tokens
@@ -323,10 +313,9 @@ class SpeculativeEngine:
         node, path, out = -1, [], []
         while True:
             row = logits[node + 1]
-            kids = tree.children(node)
             if sampling.greedy:
                 tok = int(np.argmax(row))
-                match = [c for c in kids if tree.tokens[c] == tok]
+                match = [c for c in tree.children(node) if tree.tokens[c] == tok]
                 if not match:
                     out.append(tok)
                     break
@@ -343,14 +332,13 @@ class SpeculativeEngine:
             path.append(node)
             out.append(tree.tokens[node])
         cache.keep_rows(base, np.array([0] + [n + 1 for n in path]))
-        return out
+        return out, path
 
-    def _commit_draft(self, cache: KVCache, tree: _Tree, new: list[int], n_history: int) -> None:
-        """Keep the draft rows of the accepted path; rows never fed are caught up next round."""
-        committed = n_history  # history (incl. the root) is in the draft cache by now
-        rows, node = [], -1
-        for tok in new[:-1]:
-            node = next(c for c in tree.children(node) if tree.tokens[c] == tok)
+    def _commit_draft(self, cache: KVCache, tree: _Tree, path: list[int], committed: int) -> None:
+        """Keep the draft rows of the accepted path; rows never fed are caught up next round.
+        ``committed``: the history (incl. the root), in the draft cache by now."""
+        rows = []
+        for node in path:
             if node not in tree.draft_rows:
                 break
             rows.append(tree.draft_rows[node] - committed)

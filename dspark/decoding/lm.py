@@ -38,6 +38,10 @@ class KVCache:
                   for _ in range(cfg.n_layer)]
         return cls(keys, values, np.zeros(slots, np.int64), 0, capacity)
 
+    def check_room(self, new_rows: int) -> None:
+        if self.length + new_rows > self.capacity:
+            raise ValueError(f"context full: {self.length} cached + {new_rows} new > {self.capacity}")
+
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll back cache of length {self.length} to {length}")
@@ -99,8 +103,7 @@ class OnnxLM:
         if t == 0:
             return np.zeros((0, self.config.vocab), np.float32)
         length = cache.length
-        if length + t > cache.capacity:
-            raise ValueError(f"context full: {length} cached + {t} new > {cache.capacity}")
+        cache.check_room(t)
         # ORT's batched MatMul takes another kernel for a single query row, which changes the
         # last bits of the attention; a second, ignored row keeps every call on one kernel.
         rows = max(t, MIN_ROWS)
@@ -151,8 +154,7 @@ class KernelLM(OnnxLM):
         t, length = len(tokens), cache.length
         if t == 0 or t > KERNEL_MAX_ROWS:
             return super().forward(cache, tokens, positions, tree_mask, past_visible)
-        if length + t > cache.capacity:
-            raise ValueError(f"context full: {length} cached + {t} new > {cache.capacity}")
+        cache.check_room(t)
         mask = np.empty((t, length + t), bool)
         mask[:, :length] = True if past_visible is None else past_visible
         mask[:, length:] = _causal(t) if tree_mask is None else tree_mask

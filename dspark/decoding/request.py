@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import fields
+from dataclasses import replace
 
 from dspark.decoding.sampling import InvalidParameter, SamplingParams, SpeculativeParams
 
@@ -48,6 +48,6 @@ def parse_sampling_parameters(raw: str | bytes | None, default_spec: Speculative
                                f"unknown; known: {sorted(_SPEC_TYPES)}")
     sampling = SamplingParams(**{k: _typed(k, v, _SAMPLING_TYPES[k]) for k, v in data.items()
                                  if v is not None})
-    spec_values = {f.name: getattr(default_spec, f.name) for f in fields(SpeculativeParams)}
-    spec_values |= {k: _typed(f"speculative.{k}", v, _SPEC_TYPES[k]) for k, v in spec_data.items()}
-    return sampling.validate(), SpeculativeParams(**spec_values).validate()
+    spec = replace(default_spec, **{k: _typed(f"speculative.{k}", v, _SPEC_TYPES[k])
+                                    for k, v in spec_data.items()})
+    return sampling.validate(), spec.validate()
