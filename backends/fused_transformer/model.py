@@ -11,11 +11,11 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from dspark.engines.fused_transformer import OUTPUT_NAME, FusedTransformer, InputError
+from dspark.engines.fused_transformer import OUTPUT_NAME, FusedTransformer
 from dspark.kernels.dispatch import dispatch_report
 from dspark.kernels.pool import PoolError
-from dspark.triton.adapter import config_parameters, parameter_bool, parameter_int
-from dspark.triton.tensors import RequestError, TensorSpec, check_inputs
+from dspark.triton.adapter import config_parameters, parameter_bool, parameter_int, triton_error
+from dspark.triton.tensors import TensorSpec, check_inputs
 
 
 class TritonPythonModel:
@@ -65,12 +65,9 @@ class TritonPythonModel:
         for request in requests:
             try:
                 responses.append(self._run(request))
-            except (RequestError, InputError) as error:
-                responses.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)))
             except Exception as error:  # report it on this request, keep serving
                 responses.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(f"fused_transformer failed: {error}", pb_utils.TritonError.INTERNAL)))
+                    error=triton_error(pb_utils, error, "fused_transformer failed")))
         if self.engine.pool is not None:
             self.pool_metric.set(self.engine.pool.stats().bytes_in_use)
         return responses

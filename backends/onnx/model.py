@@ -11,14 +11,16 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from dspark.engines.onnx_session import OnnxRunner, batch_groups, read_graph_signature
+from dspark.errors import RequestError
 from dspark.triton.adapter import (
     config_parameters,
     parameter_bool,
     parameter_int,
     parameter_list,
     stub_version_dir,
+    triton_error,
 )
-from dspark.triton.tensors import RequestError, TensorSpec, check_inputs
+from dspark.triton.tensors import TensorSpec, check_inputs
 
 DEFAULT_FILENAME = "model.onnx"
 AUTO_MAX_BATCH_SIZE = 8
@@ -116,9 +118,7 @@ class TritonPythonModel:
                 feeds.append(self._request_feeds(request))
                 valid.append(index)
             except RequestError as error:
-                responses[index] = pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)
-                )
+                responses[index] = pb_utils.InferenceResponse(error=triton_error(pb_utils, error))
         groups = batch_groups(feeds) if self.batched else [[i] for i in range(len(feeds))]
         for group in groups:
             try:
@@ -126,8 +126,7 @@ class TritonPythonModel:
             except Exception as error:  # ORT failure on this batch: report it, keep serving
                 for i in group:
                     responses[valid[i]] = pb_utils.InferenceResponse(
-                        error=pb_utils.TritonError(f"onnxruntime failed: {error}", pb_utils.TritonError.INTERNAL)
-                    )
+                        error=triton_error(pb_utils, error, "onnxruntime failed"))
                 continue
             self.batches_metric.increment(1)
             self.rows_metric.increment(sum(_rows(feeds[i]) for i in group) if self.batched else len(group))

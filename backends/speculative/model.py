@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dspark.decoding.engine import DecodeStats, PromptTooLong
+from dspark.decoding.engine import DecodeStats
 from dspark.decoding.request import parse_sampling_parameters
-from dspark.decoding.sampling import InvalidParameter, SpeculativeParams
+from dspark.decoding.sampling import SpeculativeParams
 from dspark.decoding.text import DRAFT_RUNTIMES, TextGenerator, send_coalesced
-from dspark.triton.adapter import config_parameters, parameter_int
+from dspark.errors import RequestError
+from dspark.triton.adapter import config_parameters, parameter_int, triton_error
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -37,7 +38,7 @@ def _scalar(request, name):
         return None
     array = tensor.as_numpy()
     if array.size != 1:
-        raise InvalidParameter(name, f"expected one element, got shape {list(array.shape)}")
+        raise RequestError(name, f"expected one element, got shape {list(array.shape)}")
     return array.reshape(-1)[0]
 
 
@@ -107,21 +108,18 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         try:
             self._generate(request, sender)
-        except (InvalidParameter, PromptTooLong) as error:
-            sender.send(pb_utils.InferenceResponse(
-                error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
         except Exception as error:  # noqa: BLE001 - report, close the stream, keep serving
-            pb_utils.Logger.log_error(f"speculative backend: request failed: {error!r}")
-            sender.send(pb_utils.InferenceResponse(
-                error=pb_utils.TritonError(f"generation failed: {error}", pb_utils.TritonError.INTERNAL)),
-                flags=FINAL)
+            if not isinstance(error, RequestError):
+                pb_utils.Logger.log_error(f"speculative backend: request failed: {error!r}")
+            sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, error, "generation failed")),
+                        flags=FINAL)
         finally:
             self.workers.discard(threading.current_thread())
 
     def _generate(self, request, sender):
         prompt = _scalar(request, "text_input")
         if prompt is None:
-            raise InvalidParameter("text_input", "is required")
+            raise RequestError("text_input", "is required")
         prompt = prompt.decode("utf-8", errors="replace") if isinstance(prompt, bytes) else str(prompt)
         stream = bool(_scalar(request, "stream"))
         exclude = bool(_scalar(request, "exclude_input_in_output"))

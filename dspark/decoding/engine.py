@@ -21,6 +21,7 @@ import numpy as np
 from dspark.decoding.lm import KVCache, OnnxLM
 from dspark.decoding.sampling import (SamplingParams, SpeculativeParams, accept_among,
                                       distribution, sample)
+from dspark.errors import RequestError
 
 PREFILL_CHUNK = 64
 # Prompt lookup costs nothing to propose; each guess adds a row to the target's pass, about
@@ -36,8 +37,11 @@ DRAFT_MIN_CONFIDENCE = 0.15
 HYBRID_MIN_NGRAM = 2
 
 
-class PromptTooLong(ValueError):
-    pass
+class PromptTooLong(RequestError):
+    """The prompt is empty or does not fit the context."""
+
+    def __init__(self, reason: str):
+        super().__init__("text_input", reason)
 
 
 @dataclass

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from dspark.decoding.sampling import InvalidParameter, SamplingParams, SpeculativeParams
+from dspark.decoding.sampling import SamplingParams, SpeculativeParams
+from dspark.errors import RequestError
 
 _SAMPLING_TYPES = {"max_tokens": int, "temperature": float, "top_k": int, "top_p": float,
                    "seed": int, "stop": list}
@@ -19,32 +20,32 @@ def _typed(name: str, value, kind):
     if kind is list and isinstance(value, str):
         return [value]
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise InvalidParameter(name, f"expected {kind.__name__}, got {json.dumps(value)}")
+        raise RequestError(name, f"expected {kind.__name__}, got {json.dumps(value)}")
     return value
 
 
 def parse_sampling_parameters(raw: str | bytes | None, default_spec: SpeculativeParams,
                               ) -> tuple[SamplingParams, SpeculativeParams]:
-    """Validated (sampling, speculative) parameters; InvalidParameter names the bad field."""
+    """Validated (sampling, speculative) parameters; RequestError names the bad field."""
     if raw in (None, b"", ""):
         data = {}
     else:
         try:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as error:
-            raise InvalidParameter("sampling_parameters", f"not valid JSON ({error})") from None
+            raise RequestError("sampling_parameters", f"not valid JSON ({error})") from None
         if not isinstance(data, dict):
-            raise InvalidParameter("sampling_parameters", "must be a JSON object")
+            raise RequestError("sampling_parameters", "must be a JSON object")
     spec_data = data.pop("speculative", {}) or {}
     if not isinstance(spec_data, dict):
-        raise InvalidParameter("speculative", "must be a JSON object")
+        raise RequestError("speculative", "must be a JSON object")
     unknown = set(data) - set(_SAMPLING_TYPES)
     if unknown:
-        raise InvalidParameter(sorted(unknown)[0], f"unknown sampling parameter; known: "
+        raise RequestError(sorted(unknown)[0], f"unknown sampling parameter; known: "
                                                    f"{sorted(_SAMPLING_TYPES) + ['speculative']}")
     unknown = set(spec_data) - set(_SPEC_TYPES)
     if unknown:
-        raise InvalidParameter(f"speculative.{sorted(unknown)[0]}",
+        raise RequestError(f"speculative.{sorted(unknown)[0]}",
                                f"unknown; known: {sorted(_SPEC_TYPES)}")
     sampling = SamplingParams(**{k: _typed(k, v, _SAMPLING_TYPES[k]) for k, v in data.items()
                                  if v is not None})

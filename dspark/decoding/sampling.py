@@ -5,15 +5,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dspark.errors import RequestError
+
 METHODS = ("none", "draft", "ngram", "hybrid", "tree")
-
-
-class InvalidParameter(ValueError):
-    """A request parameter is out of range; ``field`` names it."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
 
 
 @dataclass
@@ -25,11 +19,11 @@ class SpeculativeParams:
 
     def validate(self) -> "SpeculativeParams":
         if self.method not in METHODS:
-            raise InvalidParameter("speculative.method", f"{self.method!r} is not one of {METHODS}")
+            raise RequestError("speculative.method", f"{self.method!r} is not one of {METHODS}")
         if not 1 <= int(self.num_speculative_tokens) <= 16:
-            raise InvalidParameter("speculative.num_speculative_tokens", "must be in 1..16")
+            raise RequestError("speculative.num_speculative_tokens", "must be in 1..16")
         if not 1 <= int(self.tree_width) <= 8:
-            raise InvalidParameter("speculative.tree_width", "must be in 1..8")
+            raise RequestError("speculative.tree_width", "must be in 1..8")
         return self
 
 
@@ -44,19 +38,19 @@ class SamplingParams:
 
     def validate(self) -> "SamplingParams":
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidParameter("max_tokens", "must be an integer >= 1")
+            raise RequestError("max_tokens", "must be an integer >= 1")
         if not 0.0 <= float(self.temperature) <= 10.0:
-            raise InvalidParameter("temperature", "must be in [0, 10]")
+            raise RequestError("temperature", "must be in [0, 10]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidParameter("top_k", "must be an integer >= 0")
+            raise RequestError("top_k", "must be an integer >= 0")
         if not 0.0 < float(self.top_p) <= 1.0:
-            raise InvalidParameter("top_p", "must be in (0, 1]")
+            raise RequestError("top_p", "must be in (0, 1]")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidParameter("seed", "must be a non-negative integer")
+            raise RequestError("seed", "must be a non-negative integer")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidParameter("stop", "must be a list of non-empty strings")
+            raise RequestError("stop", "must be a list of non-empty strings")
         return self
 
     @property

@@ -18,20 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark.errors import RequestError
 from dspark.kernels.fused import FusedLNGeluMatMul
 from dspark.kernels.numa import pin_process_to_node
 from dspark.kernels.pool import MemoryPool
 
 INPUT_NAME = "INPUT_IDS"
 OUTPUT_NAME = "HIDDEN"
-
-
-class InputError(ValueError):
-    """A request tensor is unusable; the message names the tensor and says what is expected."""
-
-    def __init__(self, tensor: str, message: str) -> None:
-        super().__init__(f"{tensor}: {message}")
-        self.tensor = tensor
 
 
 @dataclass(frozen=True)
@@ -157,14 +150,14 @@ class FusedTransformer:
         c = self.config
         if not isinstance(input_ids, np.ndarray) or input_ids.dtype.kind not in "iu":
             kind = getattr(input_ids, "dtype", type(input_ids).__name__)
-            raise InputError(INPUT_NAME, f"expected integer token ids (INT64), got {kind}")
+            raise RequestError(INPUT_NAME, f"expected integer token ids (INT64), got {kind}")
         if input_ids.ndim != 2 or input_ids.shape[0] == 0:
-            raise InputError(INPUT_NAME, f"expected shape [batch, seq] with batch >= 1, got {list(input_ids.shape)}")
+            raise RequestError(INPUT_NAME, f"expected shape [batch, seq] with batch >= 1, got {list(input_ids.shape)}")
         if not 1 <= input_ids.shape[1] <= c.max_positions:
-            raise InputError(INPUT_NAME, f"sequence length {input_ids.shape[1]} is outside 1..{c.max_positions}")
+            raise RequestError(INPUT_NAME, f"sequence length {input_ids.shape[1]} is outside 1..{c.max_positions}")
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= c.vocab_size:
-            raise InputError(INPUT_NAME, f"token ids must be in 0..{c.vocab_size - 1}, got {lo}..{hi}")
+            raise RequestError(INPUT_NAME, f"token ids must be in 0..{c.vocab_size - 1}, got {lo}..{hi}")
         return input_ids.astype(np.int64, copy=False)
 
     def _attention(self, x: np.ndarray, i: int) -> np.ndarray:

@@ -18,6 +18,8 @@ from google.protobuf import text_format
 from pydantic import ConfigDict, Field, TypeAdapter
 from tritonclient.grpc import model_config_pb2 as mc
 
+from dspark.errors import ConfigError, field_path
+
 SPEC_FILENAME = "modelspec.yaml"
 CONFIG_FILENAME = "config.pbtxt"
 SEMVER_PATTERN = r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:-([0-9A-Za-z.-]+))?(?:\+[0-9A-Za-z.-]+)?$"
@@ -151,7 +153,7 @@ class ModelSpec:
             spec = TypeAdapter(cls).validate_python(data)
         except pydantic.ValidationError as error:
             first = error.errors()[0]
-            raise SpecError(_field_path(first["loc"]), first["msg"]) from None
+            raise SpecError(field_path(first["loc"]), first["msg"]) from None
         spec.framework_info  # noqa: B018  (raises SpecError for an unknown framework)
         return spec
 
@@ -282,13 +284,8 @@ MODELED_CONFIG_FIELDS = ("name", "platform", "backend", "max_batch_size", "input
                          "version_policy", "default_model_filename")
 
 
-class SpecError(ValueError):
-    """A problem in a model's files, naming the file and the field."""
-
-    def __init__(self, field_name: str, reason: str, path: Optional[Path] = None):
-        self.field, self.reason, self.path = field_name, reason, path
-        where = f"{path}: " if path else ""
-        super().__init__(f"{where}{field_name + ': ' if field_name else ''}{reason}")
+class SpecError(ConfigError):
+    """A problem in a model's files (modelspec.yaml, config.pbtxt, the artifact), naming the file and the field."""
 
 
 def _without_defaults(value):
@@ -305,13 +302,6 @@ def _without_defaults(value):
     if isinstance(value, dict):
         return {key: _without_defaults(item) for key, item in value.items()}
     return value
-
-
-def _field_path(loc: tuple) -> str:
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text
 
 
 def semver_key(version: str) -> tuple:

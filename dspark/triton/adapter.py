@@ -2,11 +2,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
+
+from dspark.errors import ConfigError, error_code
 
 
-class ConfigError(ValueError):
-    """A model config parameter has a value the backend cannot use; the message names it."""
+def triton_error(pb_utils: Any, error: BaseException, context: str = "") -> Any:
+    """Any exception as a `pb_utils.TritonError` with the code dspark's error model gives it
+    (dspark.errors); the one place where that mapping happens. ``pb_utils`` is passed in so this
+    module imports no Triton code. ``context`` prefixes the message of unexpected (INTERNAL) errors."""
+    code = error_code(error)
+    message = str(error) or type(error).__name__
+    if code == "INTERNAL" and context:
+        message = f"{context}: {message}"
+    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, code, pb_utils.TritonError.INTERNAL))
 
 
 def config_parameters(model_config: Mapping) -> dict[str, str]:
@@ -21,9 +30,9 @@ def parameter_int(params: Mapping[str, str], name: str, default: int, minimum: i
     try:
         value = int(raw)
     except ValueError:
-        raise ConfigError(f"parameter '{name}' must be an integer, got {raw!r}") from None
+        raise ConfigError(f"parameter '{name}'", f"must be an integer, got {raw!r}") from None
     if value < minimum:
-        raise ConfigError(f"parameter '{name}' must be >= {minimum}, got {value}")
+        raise ConfigError(f"parameter '{name}'", f"must be >= {minimum}, got {value}")
     return value
 
 
@@ -36,7 +45,7 @@ def parameter_bool(params: Mapping[str, str], name: str, default: bool) -> bool:
         return True
     if lowered in ("false", "0", "no", "off"):
         return False
-    raise ConfigError(f"parameter '{name}' must be true or false, got {raw!r}")
+    raise ConfigError(f"parameter '{name}'", f"must be true or false, got {raw!r}")
 
 
 def parameter_list(params: Mapping[str, str], name: str, default: tuple[str, ...] = ()) -> list[str]:

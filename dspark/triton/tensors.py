@@ -6,6 +6,8 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from dspark.errors import RequestError
+
 # Triton config data types <-> numpy. TYPE_STRING tensors arrive as numpy object arrays of bytes.
 TRITON_TO_NUMPY: dict[str, np.dtype] = {
     "TYPE_BOOL": np.dtype(np.bool_),
@@ -29,10 +31,6 @@ def wire_name(data_type: str) -> str:
     """TYPE_FP32 -> FP32, the name clients use (TYPE_STRING -> BYTES)."""
     short = data_type.removeprefix("TYPE_")
     return "BYTES" if short == "STRING" else short
-
-
-class RequestError(ValueError):
-    """A request the model cannot run; the message names the tensor and what was expected."""
 
 
 @dataclass(frozen=True)
@@ -66,18 +64,19 @@ class TensorSpec:
             if self.optional:
                 return
             raise RequestError(
-                f"missing input tensor '{self.name}': send {wire_name(self.data_type)} with shape {expected}"
+                f"input tensor '{self.name}'", f"missing: send {wire_name(self.data_type)} with shape {expected}"
             )
         if array.dtype != self.numpy_dtype and not (self.data_type == "TYPE_STRING" and array.dtype.kind in "OSU"):
             raise RequestError(
-                f"input tensor '{self.name}' has data type {wire_name(NUMPY_TO_TRITON.get(array.dtype, str(array.dtype)))}, "
-                f"expected {wire_name(self.data_type)}"
+                f"input tensor '{self.name}'",
+                f"has data type {wire_name(NUMPY_TO_TRITON.get(array.dtype, str(array.dtype)))}, "
+                f"expected {wire_name(self.data_type)}",
             )
         if len(array.shape) != len(expected) or any(
             want != -1 and got != want for got, want in zip(array.shape, expected)
         ):
             raise RequestError(
-                f"input tensor '{self.name}' has shape {list(array.shape)}, expected {expected} (-1: any size)"
+                f"input tensor '{self.name}'", f"has shape {list(array.shape)}, expected {expected} (-1: any size)"
             )
 
 
@@ -86,6 +85,6 @@ def check_inputs(specs: Sequence[TensorSpec], arrays: Mapping[str, Optional[np.n
     known = {spec.name for spec in specs}
     unknown = sorted(set(arrays) - known)
     if unknown:
-        raise RequestError(f"unknown input tensor '{unknown[0]}': this model takes {sorted(known)}")
+        raise RequestError(f"input tensor '{unknown[0]}'", f"unknown: this model takes {sorted(known)}")
     for spec in specs:
         spec.check(arrays.get(spec.name), batched)

@@ -6,7 +6,7 @@ import pytest
 from dspark.engines.fused_transformer import (
     INPUT_NAME,
     FusedTransformer,
-    InputError,
+    RequestError,
     TransformerConfig,
     make_weights,
     save_weights,
@@ -54,7 +54,7 @@ def test_activations_come_from_the_pool_and_go_back(weights_file):
 ])
 def test_bad_input_names_the_tensor(weights_file, ids, match):
     engine = FusedTransformer.load(weights_file[0], use_pool=False)
-    with pytest.raises(InputError, match=match):
+    with pytest.raises(RequestError, match=match):
         engine.forward(ids)
 
 

@@ -9,9 +9,10 @@ from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.lm import OnnxLM
 from dspark.decoding.onnx_lm import LMConfig, build_lm_onnx, random_weights
 from dspark.decoding.request import parse_sampling_parameters
-from dspark.decoding.sampling import InvalidParameter, SamplingParams, SpeculativeParams
+from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.decoding.text import TextGenerator, send_coalesced
 from dspark.decoding.tokenizer import BPETokenizer
+from dspark.errors import RequestError
 from dspark.paths import project_root
 
 TOKENIZER = BPETokenizer.load(project_root() / "tools" / "weights" / "spec_bpe.json")
@@ -49,7 +50,7 @@ def test_tokenizer_merges_common_code():
     (json.dumps({"speculative": 3}), "speculative"),
 ])
 def test_bad_sampling_parameters_name_the_field(raw, field):
-    with pytest.raises(InvalidParameter) as info:
+    with pytest.raises(RequestError) as info:
         parse_sampling_parameters(raw, SpeculativeParams())
     assert info.value.field == field and field in str(info.value)
 

@@ -19,8 +19,8 @@ def test_a_good_batch_passes():
     ({"features": np.zeros((3, 16), np.int64)}, ["'features'", "INT64", "expected FP32"]),
     ({"features": np.zeros((3, 15), np.float32)}, ["'features'", "[3, 15]", "[-1, 16]"]),
     ({"features": np.zeros((16,), np.float32)}, ["'features'", "[16]"]),
-    ({}, ["missing input tensor 'features'", "FP32"]),
-    ({"features": np.zeros((1, 16), np.float32), "extra": np.zeros(1)}, ["unknown input tensor 'extra'"]),
+    ({}, ["input tensor 'features': missing", "FP32"]),
+    ({"features": np.zeros((1, 16), np.float32), "extra": np.zeros(1)}, ["input tensor 'extra': unknown"]),
 ])
 def test_bad_requests_name_the_tensor_and_what_was_expected(arrays, words):
     with pytest.raises(RequestError) as raised:
