@@ -1,0 +1,92 @@
+"""Execution-provider preference on a real tritonserver, on this CPU-only machine: a model asking for
+[CUDA, CPU] serves on CPU with one warning and a fallback metric; the same model with fallback
+forbidden, or with a misspelled provider option, fails to load with an error that names the cause."""
+from __future__ import annotations
+
+import re
+import shutil
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.http as httpclient
+
+from dspark.paths import project_root
+from dspark.repository.modelspec import ExecutionProvider, ModelSpec, TensorSpec, VersionRecord
+from dspark.triton.server import TritonServer
+from tests.conftest import TEST_EXIT_TIMEOUT_S, dump_log_on_failure
+
+pytestmark = pytest.mark.integration
+
+CLASSIFIER = project_root() / "model_repository/mlp_classifier/1/model.onnx"
+MODELS = {
+    "ep_fallback": dict(execution_providers=[ExecutionProvider("CUDA"), ExecutionProvider("CPU")]),
+    "ep_strict": dict(execution_providers=[ExecutionProvider("CUDA"), ExecutionProvider("CPU")],
+                      disable_cpu_ep_fallback=True),
+    # written as raw parameters: a ModelSpec would refuse the misspelling before Triton sees it
+    "ep_misspelled": dict(parameters={"execution_providers": "CUDA,CPU",
+                                      "execution_provider_options": '{"CUDA": {"devce_id": "0"}}'}),
+}
+
+
+@pytest.fixture(scope="module")
+def provider_server(request, tmp_path_factory):
+    repository = tmp_path_factory.mktemp("providers")
+    for name, fields in MODELS.items():
+        spec = ModelSpec(name=name, framework="onnx", versions=[VersionRecord("1.0.0", 1)], max_batch_size=8,
+                         inputs=[TensorSpec("features", "FP32", [16])],
+                         outputs=[TensorSpec("probabilities", "FP32", [4])], **fields)
+        (repository / name / "1").mkdir(parents=True)
+        shutil.copy(CLASSIFIER, repository / name / "1" / "model.onnx")
+        (repository / name / "config.pbtxt").write_text(spec.config_text())
+    # Keep serving the models that load; the others' errors stay readable in the repository index.
+    server = TritonServer(repositories=[repository], exit_timeout_s=TEST_EXIT_TIMEOUT_S,
+                          extra_args=["--exit-on-error=false", "--strict-readiness=false"])
+    failed_before = request.session.testsfailed
+    server.start()
+    try:
+        yield server
+    finally:
+        dump_log_on_failure(request, server, failed_before)
+        server.stop()
+
+
+def model_states(server) -> dict[str, dict]:
+    index = requests.post(f"http://{server.http_url}/v2/repository/index", json={}, timeout=10).json()
+    return {entry["name"]: entry for entry in index}
+
+
+def test_cuda_then_cpu_serves_on_cpu_with_one_warning_and_a_fallback_metric(provider_server):
+    client = httpclient.InferenceServerClient(provider_server.http_url)
+    features = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+    tensor = httpclient.InferInput("features", [3, 16], "FP32")
+    tensor.set_data_from_numpy(features)
+    probabilities = client.infer("ep_fallback", [tensor]).as_numpy("probabilities")
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, rtol=1e-5)
+
+    warnings = [line for line in provider_server.log_text().splitlines()
+                if line.startswith("W") and "ep_fallback" in line]
+    assert len(warnings) == 1, warnings
+    assert "runs on CPUExecutionProvider" in warnings[0] and "CUDAExecutionProvider not usable" in warnings[0]
+
+    metrics = requests.get(provider_server.metrics_url, timeout=10).text
+    fallback = re.search(r'dspark_execution_provider_fallback_total\{([^}]*)\} (\d+)', metrics)
+    assert fallback and 'model="ep_fallback"' in fallback.group(1), metrics
+    assert 'requested="CUDAExecutionProvider"' in fallback.group(1) and 'chosen="CPUExecutionProvider"' in fallback.group(1)
+    assert fallback.group(2) == "1"
+    chosen = re.search(r'dspark_execution_provider\{([^}]*model="ep_fallback"[^}]*)\} 1', metrics)
+    assert chosen and 'provider="CPUExecutionProvider"' in chosen.group(1) and 'reason="fallback"' in chosen.group(1)
+
+
+def test_fallback_forbidden_fails_the_load_naming_the_missing_provider(provider_server):
+    state = model_states(provider_server)["ep_strict"]
+    assert state["state"] == "UNAVAILABLE"
+    assert "CUDAExecutionProvider is not usable here" in state["reason"]
+    assert "disable_cpu_ep_fallback is set" in state["reason"]
+
+
+def test_a_misspelled_provider_option_fails_the_load_naming_the_known_ones(provider_server):
+    state = model_states(provider_server)["ep_misspelled"]
+    assert state["state"] == "UNAVAILABLE"
+    assert "has no option 'devce_id' (did you mean device_id?)" in state["reason"]
+    assert "gpu_mem_limit" in state["reason"] and "cudnn_conv_algo_search" in state["reason"]
