@@ -1,6 +1,9 @@
-"""Execution-provider preference on a real tritonserver, on this CPU-only machine: a model asking for
-[CUDA, CPU] serves on CPU with one warning and a fallback metric; the same model with fallback
-forbidden, or with a misspelled provider option, fails to load with an error that names the cause."""
+"""The accelerator layer on a real tritonserver, on this CPU-only machine.
+
+Execution-provider preference: a model asking for [CUDA, CPU] serves on CPU with one warning and a
+fallback metric; the same model with fallback forbidden, or with a misspelled provider option,
+fails to load with an error that names the cause. The fused transformer with `matmul: gemm` runs
+every product through the GemmEx shim (device auto: the CPU here) and matches the fused engine."""
 from __future__ import annotations
 
 import re
@@ -11,6 +14,7 @@ import pytest
 import requests
 import tritonclient.http as httpclient
 
+from dspark.engines.fused_transformer import FusedTransformer
 from dspark.paths import project_root
 from dspark.repository.modelspec import ExecutionProvider, ModelSpec, TensorSpec, VersionRecord
 from dspark.triton.server import TritonServer
@@ -19,6 +23,7 @@ from tests.conftest import TEST_EXIT_TIMEOUT_S, dump_log_on_failure
 pytestmark = pytest.mark.integration
 
 CLASSIFIER = project_root() / "model_repository/mlp_classifier/1/model.onnx"
+TRANSFORMER = project_root() / "model_repository/fused_transformer/1/weights.npz"
 MODELS = {
     "ep_fallback": dict(execution_providers=[ExecutionProvider("CUDA"), ExecutionProvider("CPU")]),
     "ep_strict": dict(execution_providers=[ExecutionProvider("CUDA"), ExecutionProvider("CPU")],
@@ -39,6 +44,15 @@ def provider_server(request, tmp_path_factory):
         (repository / name / "1").mkdir(parents=True)
         shutil.copy(CLASSIFIER, repository / name / "1" / "model.onnx")
         (repository / name / "config.pbtxt").write_text(spec.config_text())
+    # the demo transformer, every product through the shim under the MUSA name, bf16 on this CPU
+    spec = ModelSpec(name="transformer_gemm", framework="python", backend="fused_transformer",
+                     default_model_filename="weights.npz", versions=[VersionRecord("1.0.0", 1)], max_batch_size=8,
+                     inputs=[TensorSpec("INPUT_IDS", "INT64", [-1])], outputs=[TensorSpec("HIDDEN", "FP32", [-1, 256])],
+                     parameters={"matmul": "gemm", "gemm_vendor": "mublas", "gemm_device": "auto",
+                                 "gemm_compute": "bf16"})
+    (repository / spec.name / "1").mkdir(parents=True)
+    shutil.copy(TRANSFORMER, repository / spec.name / "1" / "weights.npz")
+    (repository / spec.name / "config.pbtxt").write_text(spec.config_text())
     # Keep serving the models that load; the others' errors stay readable in the repository index.
     server = TritonServer(repositories=[repository], exit_timeout_s=TEST_EXIT_TIMEOUT_S,
                           extra_args=["--exit-on-error=false", "--strict-readiness=false"])
@@ -90,3 +104,17 @@ def test_a_misspelled_provider_option_fails_the_load_naming_the_known_ones(provi
     assert state["state"] == "UNAVAILABLE"
     assert "has no option 'devce_id' (did you mean device_id?)" in state["reason"]
     assert "gpu_mem_limit" in state["reason"] and "cudnn_conv_algo_search" in state["reason"]
+
+
+def test_the_transformer_runs_its_products_through_the_shim_and_matches_the_fused_engine(provider_server):
+    ids = np.random.default_rng(1).integers(0, 512, (2, 24)).astype(np.int64)
+    tensor = httpclient.InferInput("INPUT_IDS", list(ids.shape), "INT64")
+    tensor.set_data_from_numpy(ids)
+    hidden = httpclient.InferenceServerClient(provider_server.http_url).infer(
+        "transformer_gemm", [tensor]).as_numpy("HIDDEN")
+    reference = FusedTransformer.load(TRANSFORMER, use_pool=False).forward(ids)
+    assert hidden.shape == reference.shape == (2, 24, 256)
+    # bf16 products (FAST_16BF) on LayerNorm-ed activations: the output is LayerNorm-ed too
+    assert np.abs(hidden - reference).max() < 0.1 and np.abs(hidden - reference).mean() < 0.01
+    loaded = [line for line in provider_server.log_text().splitlines() if "loaded transformer_gemm" in line]
+    assert len(loaded) == 1 and "mublasGemmEx on the CPU" in loaded[0] and "COMPUTE_32F_FAST_16BF" in loaded[0]
