@@ -3,17 +3,21 @@
 Execution-provider preference: a model asking for [CUDA, CPU] serves on CPU with one warning and a
 fallback metric; the same model with fallback forbidden, or with a misspelled provider option,
 fails to load with an error that names the cause. The fused transformer with `matmul: gemm` runs
-every product through the GemmEx shim (device auto: the CPU here) and matches the fused engine."""
+every product through the GemmEx shim (device auto: the CPU here) and matches the fused engine.
+`dspark quantize --int8` adds a version of the demo classifier that Triton serves."""
 from __future__ import annotations
 
 import re
 import shutil
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 import requests
 import tritonclient.http as httpclient
+from click.testing import CliRunner
 
+from dspark.cli.main import cli
 from dspark.engines.fused_transformer import FusedTransformer
 from dspark.paths import project_root
 from dspark.repository.modelspec import ExecutionProvider, ModelSpec, TensorSpec, VersionRecord
@@ -53,6 +57,11 @@ def provider_server(request, tmp_path_factory):
     (repository / spec.name / "1").mkdir(parents=True)
     shutil.copy(TRANSFORMER, repository / spec.name / "1" / "weights.npz")
     (repository / spec.name / "config.pbtxt").write_text(spec.config_text())
+    # the demo classifier with an INT8 version 2 made by `dspark quantize` (Triton serves the newest)
+    shutil.copytree(CLASSIFIER.parent.parent, repository / "mlp_classifier")
+    quantized = CliRunner().invoke(cli, ["quantize", "mlp_classifier", "--int8", "--repository", str(repository),
+                                         "--rounds", "1", "--samples", "4"])
+    assert quantized.exit_code == 0, quantized.output
     # Keep serving the models that load; the others' errors stay readable in the repository index.
     server = TritonServer(repositories=[repository], exit_timeout_s=TEST_EXIT_TIMEOUT_S,
                           extra_args=["--exit-on-error=false", "--strict-readiness=false"])
@@ -65,9 +74,12 @@ def provider_server(request, tmp_path_factory):
         server.stop()
 
 
+def model_states_all(server) -> list[dict]:
+    return requests.post(f"http://{server.http_url}/v2/repository/index", json={}, timeout=10).json()
+
+
 def model_states(server) -> dict[str, dict]:
-    index = requests.post(f"http://{server.http_url}/v2/repository/index", json={}, timeout=10).json()
-    return {entry["name"]: entry for entry in index}
+    return {entry["name"]: entry for entry in model_states_all(server)}
 
 
 def test_cuda_then_cpu_serves_on_cpu_with_one_warning_and_a_fallback_metric(provider_server):
@@ -118,3 +130,20 @@ def test_the_transformer_runs_its_products_through_the_shim_and_matches_the_fuse
     assert np.abs(hidden - reference).max() < 0.1 and np.abs(hidden - reference).mean() < 0.01
     loaded = [line for line in provider_server.log_text().splitlines() if "loaded transformer_gemm" in line]
     assert len(loaded) == 1 and "mublasGemmEx on the CPU" in loaded[0] and "COMPUTE_32F_FAST_16BF" in loaded[0]
+
+
+def test_the_int8_version_made_by_quantize_serves(provider_server):
+    features = np.random.default_rng(2).standard_normal((6, 16)).astype(np.float32)
+    tensor = httpclient.InferInput("features", [6, 16], "FP32")
+    tensor.set_data_from_numpy(features)
+    client = httpclient.InferenceServerClient(provider_server.http_url)
+    served = client.infer("mlp_classifier", [tensor]).as_numpy("probabilities")
+    versions = {int(entry["version"]) for entry in model_states_all(provider_server) if entry["name"] == "mlp_classifier"
+                and entry.get("state") == "READY"}
+    assert versions == {2}
+    int8_file = provider_server.repositories[0] / "mlp_classifier/2/model.onnx"
+    int8 = ort.InferenceSession(str(int8_file), providers=["CPUExecutionProvider"]).run(None, {"features": features})[0]
+    np.testing.assert_allclose(served, int8, rtol=1e-5, atol=1e-6)
+    float_out = ort.InferenceSession(str(CLASSIFIER), providers=["CPUExecutionProvider"]).run(
+        None, {"features": features})[0]
+    assert np.abs(served - float_out).max() < 0.05
