@@ -4,9 +4,10 @@ Config parameters (all optional): execution_providers (ordered preference, comma
 CUDA,CPU), execution_provider_options (JSON: provider -> {option: value}, names checked),
 disable_cpu_ep_fallback (false: an unusable provider is skipped with a warning; true: it fails the
 load), ep_plugin_libraries (JSON: plugin provider name -> library path), intra_op_threads (1),
-inter_op_threads (1), allow_spinning (false), graph_optimization_level (all|extended|basic|disable).
-See docs/accelerators.md. The model file is
-`default_model_filename` or model.onnx in the version folder.
+inter_op_threads (1), allow_spinning (false), graph_optimization_level (all|extended|basic|disable),
+engine (onnxruntime | tensorrt: a TensorRT engine built from the ONNX file and cached, where TensorRT
+and a GPU are present; trt_cache_dir, trt_fp16, trt_max_batch, trt_max_dynamic). See
+docs/accelerators.md. The model file is `default_model_filename` or model.onnx in the version folder.
 """
 import json
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from dspark.accel.providers import ProviderRequest
+from dspark.accel.tensorrt_engine import open_model_runner
 from dspark.engines.onnx_session import OnnxRunner, batch_groups, read_graph_signature
 from dspark.errors import RequestError
 from dspark.triton.adapter import (
@@ -79,23 +81,23 @@ class TritonPythonModel:
         self.inputs = [TensorSpec.from_config(entry) for entry in self.model_config["input"]]
         self.output_specs = [TensorSpec.from_config(entry) for entry in self.model_config["output"]]
         spinning = parameter_bool(params, "allow_spinning", False)
-        self.runner = OnnxRunner(
-            model_path,
-            providers=ProviderRequest.from_parameters(params),
-            intra_op_threads=parameter_int(params, "intra_op_threads", 1),
-            inter_op_threads=parameter_int(params, "inter_op_threads", 1),
-            allow_spinning=spinning,
-            graph_optimization_level=params.get("graph_optimization_level") or "all",
-        )
+        self.runner = open_model_runner(params, args["model_name"], args["model_version"], model_path, lambda: (
+            OnnxRunner(
+                model_path,
+                providers=ProviderRequest.from_parameters(params),
+                intra_op_threads=parameter_int(params, "intra_op_threads", 1),
+                inter_op_threads=parameter_int(params, "inter_op_threads", 1),
+                allow_spinning=spinning,
+                graph_optimization_level=params.get("graph_optimization_level") or "all",
+            )))
         logger, choice = pb_utils.Logger, self.runner.choice
         if choice.fell_back:
             logger.log_warn(f"onnx backend: {args['model_name']}: runs on {choice.chosen}, not its first preference: "
                             f"{choice.reason}")
-        logger.log_info(
-            f"onnx backend: loaded {args['model_name']} version {args['model_version']} from {model_path} "
-            f"on {choice.describe()}, intra_op_threads={self.runner.session.get_session_options().intra_op_num_threads}, "
-            f"spinning={'on' if spinning else 'off'}"
-        )
+        settings = (f"intra_op_threads={self.runner.intra_op_threads}, spinning={'on' if spinning else 'off'}"
+                    if isinstance(self.runner, OnnxRunner) else self.runner.describe())
+        logger.log_info(f"onnx backend: loaded {args['model_name']} version {args['model_version']} from {model_path} "
+                        f"on {choice.describe()}, {settings}")
         labels = {"model": args["model_name"], "version": args["model_version"]}
         # Families must outlive their metrics, so both are kept on the instance.
         self.metric_families = [

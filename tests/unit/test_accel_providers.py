@@ -154,3 +154,38 @@ def test_modelspec_carries_the_preference_into_config_parameters_and_back():
     with pytest.raises(SpecError, match="execution_provider_options.CUDA.device"):
         ModelSpec.from_dict({"name": "m", "framework": "onnx",
                              "execution_providers": [{"name": "CUDA", "options": {"device": 0}}]})
+
+
+def test_tensorrt_engine_falls_back_to_onnx_runtime_or_fails_when_strict(tmp_path):
+    from dspark.accel import tensorrt_engine as trt_engine
+
+    def ort_runner():
+        return OnnxRunner(CLASSIFIER, providers=ProviderRequest(providers=("CUDA", "CPU")))
+
+    probe_result = trt_engine.probe()
+    if probe_result.usable:
+        pytest.skip("TensorRT runs here: the GPU check covers it")
+    runner = trt_engine.open_model_runner({"engine": "tensorrt"}, "m", "1", CLASSIFIER, ort_runner)
+    assert runner.choice.chosen == CPU
+    assert list(runner.choice.skipped) == ["TensorRT engine", "CUDAExecutionProvider"]
+    assert runner.choice.skipped["TensorRT engine"] == probe_result.reason
+    with pytest.raises(ConfigError, match="engine.*tensorrt is not usable here.*disable_cpu_ep_fallback is set"):
+        trt_engine.open_model_runner({"engine": "tensorrt", "disable_cpu_ep_fallback": "true"}, "m", "1",
+                                     CLASSIFIER, ort_runner)
+    with pytest.raises(ConfigError, match="expected onnxruntime or tensorrt, got 'trt'"):
+        trt_engine.open_model_runner({"engine": "trt"}, "m", "1", CLASSIFIER, ort_runner)
+
+
+def test_tensorrt_engine_cache_is_keyed_by_model_version_gpu_trt_and_settings(tmp_path):
+    from dspark.accel.tensorrt_engine import BuildSettings, engine_path
+
+    def path(**changes):
+        args = dict(cache_dir=tmp_path, model="m", version="1", onnx_path=CLASSIFIER, settings=BuildSettings(),
+                    gpu="NVIDIA H200 sm90", trt_version="10.13.0")
+        args.update(changes)
+        return engine_path(**args)
+
+    base = path()
+    assert base == path() and base.parent == tmp_path / "m" / "1" and base.name.startswith("NVIDIA-H200-sm90_trt10.13.0_")
+    assert len({base, path(model="n"), path(version="2"), path(gpu="NVIDIA A100 sm80"), path(trt_version="10.14.1"),
+                path(settings=BuildSettings(fp16=True))}) == 6
