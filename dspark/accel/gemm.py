@@ -258,21 +258,26 @@ class Gemm:
 
     # --- row-major convenience -------------------------------------------------------------------
     def matmul(self, a, b, *, out_dtype=None, compute: Optional[int] = None, alpha: Any = 1, beta: Any = 0,
-               out=None):
+               out=None, in_type: Optional[DataType] = None):
         """out = alpha * (a @ b) + beta * out for row-major 2-D arrays of one input dtype (float32,
         float64, float16, bfloat16, int8). int8 gives int32 (COMPUTE_32I) unless out_dtype says
         float32; ``compute`` overrides the compute type (e.g. COMPUTE_32F_FAST_16BF for float32
-        inputs through the bf16 kernels). Row-major C = A B is column-major C^T = B^T A^T: the
-        operands swap, no copies."""
+        inputs through the bf16 kernels). ``in_type`` names the inputs' type where the array
+        module has no dtype for it (bf16 as uint16 storage in CuPy). Row-major C = A B is
+        column-major C^T = B^T A^T: the operands swap, no copies."""
         xp = self.xp
         if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
             raise GemmStatusError(Status.INVALID_VALUE, f"shapes {a.shape} @ {b.shape} do not multiply")
-        if a.dtype != b.dtype or a.dtype not in DATA_TYPE_OF:
+        if a.dtype != b.dtype or (in_type is None and a.dtype not in DATA_TYPE_OF):
             raise GemmStatusError(Status.NOT_SUPPORTED, f"inputs {a.dtype} and {b.dtype}: expected one of "
                                                         f"{', '.join(str(d) for d in DATA_TYPE_OF)}, both the same")
-        in_type = DATA_TYPE_OF[a.dtype]
+        if in_type is not None and DTYPES[DataType(in_type)].itemsize != a.dtype.itemsize:
+            raise GemmStatusError(Status.INVALID_VALUE, f"in_type {DataType(in_type).name} needs "
+                                                        f"{DTYPES[DataType(in_type)].itemsize}-byte elements, "
+                                                        f"got {a.dtype}")
+        in_type = DataType(in_type) if in_type is not None else DATA_TYPE_OF[a.dtype]
         if out_dtype is None:
-            out_dtype = np.int32 if in_type == DataType.R_8I else a.dtype
+            out_dtype = np.int32 if in_type == DataType.R_8I else DTYPES[in_type]
         out_type = DATA_TYPE_OF[np.dtype(out_dtype)]
         if compute is None:
             compute = {DataType.R_64F: ComputeType.COMPUTE_64F}.get(in_type, ComputeType.COMPUTE_32F)
