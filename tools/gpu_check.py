@@ -233,7 +233,8 @@ def main() -> int:
         for label, run in runs.items():
             try:
                 ms = timed(run)
-                parts.append(f"{label} {ms:.2f} ms = {flops / ms / 1e9:.0f} TFLOP/s")
+                unit = "TOP/s" if "int8" in label else "TFLOP/s"
+                parts.append(f"{label} {ms:.2f} ms = {flops / ms / 1e9:.0f} {unit}")
             except Exception as error:
                 parts.append(f"{label} failed: {type(error).__name__}: {error}")
         return "; ".join(parts)

@@ -53,20 +53,19 @@ def echo_accelerator_info(repositories: Sequence[Path]) -> None:
 
 # --- `dspark bench gemm` ------------------------------------------------------------------------
 def cpu_description() -> str:
-    """The CPU's model name and the instruction sets the GEMM kernels care about."""
-    from dspark._ext import cpu_features
-
-    name = "unknown CPU"
+    """The CPU's model name and the instruction sets the GEMM kernels care about (/proc/cpuinfo)."""
+    name, flags = "unknown CPU", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name == "unknown CPU":
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
     except OSError:
         pass
-    features = cpu_features.runtime_features()
-    keys = ("avx2", "avx512f", "avx512bf16", "avx512vnni", "amx_bf16", "amx_int8")
-    return f"{name} ({', '.join(k for k in keys if features.get(k)) or 'no AVX2'})"
+    keys = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    return f"{name} ({', '.join(k for k in keys if k in flags) or 'no AVX2'})"
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -84,11 +83,10 @@ def bench_gemm(size: int, rounds: int, threads: int, json_out: Path | None) -> N
     import os
     import time
 
-    import scipy_openblas32
-
     from dspark.accel import gemm as shim
 
-    blas = ctypes.CDLL(str(Path(scipy_openblas32.get_lib_dir()) / "libscipy_openblas.so"))
+    shim.library()
+    blas = ctypes.CDLL("libscipy_openblas.so")  # the very OpenBLAS libhcblas.so loaded
     blas.scipy_openblas_set_num_threads(threads)
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((size, size)).astype(np.float32) for _ in range(2))
