@@ -21,8 +21,7 @@ from dspark.cli.main import cli
 from dspark.engines.fused_transformer import FusedTransformer
 from dspark.paths import project_root
 from dspark.repository.modelspec import ExecutionProvider, ModelSpec, TensorSpec, VersionRecord
-from dspark.triton.server import TritonServer
-from tests.conftest import TEST_EXIT_TIMEOUT_S, dump_log_on_failure
+from tests.conftest import serving
 
 pytestmark = pytest.mark.integration
 
@@ -63,15 +62,8 @@ def provider_server(request, tmp_path_factory):
                                          "--rounds", "1", "--samples", "4"])
     assert quantized.exit_code == 0, quantized.output
     # Keep serving the models that load; the others' errors stay readable in the repository index.
-    server = TritonServer(repositories=[repository], exit_timeout_s=TEST_EXIT_TIMEOUT_S,
-                          extra_args=["--exit-on-error=false", "--strict-readiness=false"])
-    failed_before = request.session.testsfailed
-    server.start()
-    try:
+    with serving(request, [repository], extra_args=["--exit-on-error=false", "--strict-readiness=false"]) as server:
         yield server
-    finally:
-        dump_log_on_failure(request, server, failed_before)
-        server.stop()
 
 
 def model_states_all(server) -> list[dict]:
