@@ -105,6 +105,7 @@ setup(
         "onnxruntime>=1.18",
         "onnx>=1.16",
         "ml-dtypes>=0.4",
+        "onnx-ir>=1.0",
         "tritonclient[http,grpc]>=2.51",
         "protobuf>=4.24",
         "click>=8.1",

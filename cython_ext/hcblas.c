@@ -247,7 +247,9 @@ static int combination_supported(int compute, int at, int bt, int ct) {
 static int known_compute(int c) {
     return (c >= C_16F && c <= C_32I_PEDANTIC) || c == C_32F_FAST_16F || c == C_32F_FAST_16BF || c == C_32F_FAST_TF32;
 }
-static int known_type(int t) { return t == T_32F || t == T_64F || t == T_16F || t == T_16BF || t == T_8I || t == T_32I; }
+static int known_type(int t) {
+    return t == T_32F || t == T_64F || t == T_16F || t == T_16BF || t == T_8I || t == T_32I;
+}
 
 int hcblasGemmExCheck(const void *handle, int transa, int transb, int m, int n, int k, const void *alpha, int Atype,
                       int lda, int Btype, int ldb, const void *beta, int Ctype, int ldc, int computeType, int algo) {
@@ -390,7 +392,8 @@ static int create(struct hcblasContext **handle) {
 }
 
 static int destroy(struct hcblasContext *handle) {
-    if (!handle || handle->magic != CONTEXT_MAGIC) return fail(ST_NOT_INITIALIZED, "handle: NULL or not made by Create");
+    if (!handle || handle->magic != CONTEXT_MAGIC)
+        return fail(ST_NOT_INITIALIZED, "handle: NULL or not made by Create");
     handle->magic = 0;
     free(handle);
     return ST_SUCCESS;
@@ -446,8 +449,10 @@ aclError aclblasGemmEx(aclTransType transA, aclTransType transB, aclTransType tr
     if (lda == -1) lda = a_cols;
     if (ldb == -1) ldb = b_cols;
     if (ldc == -1) ldc = n;
-    if (lda < (a_cols > 1 ? a_cols : 1)) return fail(ACL_ERROR_INVALID_PARAM, "lda=%d: must be -1 or >= %d", lda, a_cols);
-    if (ldb < (b_cols > 1 ? b_cols : 1)) return fail(ACL_ERROR_INVALID_PARAM, "ldb=%d: must be -1 or >= %d", ldb, b_cols);
+    if (lda < (a_cols > 1 ? a_cols : 1))
+        return fail(ACL_ERROR_INVALID_PARAM, "lda=%d: must be -1 or >= %d", lda, a_cols);
+    if (ldb < (b_cols > 1 ? b_cols : 1))
+        return fail(ACL_ERROR_INVALID_PARAM, "ldb=%d: must be -1 or >= %d", ldb, b_cols);
     if (ldc < (n > 1 ? n : 1)) return fail(ACL_ERROR_INVALID_PARAM, "ldc=%d: must be -1 or >= n=%d", ldc, n);
     /* alpha and beta have C's type: widen a half to the float COMPUTE_32F takes. */
     float alpha_f, beta_f;

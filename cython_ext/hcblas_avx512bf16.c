@@ -16,7 +16,8 @@
 
 /* X as micro-panels of MR rows: for each group g of `per` consecutive k (a pair or a quad), MR
  * 32-bit words; word i of group g holds X[r0 + i][g * per .. g * per + per - 1]. */
-#define XB_INDEX(r, k, groups, per) ((((r) / MR) * (groups) + (k) / (per)) * MR * (per) + ((r) % MR) * (per) + (k) % (per))
+#define XB_INDEX(r, k, groups, per) \
+    ((((r) / MR) * (groups) + (k) / (per)) * MR * (per) + ((r) % MR) * (per) + (k) % (per))
 
 #define KERNEL_LOOP(ACC_T, ZERO, STEP, STORE, FIX)                                                 \
     for (size_t s_block = 0; s_block < panels; s_block += PANELS_PER_BLOCK) {                       \

@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, Union
 
+import pydantic
+
 from dspark.accel import devices
-from dspark.errors import ConfigError
+from dspark.errors import ConfigError, from_validation_error
 
 CPU = "CPUExecutionProvider"
 OptionValue = Union[str, int, float, bool]
@@ -110,7 +112,8 @@ REGISTRY: tuple[ProviderInfo, ...] = (
                  "onnxruntime-gpu + tensorrt", libraries=("libnvinfer.so.10", "libnvinfer.so.8", "nvinfer_10.dll"),
                  aliases=("trt",)),
     ProviderInfo("CUDAExecutionProvider", "CUDA", "NVIDIA", "gpu", "nvidia", CUDA_OPTIONS, "onnxruntime-gpu"),
-    ProviderInfo("MIGraphXExecutionProvider", "MIGraphX", "AMD", "gpu", "amd", MIGRAPHX_OPTIONS, "onnxruntime-migraphx"),
+    ProviderInfo("MIGraphXExecutionProvider", "MIGraphX", "AMD", "gpu", "amd", MIGRAPHX_OPTIONS,
+                 "onnxruntime-migraphx"),
     ProviderInfo("ROCMExecutionProvider", "ROCm", "AMD", "gpu", "amd", ROCM_OPTIONS, "onnxruntime-rocm (ORT < 1.23)",
                  removed_in=(1, 23)),
     ProviderInfo("CANNExecutionProvider", "CANN", "Huawei Ascend", "npu", "ascend", CANN_OPTIONS, "onnxruntime-cann"),
@@ -166,6 +169,15 @@ def check_options(info: ProviderInfo, options: Mapping[str, OptionValue], field_
 
 
 # --- the request: a model's ordered preference, from config parameters or a ModelSpec -----------
+class _ProviderParameters(pydantic.BaseModel):
+    """The config parameters, as strings in config.pbtxt (JSON for the two objects)."""
+
+    execution_providers: str = CPU
+    execution_provider_options: pydantic.Json[dict[str, dict[str, OptionValue]]] = {}
+    disable_cpu_ep_fallback: bool = False
+    ep_plugin_libraries: pydantic.Json[dict[str, str]] = {}
+
+
 @dataclass(frozen=True)
 class ProviderRequest:
     """An ordered preference list with per-provider options and the fallback policy."""
@@ -180,13 +192,16 @@ class ProviderRequest:
         """From config.pbtxt parameters: execution_providers (comma list), execution_provider_options
         (JSON object: provider -> {option: value}), disable_cpu_ep_fallback (bool), ep_plugin_libraries
         (JSON object: provider name -> shared library path)."""
-        providers = tuple(p.strip() for p in (params.get(PARAM_PROVIDERS) or CPU).split(",") if p.strip())
-        strict = (params.get(PARAM_STRICT) or "false").strip().lower()
-        if strict not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-            raise ConfigError(f"parameter '{PARAM_STRICT}'", f"must be true or false, got {strict!r}")
-        request = cls(providers=providers or (CPU,), options=_json_object(params, PARAM_OPTIONS),
-                      disable_cpu_ep_fallback=strict in ("true", "1", "yes", "on"),
-                      plugin_libraries=_json_object(params, PARAM_PLUGINS))
+        given = {key: value for key, value in params.items() if key in _ProviderParameters.model_fields
+                 and value.strip()}
+        try:
+            parsed = _ProviderParameters.model_validate(given)
+        except pydantic.ValidationError as error:
+            raise from_validation_error(error, ConfigError, prefix="parameter") from None
+        providers = tuple(p.strip() for p in parsed.execution_providers.split(",") if p.strip())
+        request = cls(providers=providers or (CPU,), options=parsed.execution_provider_options,
+                      disable_cpu_ep_fallback=parsed.disable_cpu_ep_fallback,
+                      plugin_libraries=parsed.ep_plugin_libraries)
         request.validate()
         return request
 
@@ -225,19 +240,6 @@ class ProviderRequest:
             position = by_name[canonical]
             resolved[position] = (info, canonical, checked)
         return resolved
-
-
-def _json_object(params: Mapping[str, str], name: str) -> dict:
-    raw = (params.get(name) or "").strip()
-    if not raw:
-        return {}
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"parameter '{name}'", f"is not valid JSON ({error.msg} at column {error.colno})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"parameter '{name}'", f"must be a JSON object, got {type(value).__name__}")
-    return value
 
 
 # --- probing ----------------------------------------------------------------------------------

@@ -72,7 +72,8 @@ def load_feeds(path: Path, model_path: Path) -> list[dict[str, np.ndarray]]:
     with np.load(path) as data:
         missing = [name for name in names if name not in data.files]
         if missing:
-            raise ConfigError(str(path), f"has no array for input(s) {', '.join(missing)}; it has {', '.join(data.files)}")
+            raise ConfigError(str(path), f"has no array for input(s) {', '.join(missing)}; "
+                                         f"it has {', '.join(data.files)}")
         arrays = {name: data[name] for name in names}
     counts = {len(array) for array in arrays.values()}
     if len(counts) != 1:

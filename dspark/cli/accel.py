@@ -108,7 +108,8 @@ def bench_gemm(size: int, rounds: int, threads: int, json_out: Path | None) -> N
         return out
 
     paths = shim.kernel_report().supported
-    candidates = {"openblas sgemm (direct)": (None, direct_blas), "shim fp32": (None, lambda: gemm.matmul(a, b, out=out))}
+    candidates = {"openblas sgemm (direct)": (None, direct_blas),
+                  "shim fp32": (None, lambda: gemm.matmul(a, b, out=out))}
     for path in paths:
         candidates[f"shim bf16 [{path}]"] = (path, lambda: gemm.matmul(ab, bb, out_dtype=np.float32))
         candidates[f"shim int8 [{path}]"] = (path, lambda: gemm.matmul(ai, bi, out=out_int))

@@ -90,7 +90,8 @@ def test_cuda_then_cpu_serves_on_cpu_with_one_warning_and_a_fallback_metric(prov
     metrics = requests.get(provider_server.metrics_url, timeout=10).text
     fallback = re.search(r'dspark_execution_provider_fallback_total\{([^}]*)\} (\d+)', metrics)
     assert fallback and 'model="ep_fallback"' in fallback.group(1), metrics
-    assert 'requested="CUDAExecutionProvider"' in fallback.group(1) and 'chosen="CPUExecutionProvider"' in fallback.group(1)
+    assert 'requested="CUDAExecutionProvider"' in fallback.group(1)
+    assert 'chosen="CPUExecutionProvider"' in fallback.group(1)
     assert fallback.group(2) == "1"
     chosen = re.search(r'dspark_execution_provider\{([^}]*model="ep_fallback"[^}]*)\} 1', metrics)
     assert chosen and 'provider="CPUExecutionProvider"' in chosen.group(1) and 'reason="fallback"' in chosen.group(1)
@@ -130,8 +131,8 @@ def test_the_int8_version_made_by_quantize_serves(provider_server):
     tensor.set_data_from_numpy(features)
     client = httpclient.InferenceServerClient(provider_server.http_url)
     served = client.infer("mlp_classifier", [tensor]).as_numpy("probabilities")
-    versions = {int(entry["version"]) for entry in model_states_all(provider_server) if entry["name"] == "mlp_classifier"
-                and entry.get("state") == "READY"}
+    versions = {int(entry["version"]) for entry in model_states_all(provider_server)
+                if entry["name"] == "mlp_classifier" and entry.get("state") == "READY"}
     assert versions == {2}
     int8_file = provider_server.repositories[0] / "mlp_classifier/2/model.onnx"
     int8 = ort.InferenceSession(str(int8_file), providers=["CPUExecutionProvider"]).run(None, {"features": features})[0]
