@@ -73,7 +73,14 @@ static int gemm_bf16(const hcblas_problem *p) {
         return -1;
     }
     /* X as tiles of 16 rows x 32 k: element (r, k) at [(r / 16) * KB + k / 32][r % 16][k % 32]. */
-    FOR_EACH_X(p, xp[((r / TILE) * KB + k / 32) * 512 + (r % TILE) * 32 + (k & 31)] = x_bf16(p, r, k));
+    if (!p->fp32_in && p->x_cs == 1) /* rows of X contiguous: 64-byte copies */
+        for (size_t r = 0; r < p->R; r++)
+            for (size_t kb = 0; kb < KB; kb++)
+                memcpy(xp + ((r / TILE) * KB + kb) * 512 + (r % TILE) * 32,
+                       (const uint16_t *)p->x + (ptrdiff_t)r * p->x_rs + kb * 32,
+                       (kb * 32 + 32 <= p->K ? 32 : p->K - kb * 32) * sizeof(uint16_t));
+    else
+        FOR_EACH_X(p, xp[((r / TILE) * KB + k / 32) * 512 + (r % TILE) * 32 + (k & 31)] = x_bf16(p, r, k));
     float out[32 * 32] __attribute__((aligned(64)));
     AMX_BLOCK_LOOP(xp, yp, KB, Rp, Sp, _tile_dpbf16ps, out);
     free(xp);
@@ -90,7 +97,14 @@ static int gemm_s8(const hcblas_problem *p) {
         free(yp);
         return -1;
     }
-    FOR_EACH_X(p, xp[((r / TILE) * KB + k / 64) * 1024 + (r % TILE) * 64 + (k & 63)] = x_s8(p, r, k));
+    if (p->x_cs == 1)
+        for (size_t r = 0; r < p->R; r++)
+            for (size_t kb = 0; kb < KB; kb++)
+                memcpy(xp + ((r / TILE) * KB + kb) * 1024 + (r % TILE) * 64,
+                       (const int8_t *)p->x + (ptrdiff_t)r * p->x_rs + kb * 64,
+                       kb * 64 + 64 <= p->K ? 64 : p->K - kb * 64);
+    else
+        FOR_EACH_X(p, xp[((r / TILE) * KB + k / 64) * 1024 + (r % TILE) * 64 + (k & 63)] = x_s8(p, r, k));
     int32_t out[32 * 32] __attribute__((aligned(64)));
     AMX_BLOCK_LOOP(xp, yp, KB, Rp, Sp, _tile_dpbssd, out);
     free(xp);

@@ -60,7 +60,16 @@ static int gemm_bf16(const hcblas_problem *p) {
         free(yp);
         return -1;
     }
-    FOR_EACH_X(p, xp[XB_INDEX(r, k, groups, 2)] = x_bf16(p, r, k));
+    if (!p->fp32_in && p->x_cs == 1) /* rows of X contiguous: whole pairs at once */
+        for (size_t r = 0; r < p->R; r++) {
+            const uint16_t *row = (const uint16_t *)p->x + (ptrdiff_t)r * p->x_rs;
+            for (size_t k = 0; k < p->K; k += 2) {
+                uint32_t pair = row[k] | (k + 1 < p->K ? (uint32_t)row[k + 1] << 16 : 0u);
+                ((uint32_t *)xp)[((r / MR) * groups + k / 2) * MR + r % MR] = pair;
+            }
+        }
+    else
+        FOR_EACH_X(p, xp[XB_INDEX(r, k, groups, 2)] = x_bf16(p, r, k));
     const uint32_t *xw = (const uint32_t *)xp;
     const char *yb = (const char *)yp;
     float out[MR * 32] __attribute__((aligned(64)));
@@ -83,7 +92,17 @@ static int gemm_s8(const hcblas_problem *p) {
         return -1;
     }
     /* Padding stays 0: past K, Y is 0; past R, rows are clipped by the epilogue. */
-    FOR_EACH_X(p, xp[XB_INDEX(r, k, groups, 4)] = (uint8_t)(x_s8(p, r, k) + 128));
+    if (p->x_cs == 1) /* rows of X contiguous: whole quads at once, + 128 as XOR 0x80 per byte */
+        for (size_t r = 0; r < p->R; r++) {
+            const uint8_t *row = (const uint8_t *)p->x + (ptrdiff_t)r * p->x_rs;
+            for (size_t k = 0; k < p->K; k += 4) {
+                uint32_t quad = 0;
+                for (size_t e = 0; e < 4 && k + e < p->K; e++) quad |= (uint32_t)(row[k + e] ^ 0x80u) << (8 * e);
+                ((uint32_t *)xp)[((r / MR) * groups + k / 4) * MR + r % MR] = quad;
+            }
+        }
+    else
+        FOR_EACH_X(p, xp[XB_INDEX(r, k, groups, 4)] = (uint8_t)(x_s8(p, r, k) + 128));
     const uint32_t *xw = (const uint32_t *)xp;
     const char *yb = (const char *)yp;
     int32_t out[MR * 32] __attribute__((aligned(64)));

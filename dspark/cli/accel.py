@@ -74,7 +74,8 @@ def _median_ms(samples: list[float]) -> float:
 
 @bench.command("gemm")
 @click.option("--size", default=1024, show_default=True, help="M = N = K of the product.")
-@click.option("--rounds", default=11, show_default=True, help="Interleaved rounds (every candidate once per round).")
+@click.option("--rounds", default=11, show_default=True,
+              help="Interleaved rounds (every candidate once per round, in a shuffled order).")
 @click.option("--threads", default=1, show_default=True, help="OpenBLAS threads (the shim's own kernels use one).")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 def bench_gemm(size: int, rounds: int, threads: int, json_out: Path | None) -> None:
@@ -117,8 +118,12 @@ def bench_gemm(size: int, rounds: int, threads: int, json_out: Path | None) -> N
     errors: dict[str, float] = {}
     previous = os.environ.get(shim.SIMD_ENV)
     try:
+        order = list(candidates)
         for round_index in range(rounds + 1):  # round 0 warms up
-            for name, (path, run) in candidates.items():
+            if round_index:  # a new order each round: no candidate always follows the same one
+                rng.shuffle(order)
+            for name in order:
+                path, run = candidates[name]
                 if path:
                     os.environ[shim.SIMD_ENV] = path
                 start = time.perf_counter()
@@ -140,7 +145,8 @@ def bench_gemm(size: int, rounds: int, threads: int, json_out: Path | None) -> N
              "x_shim_fp32": fp32_ms / _median_ms(times), "max_rel_err": errors[name]}
             for name, times in samples.items()]
     cpu = cpu_description()
-    click.echo(f"{size}x{size}x{size}, {cpu}, OpenBLAS {threads} thread(s), medians of {rounds} interleaved rounds")
+    click.echo(f"{size}x{size}x{size}, {cpu}, OpenBLAS {threads} thread(s), medians of {rounds} rounds "
+               "(shuffled order)")
     click.echo("candidate                  |       ms | GFLOP/s | x shim fp32 | max rel err vs fp64")
     click.echo("---------------------------|----------|---------|-------------|--------------------")
     for row in rows:
