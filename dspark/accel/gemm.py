@@ -231,9 +231,15 @@ class Gemm:
         self._check_status(self._lib.hcblasGemmExCheck(  # the library's own checks come first
             self._handle, transa, transb, m, n, k, alpha_v.ctypes.data, Atype, lda, Btype, ldb,
             beta_v.ctypes.data, Ctype, ldc, compute, algo))
-        for name, array, rows, cols, ld in (("A", A, m if transa == 0 else k, k if transa == 0 else m, lda),
-                                            ("B", B, k if transb == 0 else n, n if transb == 0 else k, ldb),
-                                            ("C", C, m, n, ldc)):
+        for name, array, data_type, rows, cols, ld in (
+                ("A", A, Atype, m if transa == 0 else k, k if transa == 0 else m, lda),
+                ("B", B, Btype, k if transb == 0 else n, n if transb == 0 else k, ldb),
+                ("C", C, Ctype, m, n, ldc)):
+            if not (array.flags.c_contiguous or array.flags.f_contiguous):
+                raise GemmStatusError(Status.INVALID_VALUE, f"{name} must be one contiguous buffer")
+            if array.dtype.itemsize != DTYPES[DataType(data_type)].itemsize:
+                raise GemmStatusError(Status.INVALID_VALUE, f"{name} holds {array.dtype} elements, not "
+                                                            f"{DataType(data_type).name}")
             if array.size < _extent(rows, cols, ld):
                 raise GemmStatusError(Status.INVALID_VALUE, f"{name} holds {array.size} elements; a {rows} x {cols} "
                                                             f"operand with leading dimension {ld} needs "

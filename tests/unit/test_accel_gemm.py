@@ -144,11 +144,13 @@ def test_invalid_arguments_get_cublas_status_codes(field, kwargs, status):
     assert np.all(c == 7)
 
 
-def test_a_buffer_shorter_than_its_leading_dimension_spans_is_refused():
-    a = np.zeros(10, np.float32)
-    with pytest.raises(GemmStatusError, match="A holds 10 elements.*needs 64"):
-        Gemm().gemm_ex(0, 0, 8, 8, 8, 1.0, a, R.R_32F, 8, np.zeros(64, np.float32), R.R_32F, 8, 0.0,
-                       np.zeros(64, np.float32), R.R_32F, 8)
+def test_buffers_that_do_not_hold_what_the_call_describes_are_refused():
+    full = np.zeros(64, np.float32)
+    for a, message in ((np.zeros(10, np.float32), "A holds 10 elements.*needs 64"),
+                       (np.zeros(64, np.float64), "A holds float64 elements, not R_32F"),
+                       (np.zeros((8, 16), np.float32)[:, ::2], "A must be one contiguous buffer")):
+        with pytest.raises(GemmStatusError, match=message):
+            Gemm().gemm_ex(0, 0, 8, 8, 8, 1.0, a, R.R_32F, 8, full, R.R_32F, 8, 0.0, full.copy(), R.R_32F, 8)
 
 
 def test_a_bad_kernel_override_is_refused_naming_the_variable(monkeypatch):

@@ -190,3 +190,15 @@ def test_tensorrt_engine_cache_is_keyed_by_model_version_gpu_trt_and_settings(tm
     assert base.name.startswith("NVIDIA-H200-sm90_trt10.13.0_")
     assert len({base, path(model="n"), path(version="2"), path(gpu="NVIDIA A100 sm80"), path(trt_version="10.14.1"),
                 path(settings=BuildSettings(fp16=True))}) == 6
+
+
+def test_dspark_info_reports_providers_each_models_choice_and_the_shim():
+    from click.testing import CliRunner
+
+    from dspark.cli.main import cli
+
+    output = CliRunner().invoke(cli, ["info"]).output
+    assert "CPU       usable ONNX Runtime (MLAS)" in output
+    assert "ROCm      no     AMD: removed from ONNX Runtime in 1.23" in output
+    assert "model mlp_classifier: CPUExecutionProvider (first preference)" in output
+    assert "GemmEx shim   libhcblas.so: paths built convert" in output
