@@ -203,3 +203,15 @@ def test_dspark_info_reports_providers_each_models_choice_and_the_shim():
                                         else "not in this onnxruntime build") in output
     assert "model mlp_classifier: CPUExecutionProvider (first preference)" in output
     assert "GemmEx shim   libhcblas.so: paths built convert" in output
+
+
+def test_the_gpu_check_skips_with_one_line_without_a_gpu():
+    import subprocess
+    import sys
+
+    if devices.nvidia_gpus().present:
+        pytest.skip("a GPU is here: tools/gpu_check.py runs its checks instead")
+    run = subprocess.run([sys.executable, str(project_root() / "tools/gpu_check.py")], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0 and run.stderr == ""
+    assert run.stdout.count("\n") == 1 and run.stdout.startswith("gpu_check: skipped, no NVIDIA GPU here (")
