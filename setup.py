@@ -68,7 +68,7 @@ class BuildExtAndSharedLibrary(build_ext):
         target = Path(self.get_ext_fullpath("dspark._ext.fused")).parent / "libhcblas.so"
         self.compiler.link_shared_object(
             objects, str(target),
-            libraries=[name for name, _ in HCBLAS_LIBRARIES] + [scipy_openblas32.get_library(), "m"],
+            libraries=[name for name, _ in HCBLAS_LIBRARIES] + [scipy_openblas32.get_library(), "m", "pthread"],
             library_dirs=[self.get_finalized_command("build_clib").build_clib, scipy_openblas32.get_lib_dir()],
             runtime_library_dirs=[scipy_openblas32.get_lib_dir()])
 

@@ -374,7 +374,7 @@ static int gemm_ex(const void *handle, int transa, int transb, int m, int n, int
         .R = (size_t)n, .S = (size_t)m, .K = (size_t)k,
         .x = B, .x_rs = transb ? 1 : ldb, .x_cs = transb ? ldb : 1,
         .y = A, .y_rs = transa ? 1 : lda, .y_cs = transa ? lda : 1,
-        .fp32_in = Atype == T_32F, .epilogue = epilogue, .ctx = &e,
+        .fp32_in = Atype == T_32F, .threads = scipy_openblas_get_num_threads(), .epilogue = epilogue, .ctx = &e,
     };
     e.acc_int = Atype == T_8I;
     int rc = e.acc_int ? kernels->gemm_s8(&p) : kernels->gemm_bf16(&p);

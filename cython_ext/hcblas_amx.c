@@ -31,21 +31,31 @@ static void configure_tiles(void) {
     _tile_loadconfig(&config);
 }
 
-/* The block loop shared by both element types: `step` elements of K per tile, `dot` the tile
- * product, `tile_bytes` bytes per packed 16 x 64-byte tile. Accumulators go to the epilogue
- * through `out` (float or int32, 32 x 32). */
-#define AMX_BLOCK_LOOP(xp, yp, KB, Rp, Sp, dot, out)                                     \
-    do {                                                                                         \
+/* What every thread of one product shares: the packed operands and their geometry. */
+typedef struct {
+    const hcblas_problem *p;
+    const char *xp, *yp;
+    size_t KB, Sp;
+} amx_job;
+
+/* The block loop for rows [2 * begin, 2 * end) of 16-row tiles, one worker per element type:
+ * `dot` is the tile product, `acc_t` the accumulator type handed to the epilogue (32 x 32). Each
+ * thread configures its own tiles. */
+#define AMX_WORKER(name, dot, acc_t)                                                             \
+    static void name(void *arg, size_t begin, size_t end) {                                      \
+        const amx_job *job = arg;                                                                \
+        const hcblas_problem *p = job->p;                                                        \
+        const size_t KB = job->KB, panels = job->Sp / TILE;                                      \
+        acc_t out[32 * 32] __attribute__((aligned(64)));                                         \
         configure_tiles();                                                                       \
-        for (size_t s_block = 0; s_block < Sp / TILE; s_block += PANELS_PER_BLOCK) {            \
-            size_t s_end = s_block + PANELS_PER_BLOCK < Sp / TILE ? s_block + PANELS_PER_BLOCK   \
-                                                                  : Sp / TILE;                   \
-            for (size_t rp = 0; rp < Rp / TILE; rp += 2) {                                      \
-                const char *a0 = (const char *)(xp) + rp * (KB) * 1024, *a1 = a0 + (KB) * 1024;  \
+        for (size_t s_block = 0; s_block < panels; s_block += PANELS_PER_BLOCK) {                \
+            size_t s_end = s_block + PANELS_PER_BLOCK < panels ? s_block + PANELS_PER_BLOCK : panels; \
+            for (size_t rp = 2 * begin; rp < 2 * end; rp += 2) {                                 \
+                const char *a0 = job->xp + rp * KB * 1024, *a1 = a0 + KB * 1024;                 \
                 for (size_t sp = s_block; sp < s_end; sp += 2) {                                 \
-                    const char *b0 = (const char *)(yp) + sp * (KB) * 1024, *b1 = b0 + (KB) * 1024; \
+                    const char *b0 = job->yp + sp * KB * 1024, *b1 = b0 + KB * 1024;             \
                     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);                  \
-                    for (size_t kb = 0; kb < (KB); kb++) {                                       \
+                    for (size_t kb = 0; kb < KB; kb++) {                                         \
                         _tile_loadd(4, a0 + kb * 1024, 64);                                      \
                         _tile_loadd(5, a1 + kb * 1024, 64);                                      \
                         _tile_loadd(6, b0 + kb * 1024, 64);                                      \
@@ -61,7 +71,10 @@ static void configure_tiles(void) {
             }                                                                                    \
         }                                                                                        \
         _tile_release();                                                                         \
-    } while (0)
+    }
+
+AMX_WORKER(rows_bf16, _tile_dpbf16ps, float)
+AMX_WORKER(rows_s8, _tile_dpbssd, int32_t)
 
 static int gemm_bf16(const hcblas_problem *p) {
     const size_t Kp = round_up(p->K, 32), KB = Kp / 32, Rp = round_up(p->R, 32), Sp = round_up(p->S, 32);
@@ -81,8 +94,8 @@ static int gemm_bf16(const hcblas_problem *p) {
                        (kb * 32 + 32 <= p->K ? 32 : p->K - kb * 32) * sizeof(uint16_t));
     else
         FOR_EACH_X(p, xp[((r / TILE) * KB + k / 32) * 512 + (r % TILE) * 32 + (k & 31)] = x_bf16(p, r, k));
-    float out[32 * 32] __attribute__((aligned(64)));
-    AMX_BLOCK_LOOP(xp, yp, KB, Rp, Sp, _tile_dpbf16ps, out);
+    amx_job job = {p, (const char *)xp, (const char *)yp, KB, Sp};
+    run_parallel(rows_bf16, &job, Rp / 32, p->threads);
     free(xp);
     free(yp);
     return 0;
@@ -105,8 +118,8 @@ static int gemm_s8(const hcblas_problem *p) {
                        kb * 64 + 64 <= p->K ? 64 : p->K - kb * 64);
     else
         FOR_EACH_X(p, xp[((r / TILE) * KB + k / 64) * 1024 + (r % TILE) * 64 + (k & 63)] = x_s8(p, r, k));
-    int32_t out[32 * 32] __attribute__((aligned(64)));
-    AMX_BLOCK_LOOP(xp, yp, KB, Rp, Sp, _tile_dpbssd, out);
+    amx_job job = {p, (const char *)xp, (const char *)yp, KB, Sp};
+    run_parallel(rows_s8, &job, Rp / 32, p->threads);
     free(xp);
     free(yp);
     return 0;

@@ -19,29 +19,48 @@
 #define XB_INDEX(r, k, groups, per) \
     ((((r) / MR) * (groups) + (k) / (per)) * MR * (per) + ((r) % MR) * (per) + (k) % (per))
 
-#define KERNEL_LOOP(ACC_T, ZERO, STEP, STORE, FIX)                                                 \
-    for (size_t s_block = 0; s_block < panels; s_block += PANELS_PER_BLOCK) {                       \
-        size_t s_end = s_block + PANELS_PER_BLOCK < panels ? s_block + PANELS_PER_BLOCK : panels;   \
-        for (size_t rb = 0; rb < Rp; rb += MR) {                                                   \
-            const uint32_t *a = xw + rb * groups;                                                  \
-            for (size_t sp = s_block; sp < s_end; sp += 2) {                                       \
-                const char *b0 = yb + sp * groups * 64, *b1 = b0 + groups * 64;                    \
-                ACC_T acc[MR][2];                                                                  \
-                _Pragma("GCC unroll 14") for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = ZERO; \
-                for (size_t g = 0; g < groups; g++) {                                              \
-                    __m512i y0 = _mm512_load_si512(b0 + g * 64), y1 = _mm512_load_si512(b1 + g * 64); \
-                    _Pragma("GCC unroll 14") for (int i = 0; i < MR; i++) {                        \
-                        __m512i x = _mm512_set1_epi32((int)a[g * MR + i]);                          \
-                        acc[i][0] = STEP(acc[i][0], x, y0);                                         \
-                        acc[i][1] = STEP(acc[i][1], x, y1);                                         \
+/* What every thread of one product shares: packed X (32-bit groups), packed Y, geometry, and
+ * for int8 the column sums of Y. */
+typedef struct {
+    const hcblas_problem *p;
+    const uint32_t *xw;
+    const char *yb;
+    size_t groups, panels;
+    const int32_t *colsum;
+} vnni_job;
+
+/* Row blocks [begin, end) of MR rows, one worker per element type: STEP is the dot product of a
+ * broadcast group of X with a panel row of Y, STORE writes the accumulators, FIX adjusts them
+ * before the epilogue (the int8 VNNI correction). */
+#define KERNEL_WORKER(name, ACC_T, OUT_T, ZERO, STEP, STORE, FIX)                                  \
+    static void name(void *arg, size_t begin, size_t end) {                                        \
+        const vnni_job *job = arg;                                                                 \
+        const hcblas_problem *p = job->p;                                                          \
+        const size_t groups = job->groups, panels = job->panels;                                   \
+        OUT_T out[MR * 32] __attribute__((aligned(64)));                                           \
+        for (size_t s_block = 0; s_block < panels; s_block += PANELS_PER_BLOCK) {                   \
+            size_t s_end = s_block + PANELS_PER_BLOCK < panels ? s_block + PANELS_PER_BLOCK : panels; \
+            for (size_t rb = begin * MR; rb < end * MR; rb += MR) {                                \
+                const uint32_t *a = job->xw + rb * groups;                                         \
+                for (size_t sp = s_block; sp < s_end; sp += 2) {                                   \
+                    const char *b0 = job->yb + sp * groups * 64, *b1 = b0 + groups * 64;           \
+                    ACC_T acc[MR][2];                                                              \
+                    _Pragma("GCC unroll 14") for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = ZERO; \
+                    for (size_t g = 0; g < groups; g++) {                                          \
+                        __m512i y0 = _mm512_load_si512(b0 + g * 64), y1 = _mm512_load_si512(b1 + g * 64); \
+                        _Pragma("GCC unroll 14") for (int i = 0; i < MR; i++) {                    \
+                            __m512i x = _mm512_set1_epi32((int)a[g * MR + i]);                      \
+                            acc[i][0] = STEP(acc[i][0], x, y0);                                     \
+                            acc[i][1] = STEP(acc[i][1], x, y1);                                     \
+                        }                                                                          \
                     }                                                                              \
+                    _Pragma("GCC unroll 14") for (int i = 0; i < MR; i++) {                        \
+                        STORE(out + i * 32, acc[i][0]);                                            \
+                        STORE(out + i * 32 + 16, acc[i][1]);                                       \
+                    }                                                                              \
+                    FIX;                                                                           \
+                    p->epilogue(p->ctx, rb, sp * 16, MR, 32, out, 32);                             \
                 }                                                                                  \
-                _Pragma("GCC unroll 14") for (int i = 0; i < MR; i++) {                            \
-                    STORE(out + i * 32, acc[i][0]);                                                \
-                    STORE(out + i * 32 + 16, acc[i][1]);                                           \
-                }                                                                                  \
-                FIX;                                                                               \
-                p->epilogue(p->ctx, rb, sp * 16, MR, 32, out, 32);                                 \
             }                                                                                      \
         }                                                                                          \
     }
@@ -49,6 +68,11 @@
 static inline __m512 dot_bf16(__m512 acc, __m512i x, __m512i y) {
     return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)y);
 }
+
+KERNEL_WORKER(rows_bf16, __m512, float, _mm512_setzero_ps(), dot_bf16, _mm512_store_ps, (void)0)
+KERNEL_WORKER(rows_s8, __m512i, int32_t, _mm512_setzero_si512(), _mm512_dpbusd_epi32, _mm512_store_si512,
+              for (int i = 0; i < MR; i++) for (int j = 0; j < 32; j++)
+                  out[i * 32 + j] -= 128 * job->colsum[sp * 16 + j])
 
 static int gemm_bf16(const hcblas_problem *p) {
     const size_t Kp = round_up(p->K, 32), groups = Kp / 2, Rp = round_up(p->R, MR), Sp = round_up(p->S, 32);
@@ -70,10 +94,8 @@ static int gemm_bf16(const hcblas_problem *p) {
         }
     else
         FOR_EACH_X(p, xp[XB_INDEX(r, k, groups, 2)] = x_bf16(p, r, k));
-    const uint32_t *xw = (const uint32_t *)xp;
-    const char *yb = (const char *)yp;
-    float out[MR * 32] __attribute__((aligned(64)));
-    KERNEL_LOOP(__m512, _mm512_setzero_ps(), dot_bf16, _mm512_store_ps, (void)0)
+    vnni_job job = {p, (const uint32_t *)xp, (const char *)yp, groups, panels, NULL};
+    run_parallel(rows_bf16, &job, Rp / MR, p->threads);
     free(xp);
     free(yp);
     return 0;
@@ -103,12 +125,8 @@ static int gemm_s8(const hcblas_problem *p) {
         }
     else
         FOR_EACH_X(p, xp[XB_INDEX(r, k, groups, 4)] = (uint8_t)(x_s8(p, r, k) + 128));
-    const uint32_t *xw = (const uint32_t *)xp;
-    const char *yb = (const char *)yp;
-    int32_t out[MR * 32] __attribute__((aligned(64)));
-    KERNEL_LOOP(__m512i, _mm512_setzero_si512(), _mm512_dpbusd_epi32, _mm512_store_si512,
-                for (int i = 0; i < MR; i++) for (int j = 0; j < 32; j++)
-                    out[i * 32 + j] -= 128 * colsum[sp * 16 + j])
+    vnni_job job = {p, (const uint32_t *)xp, (const char *)yp, groups, panels, colsum};
+    run_parallel(rows_s8, &job, Rp / MR, p->threads);
     free(xp);
     free(yp);
     free(colsum);

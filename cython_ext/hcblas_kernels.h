@@ -15,7 +15,7 @@
 
 /* Receives a block of accumulators (float for bf16, int32 for int8): D[r0 + i][s0 + j] =
  * acc[i * acc_ld + j] for i < rows, j < cols; it clips to R x S, applies alpha/beta and stores
- * in C's type. */
+ * in C's type. Threads call it for disjoint rows of D (columns of C). */
 typedef void (*hcblas_epilogue_fn)(void *ctx, size_t r0, size_t s0, size_t rows, size_t cols,
                                    const void *acc, size_t acc_ld);
 
@@ -26,6 +26,7 @@ typedef struct {
     const void *y;
     ptrdiff_t y_rs, y_cs; /* Y[p][s] is element p * y_rs + s * y_cs of y */
     int fp32_in;          /* bf16 kernels: inputs are float to round to bf16 (COMPUTE_32F_FAST_16BF) */
+    int threads;          /* threads for the product (OpenBLAS's setting, so every path uses the same) */
     hcblas_epilogue_fn epilogue;
     void *ctx;
 } hcblas_problem;

@@ -102,11 +102,24 @@ def test_gemm_ex_matches_a_float64_reference(kernel_path, call):
     assert C[untouched].tobytes() == before[untouched].tobytes()  # padding rows of C stay as they were
 
 
+@pytest.fixture(params=[1, 3])
+def threads(request):
+    """The kernels take OpenBLAS's thread count: run with one thread and with three."""
+    import ctypes
+
+    gemm.library()
+    blas = ctypes.CDLL("libscipy_openblas.so")
+    before = blas.scipy_openblas_get_num_threads()
+    blas.scipy_openblas_set_num_threads(request.param)
+    yield request.param
+    blas.scipy_openblas_set_num_threads(before)
+
+
 @pytest.mark.parametrize("vendor", VENDORS)
-def test_matmul_for_each_dtype_through_each_vendor_name(kernel_path, vendor):
+def test_matmul_for_each_dtype_through_each_vendor_name(kernel_path, vendor, threads):
     rng = np.random.default_rng(1)
     shim = Gemm(vendor, "cpu")
-    a32, b32 = rng.standard_normal((70, 50)).astype(np.float32), rng.standard_normal((50, 33)).astype(np.float32)
+    a32, b32 = rng.standard_normal((100, 50)).astype(np.float32), rng.standard_normal((50, 33)).astype(np.float32)
     exact = a32.astype(np.float64) @ b32
     np.testing.assert_allclose(shim.matmul(a32, b32), exact, rtol=1e-4, atol=1e-4)
     ab, bb = a32.astype(BFLOAT16), b32.astype(BFLOAT16)
@@ -114,7 +127,7 @@ def test_matmul_for_each_dtype_through_each_vendor_name(kernel_path, vendor):
                                ab.astype(np.float64) @ bb.astype(np.float64), rtol=1e-5, atol=1e-4)
     fast = shim.matmul(a32, b32, compute=ComputeType.COMPUTE_32F_FAST_16BF)
     assert np.abs(fast - exact).max() / np.abs(exact).max() < 1e-2
-    ai, bi = (rng.integers(-128, 128, shape).astype(np.int8) for shape in ((70, 130), (130, 9)))
+    ai, bi = (rng.integers(-128, 128, shape).astype(np.int8) for shape in ((100, 130), (130, 9)))
     np.testing.assert_array_equal(shim.matmul(ai, bi), ai.astype(np.int64) @ bi)
 
 
