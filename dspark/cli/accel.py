@@ -76,7 +76,7 @@ def _median_ms(samples: list[float]) -> float:
 @click.option("--size", default=1024, show_default=True, help="M = N = K of the product.")
 @click.option("--rounds", default=11, show_default=True,
               help="Interleaved rounds (every candidate once per round, in a shuffled order).")
-@click.option("--threads", default=1, show_default=True, help="OpenBLAS threads (the shim's own kernels use one).")
+@click.option("--threads", default=1, show_default=True, help="OpenBLAS threads, which the shim's kernels use too.")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 def bench_gemm(size: int, rounds: int, threads: int, json_out: Path | None) -> None:
     """The GemmEx shim against OpenBLAS's sgemm called directly, fp32 vs bf16 vs int8 per kernel path."""
