@@ -14,6 +14,7 @@ from dspark.cli.bench import bench
 
 def model_provider_choices(repositories: Sequence[Path]) -> list[tuple[str, str]]:
     """(model, its provider choice and why) for every `onnx`-backend model in the repositories."""
+    from dspark.accel import tensorrt_engine
     from dspark.accel.providers import ProviderRequest, choose
     from dspark.errors import ConfigError
     from dspark.repository.repo import load_entries
@@ -25,9 +26,15 @@ def model_provider_choices(repositories: Sequence[Path]) -> list[tuple[str, str]
             continue
         params = {key: value.string_value for key, value in entry.config.parameters.items()}
         try:
-            rows.append((entry.name, choose(ProviderRequest.from_parameters(params)).describe()))
+            choice = choose(ProviderRequest.from_parameters(params)).describe()
         except ConfigError as error:
             rows.append((entry.name, f"fails to load: {error}"))
+            continue
+        if params.get("engine") == "tensorrt":
+            engine = tensorrt_engine.probe()
+            choice = (f"{tensorrt_engine.ENGINE} ({engine.reason})" if engine.usable else
+                      f"{choice}, {tensorrt_engine.ENGINE} not usable: {engine.reason}")
+        rows.append((entry.name, choice))
     return rows
 
 

@@ -215,3 +215,17 @@ def test_the_gpu_check_skips_with_one_line_without_a_gpu():
                          text=True, timeout=60)
     assert run.returncode == 0 and run.stderr == ""
     assert run.stdout.count("\n") == 1 and run.stdout.startswith("gpu_check: skipped, no NVIDIA GPU here (")
+
+
+def test_info_names_each_models_choice_with_its_tensorrt_engine_and_config_errors(tmp_path):
+    from dspark.cli.accel import model_provider_choices
+
+    for name, parameters in (("with_engine", {"engine": "tensorrt", "execution_providers": "CUDA,CPU"}),
+                             ("misspelled", {"execution_provider_options": '{"CPU": {"threads": 1}}'})):
+        spec = ModelSpec(name=name, framework="onnx", parameters=parameters)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.pbtxt").write_text(spec.config_text())
+    rows = dict(model_provider_choices([tmp_path]))
+    assert rows["with_engine"].startswith("CPUExecutionProvider (fallback (CUDAExecutionProvider not usable")
+    assert "TensorRT engine not usable: " in rows["with_engine"]
+    assert rows["misspelled"].startswith("fails to load: execution_provider_options.CPU.threads")
