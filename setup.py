@@ -6,6 +6,7 @@ import numpy
 import scipy_openblas32
 from Cython.Build import cythonize
 from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
 
@@ -42,6 +43,36 @@ OPENBLAS = dict(
     runtime_library_dirs=[scipy_openblas32.get_lib_dir()],
 )
 
+# The GemmEx shim (docs/accelerators.md): its bf16/int8 kernels, one translation unit per
+# instruction set with its own flags, linked with cython_ext/hcblas.c into a plain C shared
+# library, dspark/_ext/libhcblas.so (C programs link it; dspark.accel.gemm loads it with ctypes).
+HCBLAS_FLAGS = {
+    "avx512bf16": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma"],
+    "amx": ["-O3", "-mavx512f", "-mavx512bw", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
+}
+HCBLAS_LIBRARIES = [
+    (f"dspark_hcblas_{isa}", {"sources": [f"cython_ext/hcblas_{isa}.c"], "include_dirs": ["cython_ext"],
+                              "cflags": ["-fPIC", "-fvisibility=hidden", *flags]})
+    for isa, flags in HCBLAS_FLAGS.items() if X86
+]
+
+
+class BuildExtAndSharedLibrary(build_ext):
+    """build_ext, then libhcblas.so next to the extensions (in place for editable installs)."""
+
+    def run(self) -> None:
+        super().run()
+        objects = self.compiler.compile(
+            ["cython_ext/hcblas.c"], output_dir=self.build_temp, extra_postargs=["-O3", "-fPIC"],
+            include_dirs=["cython_ext", scipy_openblas32.get_include_dir()])
+        target = Path(self.get_ext_fullpath("dspark._ext.fused")).parent / "libhcblas.so"
+        self.compiler.link_shared_object(
+            objects, str(target),
+            libraries=[name for name, _ in HCBLAS_LIBRARIES] + [scipy_openblas32.get_library(), "m", "pthread"],
+            library_dirs=[self.get_finalized_command("build_clib").build_clib, scipy_openblas32.get_lib_dir()],
+            runtime_library_dirs=[scipy_openblas32.get_lib_dir()])
+
+
 EXTENSIONS = [
     cython_extension("cpu_features", ["cpu_features.pyx"]),
     cython_extension("fused", ["fused.pyx", "simd_dispatch.c", "fused_layer.c"],
@@ -62,7 +93,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.9",
     packages=find_packages(include=["dspark", "dspark.*"]),
-    libraries=SIMD_LIBRARIES,
+    libraries=SIMD_LIBRARIES + HCBLAS_LIBRARIES,
+    cmdclass={"build_ext": BuildExtAndSharedLibrary},
     ext_modules=cythonize(
         EXTENSIONS,
         build_dir="build/cython",
@@ -72,6 +104,8 @@ setup(
         "numpy>=1.24,<2",
         "onnxruntime>=1.18",
         "onnx>=1.16",
+        "ml-dtypes>=0.4",
+        "onnx-ir>=1.0",
         "tritonclient[http,grpc]>=2.51",
         "protobuf>=4.24",
         "click>=8.1",

@@ -26,10 +26,11 @@ def dump_log_on_failure(request: pytest.FixtureRequest, server: TritonServer, fa
 
 
 @contextmanager
-def serving(request: pytest.FixtureRequest, repositories: Sequence[Path]) -> Iterator[TritonServer]:
+def serving(request: pytest.FixtureRequest, repositories: Sequence[Path],
+            extra_args: Sequence[str] = ()) -> Iterator[TritonServer]:
     """A real server on free ports for a fixture: headers forwarded, log dumped if a test failed."""
     server = TritonServer(repositories=repositories, exit_timeout_s=TEST_EXIT_TIMEOUT_S,
-                          extra_args=header_forward_args(DEFAULT_HEADER_PATTERN))
+                          extra_args=[*header_forward_args(DEFAULT_HEADER_PATTERN), *extra_args])
     failed_before = request.session.testsfailed
     server.start()
     try:

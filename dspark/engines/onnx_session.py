@@ -10,11 +10,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from dspark.accel.providers import ProviderChoice, ProviderRequest, choose, create_session, verify_session
 from dspark.triton.tensors import TensorSpec
 
 log = logging.getLogger(__name__)
 
-CPU_PROVIDER = "CPUExecutionProvider"
 GRAPH_OPTIMIZATION_LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -58,29 +58,6 @@ def make_session_options(
     return options
 
 
-@dataclass(frozen=True)
-class ProviderChoice:
-    chosen: list[str]
-    skipped: dict[str, str]  # provider -> why
-
-
-def choose_providers(preferred: Sequence[str], available: Sequence[str] | None = None) -> ProviderChoice:
-    """Keep the preferred providers this onnxruntime build has, in order, always ending with CPU."""
-    available = list(ort.get_available_providers() if available is None else available)
-    chosen, skipped = [], {}
-    for provider in preferred:
-        if provider in available:
-            if provider not in chosen:
-                chosen.append(provider)
-        else:
-            hint = " (install onnxruntime-gpu on a machine with a GPU)" if provider in (
-                "CUDAExecutionProvider", "TensorrtExecutionProvider") else ""
-            skipped[provider] = f"not available in this onnxruntime build{hint}; available: {available}"
-    if CPU_PROVIDER not in chosen:
-        chosen.append(CPU_PROVIDER)
-    return ProviderChoice(chosen=chosen, skipped=skipped)
-
-
 def _dims(value_info: onnx.ValueInfoProto) -> list[int]:
     return [d.dim_value if d.HasField("dim_value") else -1 for d in value_info.type.tensor_type.shape.dim]
 
@@ -121,7 +98,7 @@ class OnnxRunner:
     """One ORT session with the options the backend was configured with."""
 
     model_path: Path
-    providers: Sequence[str] = (CPU_PROVIDER,)
+    providers: ProviderRequest = ProviderRequest()  # preference, options, fallback policy
     intra_op_threads: int = 1
     inter_op_threads: int = 1
     allow_spinning: bool = False
@@ -129,11 +106,12 @@ class OnnxRunner:
     choice: ProviderChoice = field(init=False)
 
     def __post_init__(self) -> None:
-        self.choice = choose_providers(self.providers)
+        self.choice = choose(self.providers)
         options = make_session_options(
             self.intra_op_threads, self.inter_op_threads, self.allow_spinning, self.graph_optimization_level
         )
-        self.session = ort.InferenceSession(str(self.model_path), sess_options=options, providers=self.choice.chosen)
+        self.session = create_session(self.model_path, options, self.choice)
+        self.choice = verify_session(self.choice, self.session.get_providers())
         self.output_names = [output.name for output in self.session.get_outputs()]
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -86,6 +86,16 @@ class EnsembleStep:
 
 
 @dataclass
+class ExecutionProvider:
+    """One entry of a model's ordered execution-provider preference (dspark.accel.providers)."""
+
+    __pydantic_config__ = STRICT
+    name: str  # CUDA, TensorRT, CPU, ... or a plugin provider's name
+    options: dict[str, Union[str, int, float, bool]] = field(default_factory=dict)
+    library: str = ""  # a plugin provider's shared library
+
+
+@dataclass
 class VersionRecord:
     """One semantic version and the Triton version folder that holds it."""
 
@@ -117,6 +127,21 @@ class ModelSpec:
     default_model_filename: str = ""
     # config.pbtxt text for Triton fields this spec does not model (optimization, sequence_batching, ...)
     extra_config: str = ""
+    # ONNX Runtime providers in order of preference; written to the config's parameters
+    execution_providers: list[ExecutionProvider] = field(default_factory=list)
+    disable_cpu_ep_fallback: bool = False
+
+    def provider_request(self):
+        """The preference as dspark.accel.providers.ProviderRequest (validated), or None if unset."""
+        from dspark.accel.providers import ProviderRequest
+
+        if not self.execution_providers:
+            return None
+        entries = self.execution_providers
+        return ProviderRequest(providers=tuple(e.name for e in entries),
+                               options={e.name: e.options for e in entries if e.options},
+                               disable_cpu_ep_fallback=self.disable_cpu_ep_fallback,
+                               plugin_libraries={e.name: e.library for e in entries if e.library})
 
     @property
     def version(self) -> Optional[str]:
@@ -155,6 +180,12 @@ class ModelSpec:
             first = error.errors()[0]
             raise SpecError(field_path(first["loc"]), first["msg"]) from None
         spec.framework_info  # noqa: B018  (raises SpecError for an unknown framework)
+        try:
+            request = spec.provider_request()
+            if request is not None:
+                request.validate()
+        except ConfigError as error:
+            raise SpecError(error.field, error.reason) from None
         return spec
 
     @classmethod
@@ -205,6 +236,9 @@ class ModelSpec:
             config.dynamic_batching.default_priority_level = batching.default_priority_level
         for key, value in self.parameters.items():
             config.parameters[key].string_value = str(value)
+        request = self.provider_request()
+        for key, value in (request.to_parameters() if request else {}).items():
+            config.parameters[key].string_value = value
         if self.decoupled:
             config.model_transaction_policy.decoupled = True
         for step in self.ensemble:
@@ -243,6 +277,8 @@ class ModelSpec:
             return [TensorSpec(t.name, mc.DataType.Name(t.data_type).removeprefix("TYPE_"), list(t.dims),
                                t.optional if with_optional else False) for t in entries]
 
+        parameters = {k: v.string_value for k, v in config.parameters.items()}
+        providers = _providers_from_parameters(parameters)
         rest = mc.ModelConfig()
         rest.CopyFrom(config)
         policy = config.version_policy
@@ -268,13 +304,14 @@ class ModelSpec:
             instance_groups=[InstanceGroup(mc.ModelInstanceGroup.Kind.Name(g.kind).removeprefix("KIND_"),
                                            g.count or 1, list(g.gpus)) for g in config.instance_group],
             dynamic_batching=batching,
-            parameters={k: v.string_value for k, v in config.parameters.items()},
+            parameters=parameters,
             decoupled=config.model_transaction_policy.decoupled,
             ensemble=[EnsembleStep(s.model_name, dict(s.input_map), dict(s.output_map), s.model_version)
                       for s in config.ensemble_scheduling.step],
             serve_versions=serve_versions or "latest",
             default_model_filename=config.default_model_filename,
             extra_config=text_format.MessageToString(rest),
+            **providers,
         )
 
 
@@ -286,6 +323,24 @@ MODELED_CONFIG_FIELDS = ("name", "platform", "backend", "max_batch_size", "input
 
 class SpecError(ConfigError):
     """A problem in a model's files (modelspec.yaml, config.pbtxt, the artifact), naming the file and the field."""
+
+
+def _providers_from_parameters(parameters: dict[str, str]) -> dict:
+    """ModelSpec's provider fields from (and removed out of) a config's parameters."""
+    from dspark.accel.providers import PARAM_OPTIONS, PARAM_PLUGINS, PARAM_PROVIDERS, PARAM_STRICT, ProviderRequest
+
+    if PARAM_PROVIDERS not in parameters:
+        return {}
+    try:
+        request = ProviderRequest.from_parameters(parameters)
+    except ConfigError as error:
+        raise SpecError(error.field, error.reason) from None
+    for key in (PARAM_PROVIDERS, PARAM_OPTIONS, PARAM_STRICT, PARAM_PLUGINS):
+        parameters.pop(key, None)
+    return {"execution_providers": [ExecutionProvider(name, dict(request.options.get(name, {})),
+                                                      request.plugin_libraries.get(name, ""))
+                                    for name in request.providers],
+            "disable_cpu_ep_fallback": request.disable_cpu_ep_fallback}
 
 
 def _without_defaults(value):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark.engines.onnx_session import batch_groups, choose_providers
+from dspark.engines.onnx_session import batch_groups
 from dspark.triton.adapter import ConfigError, parameter_bool, parameter_int, parameter_list
 from dspark.triton.tensors import RequestError, TensorSpec, check_inputs
 
@@ -39,15 +39,6 @@ def test_parameters_parse_or_name_the_parameter():
         parameter_int({"threads": "many"}, "threads", 1)
     with pytest.raises(ConfigError, match="'spin'"):
         parameter_bool({"spin": "maybe"}, "spin", False)
-
-
-def test_provider_preference_falls_back_to_cpu_with_a_reason():
-    choice = choose_providers(["TensorrtExecutionProvider", "CUDAExecutionProvider"], available=["CPUExecutionProvider"])
-    assert choice.chosen == ["CPUExecutionProvider"]
-    assert set(choice.skipped) == {"TensorrtExecutionProvider", "CUDAExecutionProvider"}
-    assert "onnxruntime-gpu" in choice.skipped["CUDAExecutionProvider"]
-    kept = choose_providers(["CUDAExecutionProvider"], available=["CUDAExecutionProvider", "CPUExecutionProvider"])
-    assert kept.chosen == ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
 def test_requests_batch_only_with_matching_shapes():
