@@ -77,6 +77,7 @@ setup(
         "click>=8.1",
         "PyYAML>=6.0",
         "pydantic>=2.5",
+        "psutil>=5.9",
         "scipy-openblas32>=0.3.27",
         "scipy>=1.10",
         "threadpoolctl>=3.1",
