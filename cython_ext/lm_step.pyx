@@ -28,6 +28,34 @@ cdef const float *_ptr(dict arrays, str name) except NULL:
     return &view[0]
 
 
+def _expected_shapes(size_t n_layer, size_t d, size_t n_head, size_t ff, size_t vocab) -> dict:
+    """Every weight the C forward pass reads, with the shape it assumes (vectors: their size)."""
+    qkv_n = 2 * d + n_head * (d // n_head + 1)
+    shapes = {"tok_emb": (vocab, d), "tok_emb_t": (d, vocab), "lnf.w": (d,), "lnf.b": (d,),
+              "neg_slopes": (n_head,)}
+    layer = {"ln1.w": (d,), "ln1.b": (d,), "qkv.w": (d, qkv_n), "qkv.b": (qkv_n,), "proj.w": (d, d),
+             "proj.b": (d,), "ln2.w": (d,), "ln2.b": (d,), "fc.w": (d, ff), "fc.b": (ff,),
+             "fc_proj.w": (ff, d), "fc_proj.b": (d,)}
+    for i in range(n_layer):
+        shapes.update({f"h{i}.{name}": shape for name, shape in layer.items()})
+    return shapes
+
+
+cdef _check_cache(str name, list arrays, size_t n_layer, size_t n_head, size_t width, size_t rows):
+    """keys / values: one C-order float32 [1, slots, n_head, width] array per layer, slots >= rows."""
+    if len(arrays) != n_layer:
+        raise ValueError(f"{name}: expected {n_layer} arrays (one per layer), got {len(arrays)}")
+    for i, array in enumerate(arrays):
+        if (not isinstance(array, np.ndarray) or array.dtype != np.float32 or not array.flags.c_contiguous
+                or not array.flags.writeable or array.ndim != 4 or array.shape[0] != 1
+                or array.shape[2:] != (n_head, width)):
+            raise ValueError(f"{name}[{i}]: expected a writeable C-order float32 array of shape "
+                             f"(1, slots, {n_head}, {width}), got {getattr(array, 'dtype', type(array).__name__)} "
+                             f"{getattr(array, 'shape', '')} (a cache made for another model?)")
+        if array.shape[1] < rows:
+            raise ValueError(f"length: {rows} rows (cached + new) do not fit {name}[{i}]'s {array.shape[1]} slots")
+
+
 cdef class LMStep:
     """Holds the weights (float32, C order; kept alive here) and runs forward passes.
 
@@ -37,12 +65,26 @@ cdef class LMStep:
     cdef dspark_lm_layer *layers
     cdef dict arrays
 
-    def __cinit__(self, dict weights, size_t n_layer, size_t n_head, size_t vocab):
+    def __cinit__(self, dict weights not None, size_t n_layer, size_t n_head, size_t vocab):
         cdef dspark_lm_layer *L
         cdef size_t i
-        scipy_openblas_set_num_threads(1)
         self.arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}
+        for name in ("tok_emb", "h0.fc.w"):
+            if name not in self.arrays or self.arrays[name].ndim != 2:
+                raise ValueError(f"weights: need a 2-D {name!r}")
         cdef size_t d = self.arrays["tok_emb"].shape[1]
+        if n_layer < 1:
+            raise ValueError(f"n_layer: must be at least 1, got {n_layer}")
+        if n_head < 1 or d % n_head:
+            raise ValueError(f"n_head: must divide d_model={d} (at least 1), got {n_head}")
+        for name, shape in _expected_shapes(n_layer, d, n_head, self.arrays["h0.fc.w"].shape[1], vocab).items():
+            if name not in self.arrays:
+                raise ValueError(f"weights: missing {name!r} (n_layer={n_layer})")
+            got = self.arrays[name].shape if len(shape) == 2 else (self.arrays[name].size,)
+            if got != shape:
+                raise ValueError(f"weights[{name!r}]: expected shape {shape} for n_head={n_head}, vocab={vocab}, "
+                                 f"got {self.arrays[name].shape}")
+        scipy_openblas_set_num_threads(1)
         self.model.n_layer, self.model.d_model, self.model.n_head = n_layer, d, n_head
         self.model.head_dim, self.model.vocab = d // n_head, vocab
         self.model.ff = self.arrays["h0.fc.w"].shape[1]
@@ -68,16 +110,35 @@ cdef class LMStep:
     def __dealloc__(self):
         free(self.layers)
 
-    def forward(self, list keys, list values, const int64_t[::1] tokens not None,
+    def forward(self, list keys not None, list values not None, const int64_t[::1] tokens not None,
                 const int64_t[::1] positions not None, const uint8_t[:, ::1] mask not None,
                 size_t length, const int64_t[::1] key_positions not None,
                 float[:, ::1] logits not None):
-        """Shapes are checked by KernelLM; keys[i] / values[i] are C-order float32 caches.
-        The cache pointers go per call (not into the shared layer table): requests run
-        concurrently on their own threads over one LMStep."""
-        cdef size_t i, n = self.model.n_layer, t = tokens.shape[0]
+        """keys[i] / values[i]: layer i's C-order float32 caches, [1, slots, H, Dh] / [1, slots, H, Dh + 1].
+        Every argument is checked (ValueError naming it): the C pass trusts its shapes. The cache
+        pointers go per call (not into the shared layer table): requests run concurrently on
+        their own threads over one LMStep."""
+        cdef size_t i, n = self.model.n_layer, t = tokens.shape[0], s = length + t
+        cdef size_t h = self.model.n_head, dh = self.model.head_dim, vocab = self.model.vocab
         cdef float[::1] k, v
         cdef int rc
+        if t == 0:
+            raise ValueError("tokens: at least one token")
+        if length >= (<size_t>1 << 40):
+            raise ValueError(f"length: {length} cached rows is past any cache")
+        for i in range(t):
+            if tokens[i] < 0 or <size_t>tokens[i] >= vocab:
+                raise ValueError(f"tokens: id {tokens[i]} at {i} is outside 0..{vocab - 1}")
+        if positions.shape[0] != t:
+            raise ValueError(f"positions: expected {t} (one per token), got {positions.shape[0]}")
+        if key_positions.shape[0] != s:
+            raise ValueError(f"key_positions: expected {s} (cached + new), got {key_positions.shape[0]}")
+        if (mask.shape[0], mask.shape[1]) != (t, s):
+            raise ValueError(f"mask: expected shape ({t}, {s}), got ({mask.shape[0]}, {mask.shape[1]})")
+        if (logits.shape[0], logits.shape[1]) != (t, vocab):
+            raise ValueError(f"logits: expected shape ({t}, {vocab}), got ({logits.shape[0]}, {logits.shape[1]})")
+        _check_cache("keys", keys, n, h, dh, s)
+        _check_cache("values", values, n, h, dh + 1, s)
         cdef float **ptrs = <float **>malloc(2 * n * sizeof(float *))
         if ptrs == NULL:
             raise MemoryError("LMStep: no memory for the cache table")
