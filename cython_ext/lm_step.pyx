@@ -1,9 +1,12 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """The speculative LM's forward pass in C (lm_forward.c); wrapped by dspark.decoding.lm.KernelLM."""
 import numpy as np
+cimport numpy as cnp
 
 from libc.stdint cimport int64_t, uint8_t
 from libc.stdlib cimport calloc, free, malloc
+
+cnp.import_array()
 
 
 cdef extern from "lm_forward.h" nogil:
@@ -41,19 +44,27 @@ def _expected_shapes(size_t n_layer, size_t d, size_t n_head, size_t ff, size_t 
     return shapes
 
 
-cdef _check_cache(str name, list arrays, size_t n_layer, size_t n_head, size_t width, size_t rows):
-    """keys / values: one C-order float32 [1, slots, n_head, width] array per layer, slots >= rows."""
+cdef int _cache_pointers(str name, list arrays, size_t n_layer, size_t n_head, size_t width, size_t rows,
+                        float **out) except -1:
+    """keys / values: one writeable C-order float32 [1, slots, n_head, width] array per layer with
+    slots >= rows; their data pointers into out[0..n_layer)."""
+    cdef cnp.ndarray a
     if len(arrays) != n_layer:
         raise ValueError(f"{name}: expected {n_layer} arrays (one per layer), got {len(arrays)}")
-    for i, array in enumerate(arrays):
-        if (not isinstance(array, np.ndarray) or array.dtype != np.float32 or not array.flags.c_contiguous
-                or not array.flags.writeable or array.ndim != 4 or array.shape[0] != 1
-                or array.shape[2:] != (n_head, width)):
+    for i in range(n_layer):
+        if not isinstance(arrays[i], cnp.ndarray):
+            raise ValueError(f"{name}[{i}]: expected a numpy array, got {type(arrays[i]).__name__}")
+        a = <cnp.ndarray>arrays[i]
+        if (cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(a)
+                or not cnp.PyArray_ISWRITEABLE(a) or a.ndim != 4 or a.shape[0] != 1
+                or <size_t>a.shape[2] != n_head or <size_t>a.shape[3] != width):
             raise ValueError(f"{name}[{i}]: expected a writeable C-order float32 array of shape "
-                             f"(1, slots, {n_head}, {width}), got {getattr(array, 'dtype', type(array).__name__)} "
-                             f"{getattr(array, 'shape', '')} (a cache made for another model?)")
-        if array.shape[1] < rows:
-            raise ValueError(f"length: {rows} rows (cached + new) do not fit {name}[{i}]'s {array.shape[1]} slots")
+                             f"(1, slots, {n_head}, {width}), got {a.dtype} {(<object>a).shape} "
+                             "(a cache made for another model?)")
+        if <size_t>a.shape[1] < rows:
+            raise ValueError(f"length: {rows} rows (cached + new) do not fit {name}[{i}]'s {a.shape[1]} slots")
+        out[i] = <float *>cnp.PyArray_DATA(a)
+    return 0
 
 
 cdef class LMStep:
@@ -120,7 +131,6 @@ cdef class LMStep:
         their own threads over one LMStep."""
         cdef size_t i, n = self.model.n_layer, t = tokens.shape[0], s = length + t
         cdef size_t h = self.model.n_head, dh = self.model.head_dim, vocab = self.model.vocab
-        cdef float[::1] k, v
         cdef int rc
         if t == 0:
             raise ValueError("tokens: at least one token")
@@ -129,24 +139,20 @@ cdef class LMStep:
         for i in range(t):
             if tokens[i] < 0 or <size_t>tokens[i] >= vocab:
                 raise ValueError(f"tokens: id {tokens[i]} at {i} is outside 0..{vocab - 1}")
-        if positions.shape[0] != t:
+        if <size_t>positions.shape[0] != t:
             raise ValueError(f"positions: expected {t} (one per token), got {positions.shape[0]}")
-        if key_positions.shape[0] != s:
+        if <size_t>key_positions.shape[0] != s:
             raise ValueError(f"key_positions: expected {s} (cached + new), got {key_positions.shape[0]}")
-        if (mask.shape[0], mask.shape[1]) != (t, s):
+        if <size_t>mask.shape[0] != t or <size_t>mask.shape[1] != s:
             raise ValueError(f"mask: expected shape ({t}, {s}), got ({mask.shape[0]}, {mask.shape[1]})")
-        if (logits.shape[0], logits.shape[1]) != (t, vocab):
+        if <size_t>logits.shape[0] != t or <size_t>logits.shape[1] != vocab:
             raise ValueError(f"logits: expected shape ({t}, {vocab}), got ({logits.shape[0]}, {logits.shape[1]})")
-        _check_cache("keys", keys, n, h, dh, s)
-        _check_cache("values", values, n, h, dh + 1, s)
         cdef float **ptrs = <float **>malloc(2 * n * sizeof(float *))
         if ptrs == NULL:
             raise MemoryError("LMStep: no memory for the cache table")
         try:
-            for i in range(n):
-                k = keys[i].reshape(-1)
-                v = values[i].reshape(-1)
-                ptrs[i], ptrs[n + i] = &k[0], &v[0]
+            _cache_pointers("keys", keys, n, h, dh, s, ptrs)
+            _cache_pointers("values", values, n, h, dh + 1, s, ptrs + n)
             with nogil:
                 rc = dspark_lm_forward(&self.model, self.layers, ptrs, ptrs + n, &tokens[0],
                                        &positions[0], t, &mask[0, 0], length, &key_positions[0],
