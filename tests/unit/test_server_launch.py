@@ -118,7 +118,9 @@ def test_server_that_dies_at_start_reports_its_error_line(tmp_path):
 def test_serve_exits_non_zero_with_one_line(tmp_path, server_arg, words):
     if server_arg == "BROKEN":
         server_arg = str(fake_server(tmp_path, 'echo "error: creating server: boom"; exit 3'))
-    result = CliRunner().invoke(cli, ["serve", "--server", server_arg, "-r", str(tmp_path)])
+    ports = ServerPorts.free()  # `make demo` may hold the default ones
+    result = CliRunner().invoke(cli, ["serve", "--server", server_arg, "-r", str(tmp_path), f"--http-port={ports.http}",
+                                      f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}"])
     assert result.exit_code == 1
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("dspark: ")
