@@ -45,9 +45,10 @@ class TritonPythonModel:
         self.batched = self.model_config["max_batch_size"] > 0
         self.inputs = [TensorSpec.from_config(entry) for entry in self.model_config["input"]]
         report = dispatch_report()
+        numa = "-" if params.numa_node is None else params.numa_node
         pb_utils.Logger.log_info(
             f"fused_transformer: loaded {args['model_name']} from {path}: {self.engine.config}, "
-            f"SIMD {report.chosen}, {report.blas}, pool {'on' if self.engine.pool else 'off'}, numa_node {'-' if params.numa_node is None else params.numa_node}")
+            f"SIMD {report.chosen}, {report.blas}, pool {'on' if self.engine.pool else 'off'}, numa_node {numa}")
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metric_families = [pb_utils.MetricFamily(
             name="dspark_fused_pool_bytes_in_use", kind=pb_utils.MetricFamily.GAUGE,

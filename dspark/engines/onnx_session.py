@@ -152,7 +152,7 @@ class GraphInput:
 
 
 # Where ONNX Runtime says a node could not combine its inputs' shapes (broadcast, reshape, concat...).
-ORT_SHAPE_ERROR = re.compile(r"broadcast|shape|dimension|axis|size", re.IGNORECASE)
+ORT_SHAPE_ERROR = re.compile(r"broadcast|shape|dimension|axis", re.IGNORECASE)
 # "/onnxruntime_src/...h:563 void f(a, b) axis == 1 || ... was false. " before the sentence that says it
 ORT_MESSAGE_NOISE = re.compile(r"^\S+:\d+ [^(]*\([^)]*\)\s*(.*? was false\.\s*)?")
 MAX_NAMED = 4

@@ -257,14 +257,16 @@ def _listening_ports(pid: int) -> set[int]:
     return {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
 
 
-def _clean_up(process: Optional[subprocess.Popen], workdir: Path) -> None:
-    """Last resort when a started server is never stopped (interpreter exit): kill it, drop its files."""
+def _clean_up(started: dict) -> None:
+    """Last resort when a started server is never stopped (interpreter exit): kill it, drop its files.
+    ``started`` holds its "workdir" and, once running, its "process"."""
+    process = started.get("process")
     if process is not None and process.poll() is None:
         try:
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    shutil.rmtree(workdir, ignore_errors=True)
+    shutil.rmtree(started["workdir"], ignore_errors=True)
 
 
 @dataclass
@@ -363,7 +365,8 @@ class TritonServer:
         install = find_server(self.server_path)
         self.ports.check_free(self.host)
         self._workdir = Path(tempfile.mkdtemp(prefix="dspark-server-"))
-        self._finalizer = weakref.finalize(self, _clean_up, None, self._workdir)
+        started = {"workdir": self._workdir}
+        self._finalizer = weakref.finalize(self, _clean_up, started)
         backend_directory = self._workdir / "backends"
         build_backend_directory(install, backend_directory, backends_dir())
         if self.log_path is None:
@@ -378,8 +381,7 @@ class TritonServer:
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # our signal handler decides when the server stops
         )
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _clean_up, self._process, self._workdir)
+        started["process"] = self._process
         try:
             self._wait_ready(timeout_s)
         except BaseException as error:
