@@ -82,9 +82,10 @@ def other_server():
     httpd.server_close()
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def private_tmpdir(tmp_path, monkeypatch):
-    """tempfile's folder redirected, so a test sees exactly what a server start leaves behind."""
+    """tempfile's folder redirected, so a test sees exactly what a server start leaves behind
+    (and the log a failed start keeps stays out of the real temporary folder)."""
     folder = tmp_path / "tmp"
     folder.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(folder))
