@@ -18,6 +18,7 @@ from dspark.repository.modelspec import (
     SpecError,
     TensorSpec,
     VersionRecord,
+    check_model_name,
     load_config,
     semver_key,
 )
@@ -106,6 +107,7 @@ def add_version(repository: Path, name: str, artifact: Path, semver: str,
                 framework: Optional[str] = None, source: Optional[str] = None) -> VersionRecord:
     """Copy an artifact into the next version folder and record its semantic version (and where
     it came from: ``source``, default the artifact's path)."""
+    check_model_name(name)
     artifact = Path(artifact)
     if not artifact.exists():
         raise SpecError("artifact", f"{artifact} does not exist")
