@@ -35,6 +35,20 @@ SIMD_LIBRARIES = [
                             "cflags": ["-fPIC", "-fvisibility=hidden", *flags]})
     for isa, flags in SIMD_FLAGS.items() if X86 or isa == "scalar"
 ]
+# The llama decoder's kernels (docs/llm_kernels.md), the same scheme: one translation unit per
+# instruction set, linked into dspark._ext.llama, chosen at run time (cython_ext/llama_dispatch.c).
+# -ffp-contract=off everywhere: every fused multiply-add is written out, so all paths and all
+# row counts round alike.
+LLAMA_FLAGS = {
+    "scalar": ["-O2", "-fno-tree-vectorize"],
+    "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"],
+}
+LLAMA_LIBRARIES = [
+    (f"dspark_llama_{isa}", {"sources": [f"cython_ext/llama_{isa}.c"], "include_dirs": ["cython_ext"],
+                             "cflags": ["-fPIC", "-fvisibility=hidden", "-ffp-contract=off", *flags]})
+    for isa, flags in LLAMA_FLAGS.items() if X86 or isa == "scalar"
+]
 # The GEMM: OpenBLAS from the scipy-openblas32 wheel (headers + .so), found at run time via rpath.
 OPENBLAS = dict(
     include_dirs=[scipy_openblas32.get_include_dir()],
@@ -51,6 +65,10 @@ EXTENSIONS = [
     cython_extension("lm_step", ["lm_step.pyx", "lm_forward.c"],
                      libraries=[scipy_openblas32.get_library()], extra_compile_args=["-O3"],
                      **OPENBLAS),
+    cython_extension("llama", ["llama.pyx", "llama_forward.c", "llama_dispatch.c"],
+                     libraries=[name for name, _ in LLAMA_LIBRARIES],
+                     extra_compile_args=["-O3", "-ffp-contract=off", "-pthread"],
+                     extra_link_args=["-pthread"]),
 ]
 
 setup(
@@ -62,7 +80,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.9",
     packages=find_packages(include=["dspark", "dspark.*"]),
-    libraries=SIMD_LIBRARIES,
+    libraries=SIMD_LIBRARIES + LLAMA_LIBRARIES,
     ext_modules=cythonize(
         EXTENSIONS,
         build_dir="build/cython",

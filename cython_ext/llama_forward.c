@@ -1,0 +1,458 @@
+/* The llama decoder step over the per-ISA kernels, run by a small pthread pool.
+ *
+ * Threads: the pool holds `threads - 1` workers; the calling thread is thread 0. One forward
+ * is one parallel region: every thread runs the whole layer loop, each matrix product is split
+ * by column tiles (a column is computed by one thread, in one order, so the split never
+ * changes a result), attention by (row, KV head), and phases meet at a spinning barrier.
+ * Elementwise work before a product (RMSNorm, SwiGLU, activation quantization) is done by
+ * every thread for all rows into its own buffer, which costs less than another barrier for
+ * the row counts of decoding. Between forwards the workers spin briefly, then sleep on a futex.
+ * Concurrent callers are serialized by a mutex. */
+#define _GNU_SOURCE
+#include "llama_forward.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+/* ---- pool ---------------------------------------------------------------------------- */
+
+typedef void (*llama_job)(void *arg, int tid, int nt);
+
+struct llama_pool {
+    int n;
+    pthread_t *threads;
+    pthread_mutex_t run_lock;
+    llama_job job;
+    void *arg;
+    _Atomic uint32_t epoch;    /* bumped per job; workers wait on it */
+    _Atomic int sleepers;
+    _Atomic int done;
+    _Atomic int stop;
+    _Atomic uint32_t bar_count, bar_epoch;
+};
+
+#define WORKER_SPINS 4000   /* pauses before a worker sleeps (~0.1-0.5 ms) */
+#define BARRIER_SPINS 20000 /* pauses before a barrier yields the core */
+
+static void futex_wait(_Atomic uint32_t *word, uint32_t value) {
+#ifdef __linux__
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
+#else
+    (void)word, (void)value;
+    sched_yield();
+#endif
+}
+
+static void futex_wake_all(_Atomic uint32_t *word) {
+#ifdef __linux__
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0);
+#else
+    (void)word;
+#endif
+}
+
+typedef struct {
+    llama_pool *pool;
+    int tid;
+} worker_arg;
+
+static void *worker_main(void *p) {
+    worker_arg w = *(worker_arg *)p;
+    free(p);
+    llama_pool *pool = w.pool;
+    uint32_t seen = 0;
+    for (;;) {
+        uint32_t e;
+        int spins = 0;
+        while ((e = atomic_load(&pool->epoch)) == seen) {
+            if (++spins < WORKER_SPINS) {
+                CPU_RELAX();
+                continue;
+            }
+            atomic_fetch_add(&pool->sleepers, 1);
+            futex_wait(&pool->epoch, seen);
+            atomic_fetch_sub(&pool->sleepers, 1);
+        }
+        seen = e;
+        if (atomic_load(&pool->stop)) return NULL;
+        pool->job(pool->arg, w.tid, pool->n);
+        atomic_fetch_add(&pool->done, 1);
+    }
+}
+
+llama_pool *llama_pool_new(int threads) {
+    llama_pool *pool = calloc(1, sizeof(*pool));
+    if (!pool) return NULL;
+    pool->n = threads < 1 ? 1 : threads;
+    pthread_mutex_init(&pool->run_lock, NULL);
+    pool->threads = calloc((size_t)pool->n, sizeof(pthread_t));
+    if (!pool->threads) {
+        free(pool);
+        return NULL;
+    }
+    for (int t = 1; t < pool->n; t++) {
+        worker_arg *w = malloc(sizeof(*w));
+        if (!w || (w->pool = pool, w->tid = t, pthread_create(&pool->threads[t], NULL, worker_main, w)) != 0) {
+            free(w);
+            pool->n = t;  /* run with the threads that started */
+            break;
+        }
+    }
+    return pool;
+}
+
+void llama_pool_free(llama_pool *pool) {
+    if (!pool) return;
+    atomic_store(&pool->stop, 1);
+    atomic_fetch_add(&pool->epoch, 1);
+    futex_wake_all(&pool->epoch);
+    for (int t = 1; t < pool->n; t++) pthread_join(pool->threads[t], NULL);
+    pthread_mutex_destroy(&pool->run_lock);
+    free(pool->threads);
+    free(pool);
+}
+
+int llama_pool_threads(const llama_pool *pool) { return pool->n; }
+
+static void pool_run(llama_pool *pool, llama_job job, void *arg) {
+    pthread_mutex_lock(&pool->run_lock);
+    pool->job = job;
+    pool->arg = arg;
+    atomic_store(&pool->done, 0);
+    atomic_fetch_add(&pool->epoch, 1);
+    if (atomic_load(&pool->sleepers) > 0) futex_wake_all(&pool->epoch);
+    job(arg, 0, pool->n);
+    int spins = 0;
+    while (atomic_load(&pool->done) < pool->n - 1)
+        if (++spins < BARRIER_SPINS) CPU_RELAX();
+        else sched_yield();
+    pthread_mutex_unlock(&pool->run_lock);
+}
+
+static void barrier(llama_pool *pool) {
+    if (pool->n == 1) return;
+    const uint32_t e = atomic_load(&pool->bar_epoch);
+    if (atomic_fetch_add(&pool->bar_count, 1) == (uint32_t)pool->n - 1) {
+        atomic_store(&pool->bar_count, 0);
+        atomic_store(&pool->bar_epoch, e + 1);
+        return;
+    }
+    int spins = 0;
+    while (atomic_load(&pool->bar_epoch) == e)
+        if (++spins < BARRIER_SPINS) CPU_RELAX();
+        else sched_yield();
+}
+
+/* ---- forward --------------------------------------------------------------------------- */
+
+typedef struct {
+    float *tmp;      /* [rows][max(hidden, ffn)]: normed or gated rows, the quantizer's input */
+    llama_qact qa;   /* quantized tmp (k set per use) */
+    float *scores;   /* [group][max_slots] */
+    float *probs;    /* [group][max_slots] */
+    int32_t *idx;    /* [max_slots] */
+} thread_scratch;
+
+typedef struct {
+    const llama_model *m;
+    const llama_kernels *kern;
+    const llama_request *req;
+    llama_pool *pool;
+    size_t rows, max_slots, n_qkv;
+    int32_t *row_seg;    /* [rows] segment of each row */
+    float *rope;         /* [rows][head_dim]: cos, sin per pair */
+    float *x;            /* [rows][hidden] residual stream */
+    float *qkv;          /* [rows][n_qkv] */
+    float *attn;         /* [rows][n_head * head_dim] */
+    float *gu;           /* [rows][2 * ffn] */
+    float *proj;         /* [rows][hidden] output of wo / down before the residual add */
+    thread_scratch *ts;  /* [threads] */
+} fwd_state;
+
+static void split_range(size_t n, int tid, int nt, size_t *begin, size_t *end) {
+    *begin = n * (size_t)tid / (size_t)nt;
+    *end = n * (size_t)(tid + 1) / (size_t)nt;
+}
+
+static void embed_dequant(const llama_matrix *w, size_t col, float *x) {
+    const size_t kb = w->k / LLAMA_QK, bb = llama_block_bytes(w->fmt), so = llama_scale_offset(w->fmt);
+    const uint8_t *tile = w->data + (col / LLAMA_TILE) * llama_tile_bytes(w);
+    const int c = (int)(col % LLAMA_TILE), zero = llama_zero_point(w->fmt);
+    for (size_t b = 0; b < kb; b++) {
+        const uint8_t *blk = tile + b * bb;
+        uint16_t h;
+        memcpy(&h, blk + so + 2 * c, 2);
+        const float d = llama_half_to_float(h);
+        float m = 0.0f;
+        if (w->fmt == LLAMA_Q4_1) {
+            memcpy(&h, blk + so + 32 + 2 * c, 2);
+            m = llama_half_to_float(h);
+        }
+        for (int k = 0; k < LLAMA_QK; k++) {
+            const int g = k >> 2, i = k & 3;
+            int u;
+            if (w->fmt == LLAMA_Q8_0) {
+                u = blk[64 * g + 4 * c + i];
+            } else {
+                const uint8_t byte = blk[64 * (g & 3) + 4 * c + i];
+                u = g < 4 ? byte & 15 : byte >> 4;
+            }
+            x[b * LLAMA_QK + k] = d * (float)(u - zero) + m;
+        }
+    }
+}
+
+void llama_embed_row(const llama_model *m, int32_t token, float *x) {
+    embed_dequant(&m->embed, (size_t)token, x);
+}
+
+/* tmp[r] = x[r] / rms(x[r]) * w for every row, then quantized into the thread's buffer. */
+static void norm_quantize(fwd_state *st, thread_scratch *ts, const float *x, size_t rows,
+                          const int32_t *row_index, const float *w) {
+    const size_t d = st->m->hidden;
+    for (size_t i = 0; i < rows; i++) {
+        const float *xr = x + (row_index ? (size_t)row_index[i] : i) * d;
+        const float scale = 1.0f / sqrtf(st->kern->sum_squares(xr, d) / (float)d + st->m->rms_eps);
+        float *out = ts->tmp + i * d;
+        for (size_t k = 0; k < d; k++) out[k] = xr[k] * scale * w[k];
+    }
+    ts->qa.k = d;
+    ts->qa.kb = d / LLAMA_QK;
+    st->kern->quantize(ts->tmp, d, rows, &ts->qa);
+}
+
+static void quantize_rows(fwd_state *st, thread_scratch *ts, const float *x, size_t ld, size_t k,
+                          size_t rows) {
+    ts->qa.k = k;
+    ts->qa.kb = k / LLAMA_QK;
+    st->kern->quantize(x, ld, rows, &ts->qa);
+}
+
+/* This thread's share of the tiles of matrices mats[0..n) (outputs side by side in out). */
+static void matmul_group(fwd_state *st, thread_scratch *ts, const llama_matrix *mats, int n,
+                         size_t rows, float *out, size_t ldo, int tid, int nt, size_t *col0,
+                         size_t *col1) {
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += mats[i].n / LLAMA_TILE;
+    size_t begin, end;
+    split_range(total, tid, nt, &begin, &end);
+    *col0 = begin * LLAMA_TILE;
+    *col1 = end * LLAMA_TILE;
+    size_t base = 0;
+    for (int i = 0; i < n; i++) {
+        const size_t tiles = mats[i].n / LLAMA_TILE;
+        const size_t lo = begin > base ? begin - base : 0;
+        const size_t hi = end - base < tiles ? end - base : tiles;
+        if (end > base && lo < hi)
+            st->kern->matmul(&mats[i], lo, hi, &ts->qa, rows, out + base * LLAMA_TILE, ldo);
+        base += tiles;
+    }
+}
+
+/* RoPE on the q and k columns [c0, c1), k and v into the caches, q scaled by 1/sqrt(hd). */
+static void qkv_epilogue(fwd_state *st, size_t layer, size_t c0, size_t c1) {
+    const llama_model *m = st->m;
+    const size_t hd = m->head_dim, nq = m->n_head * hd, nk = m->n_kv * hd;
+    const float qscale = 1.0f / sqrtf((float)hd);
+    for (size_t r = 0; r < st->rows; r++) {
+        const llama_segment *seg = &st->req->segs[st->row_seg[r]];
+        size_t first = 0;
+        for (int s = 0; s < st->row_seg[r]; s++) first += st->req->segs[s].t;
+        const size_t slot = seg->length + (r - first);
+        float *row = st->qkv + r * st->n_qkv;
+        const float *cs = st->rope + r * hd;
+        for (size_t c = c0; c < c1; c += 2) {
+            if (c < nq + nk) {  /* q or k: rotate the pair (c, c + 1) */
+                const size_t i = (c % hd) / 2;
+                const float x0 = row[c], x1 = row[c + 1], cos_ = cs[2 * i], sin_ = cs[2 * i + 1];
+                row[c] = x0 * cos_ - x1 * sin_;
+                row[c + 1] = x0 * sin_ + x1 * cos_;
+            }
+            for (size_t e = c; e < c + 2; e++) {
+                if (e < nq) {
+                    row[e] *= qscale;
+                } else if (e < nq + nk) {
+                    const size_t g = (e - nq) / hd, d = (e - nq) % hd;
+                    uint16_t *kt = seg->k + ((layer * m->n_kv + g) * seg->cap / 16 + slot / 16) * hd * 16;
+                    kt[d * 16 + slot % 16] = llama_float_to_half(row[e]);
+                } else {
+                    const size_t g = (e - nq - nk) / hd, d = (e - nq - nk) % hd;
+                    seg->v[((layer * m->n_kv + g) * seg->cap + slot) * hd + d] = llama_float_to_half(row[e]);
+                }
+            }
+        }
+    }
+}
+
+static void attention(fwd_state *st, thread_scratch *ts, size_t layer, int tid, int nt) {
+    const llama_model *m = st->m;
+    const size_t hd = m->head_dim, group = m->n_head / m->n_kv;
+    size_t begin, end;
+    split_range(st->rows * m->n_kv, tid, nt, &begin, &end);
+    size_t first = 0, s = 0;
+    for (size_t u = begin; u < end; u++) {
+        const size_t r = u / m->n_kv, g = u % m->n_kv;
+        while ((size_t)st->row_seg[r] != s) first += st->req->segs[s++].t;
+        const llama_segment *seg = &st->req->segs[s];
+        const size_t width = seg->length + seg->t, i = r - first;
+        const uint8_t *mask = seg->mask + i * width;
+        size_t n = width;
+        while (n > 0 && !mask[n - 1]) n--;
+        float *out = st->attn + r * m->n_head * hd + g * group * hd;
+        if (n == 0) {
+            memset(out, 0, group * hd * sizeof(float));
+            continue;
+        }
+        const uint16_t *kt = seg->k + (layer * m->n_kv + g) * (seg->cap / 16) * hd * 16;
+        const uint16_t *v = seg->v + (layer * m->n_kv + g) * seg->cap * hd;
+        const float *q = st->qkv + r * st->n_qkv + g * group * hd;
+        st->kern->scores(q, group, hd, kt, n, ts->scores, st->max_slots);
+        size_t c = 0;
+        for (size_t j = 0; j < n; j++)
+            if (mask[j]) ts->idx[c++] = (int32_t)j;
+        float scale[64];
+        for (size_t h = 0; h < group; h++) {
+            const float *sh = ts->scores + h * st->max_slots;
+            float *ph = ts->probs + h * st->max_slots;
+            for (size_t k = 0; k < c; k++) ph[k] = sh[ts->idx[k]];
+            scale[h] = 1.0f / st->kern->softmax(ph, c);
+        }
+        st->kern->values(ts->probs, st->max_slots, group, scale, hd, v, ts->idx, c, out);
+    }
+}
+
+static void forward_job(void *arg, int tid, int nt) {
+    fwd_state *st = arg;
+    const llama_model *m = st->m;
+    const llama_request *req = st->req;
+    thread_scratch *ts = &st->ts[tid];
+    const size_t rows = st->rows, d = m->hidden, nh = m->n_head * m->head_dim;
+    size_t begin, end, c0, c1;
+
+    split_range(rows, tid, nt, &begin, &end);
+    for (size_t r = begin; r < end; r++) {
+        size_t first = 0;
+        for (int s = 0; s < st->row_seg[r]; s++) first += req->segs[s].t;
+        llama_embed_row(m, req->segs[st->row_seg[r]].tokens[r - first], st->x + r * d);
+    }
+    barrier(st->pool);
+
+    for (size_t l = 0; l < m->n_layer; l++) {
+        const llama_layer *L = &m->layers[l];
+        norm_quantize(st, ts, st->x, rows, NULL, L->attn_norm);
+        matmul_group(st, ts, L->qkv, 3, rows, st->qkv, st->n_qkv, tid, nt, &c0, &c1);
+        qkv_epilogue(st, l, c0, c1);
+        barrier(st->pool);
+
+        attention(st, ts, l, tid, nt);
+        barrier(st->pool);
+
+        quantize_rows(st, ts, st->attn, nh, nh, rows);
+        matmul_group(st, ts, &L->wo, 1, rows, st->proj, d, tid, nt, &c0, &c1);
+        for (size_t r = 0; r < rows; r++)
+            for (size_t c = c0; c < c1; c++) st->x[r * d + c] += st->proj[r * d + c];
+        barrier(st->pool);
+
+        norm_quantize(st, ts, st->x, rows, NULL, L->ffn_norm);
+        matmul_group(st, ts, L->gate_up, 2, rows, st->gu, 2 * m->ffn, tid, nt, &c0, &c1);
+        barrier(st->pool);
+
+        for (size_t r = 0; r < rows; r++)
+            st->kern->swiglu(st->gu + r * 2 * m->ffn, st->gu + r * 2 * m->ffn + m->ffn, m->ffn,
+                             ts->tmp + r * m->ffn);
+        quantize_rows(st, ts, ts->tmp, m->ffn, m->ffn, rows);
+        matmul_group(st, ts, &L->down, 1, rows, st->proj, d, tid, nt, &c0, &c1);
+        for (size_t r = 0; r < rows; r++)
+            for (size_t c = c0; c < c1; c++) st->x[r * d + c] += st->proj[r * d + c];
+        barrier(st->pool);
+
+        if (tid == 0 && req->taps)
+            for (size_t t = 0; t < req->n_taps; t++)
+                if ((size_t)req->tap_layers[t] == l)
+                    for (size_t r = 0; r < rows; r++)
+                        memcpy(req->taps + (r * req->n_taps + t) * d, st->x + r * d, d * sizeof(float));
+    }
+
+    if (req->n_logit_rows) {
+        const llama_matrix *head = req->head ? req->head : &m->head;
+        norm_quantize(st, ts, st->x, req->n_logit_rows, req->logit_rows, m->out_norm);
+        matmul_group(st, ts, head, 1, req->n_logit_rows, req->logits, head->n, tid, nt, &c0, &c1);
+    }
+}
+
+int llama_forward(const llama_model *m, const llama_kernels *kern, llama_pool *pool,
+                  const llama_request *req) {
+    fwd_state st = {m, kern, req, pool, 0, 0, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    const int nt = pool->n;
+    const size_t hd = m->head_dim, d = m->hidden, group = m->n_head / m->n_kv;
+    for (size_t s = 0; s < req->n_segs; s++) {
+        st.rows += req->segs[s].t;
+        const size_t width = req->segs[s].length + req->segs[s].t;
+        if (width > st.max_slots) st.max_slots = width;
+    }
+    st.max_slots = (st.max_slots + 15) / 16 * 16;
+    st.n_qkv = (m->n_head + 2 * m->n_kv) * hd;
+    const size_t rows = st.rows, wide = d > m->ffn ? d : m->ffn;
+    const size_t qrows = rows > req->n_logit_rows ? rows : req->n_logit_rows;
+
+    /* one allocation: shared buffers, then per-thread scratch; the first pass only sizes it */
+    char *mem = NULL;
+    size_t off = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1 && !(mem = aligned_alloc(64, (off + 63) / 64 * 64))) return -1;
+        off = 0;
+#define TAKE(ptr, type, count) \
+    (ptr = mem ? (type *)(mem + off) : NULL, off += ((count) * sizeof(type) + 63) / 64 * 64)
+        TAKE(st.row_seg, int32_t, rows);
+        TAKE(st.rope, float, rows * hd);
+        TAKE(st.x, float, rows * d);
+        TAKE(st.qkv, float, rows * st.n_qkv);
+        TAKE(st.attn, float, rows * m->n_head * hd);
+        TAKE(st.gu, float, rows * 2 * m->ffn);
+        TAKE(st.proj, float, rows * d);
+        TAKE(st.ts, thread_scratch, (size_t)nt);
+        for (int t = 0; t < nt; t++) {
+            thread_scratch ts;
+            TAKE(ts.tmp, float, qrows * wide);
+            TAKE(ts.qa.q, int8_t, qrows * wide);
+            TAKE(ts.qa.d, float, qrows * (wide / LLAMA_QK));
+            TAKE(ts.qa.s, float, qrows * (wide / LLAMA_QK));
+            TAKE(ts.qa.sum, int32_t, qrows * (wide / LLAMA_QK));
+            TAKE(ts.scores, float, group * st.max_slots);
+            TAKE(ts.probs, float, group * st.max_slots);
+            TAKE(ts.idx, int32_t, st.max_slots);
+            if (pass == 1) st.ts[t] = ts;
+        }
+#undef TAKE
+    }
+
+    size_t r = 0;
+    for (size_t s = 0; s < req->n_segs; s++)
+        for (size_t i = 0; i < req->segs[s].t; i++, r++) {
+            st.row_seg[r] = (int32_t)s;
+            for (size_t k = 0; k < hd / 2; k++) {
+                const double theta = (double)req->segs[s].positions[i] *
+                                     pow(m->rope_base, -2.0 * (double)k / (double)hd);
+                st.rope[r * hd + 2 * k] = (float)cos(theta);
+                st.rope[r * hd + 2 * k + 1] = (float)sin(theta);
+            }
+        }
+    pool_run(pool, forward_job, &st);
+    free(mem);
+    return 0;
+}
