@@ -69,6 +69,9 @@ cdef extern from "llama_forward.h" nogil:
     int llama_forward(const llama_model *m, const llama_kernels *kern, llama_pool *pool,
                       const llama_request *req)
     void llama_embed_row(const llama_model *m, int32_t token, float *x)
+    int llama_project(const llama_model *m, const llama_kernels *kern, llama_pool *pool,
+                      const float *hidden, size_t rows, const llama_matrix *head, int norm,
+                      float *logits)
 
 
 FORMATS = {"Q4_0": LLAMA_Q4_0, "Q4_1": LLAMA_Q4_1, "Q8_0": LLAMA_Q8_0}
@@ -236,6 +239,31 @@ cdef class LlamaModel:
         for i in range(ids.shape[0]):
             llama_embed_row(&self.model, idv[i], &view[i, 0])
         return out
+
+    def project(self, hidden, logits, head=None, bint norm=True):
+        """logits [n, head columns] = head(RMSNorm(hidden)) for hidden [n, hidden] float32 (the
+        final norm skipped when ``norm`` is False); ``head`` a PackedMatrix or the model's."""
+        cdef PackedMatrix pm
+        cdef const llama_matrix *mat = &self.model.head
+        if head is not None:
+            if not isinstance(head, PackedMatrix) or (<PackedMatrix>head).mat.k != self.model.hidden:
+                raise RequestError("head", f"expected a PackedMatrix over {self.model.hidden} inputs")
+            pm = head
+            mat = &pm.mat
+        if not isinstance(hidden, np.ndarray) or hidden.dtype != np.float32 or hidden.ndim != 2 \
+                or hidden.shape[0] == 0 or hidden.shape[1] != self.model.hidden or not hidden.flags.c_contiguous:
+            raise RequestError("hidden", f"expected a C-ordered float32 [n, {self.model.hidden}] array")
+        if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 \
+                or logits.shape != (hidden.shape[0], mat.n) or not logits.flags.c_contiguous \
+                or not logits.flags.writeable:
+            raise RequestError("logits", f"expected a writable float32 [{hidden.shape[0]}, {mat.n}] array")
+        cdef const float[:, ::1] hv = hidden
+        cdef float[:, ::1] lv = logits
+        cdef int rc
+        with nogil:
+            rc = llama_project(&self.model, self.kern, self.pool, &hv[0, 0], hv.shape[0], mat, norm, &lv[0, 0])
+        if rc != 0:
+            raise MemoryError("LlamaModel.project: no memory for the scratch")
 
     cdef object _tokens(self, tokens, str field):
         arr = np.asarray(tokens)

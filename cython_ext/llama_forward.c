@@ -221,14 +221,19 @@ void llama_embed_row(const llama_model *m, int32_t token, float *x) {
     embed_dequant(&m->embed, (size_t)token, x);
 }
 
-/* tmp[r] = x[r] / rms(x[r]) * w for every row, then quantized into the thread's buffer. */
+/* tmp[r] = x[r] / rms(x[r]) * w (x[r] itself when w is NULL) for every row (rows
+ * row_index[r] of x when given), then quantized into the thread's buffer. */
 static void norm_quantize(fwd_state *st, thread_scratch *ts, const float *x, size_t rows,
                           const int32_t *row_index, const float *w) {
     const size_t d = st->m->hidden;
     for (size_t i = 0; i < rows; i++) {
         const float *xr = x + (row_index ? (size_t)row_index[i] : i) * d;
-        const float scale = 1.0f / sqrtf(st->kern->sum_squares(xr, d) / (float)d + st->m->rms_eps);
         float *out = ts->tmp + i * d;
+        if (!w) {
+            memcpy(out, xr, d * sizeof(float));
+            continue;
+        }
+        const float scale = 1.0f / sqrtf(st->kern->sum_squares(xr, d) / (float)d + st->m->rms_eps);
         for (size_t k = 0; k < d; k++) out[k] = xr[k] * scale * w[k];
     }
     ts->qa.k = d;
@@ -395,37 +400,44 @@ static void forward_job(void *arg, int tid, int nt) {
     }
 }
 
-int llama_forward(const llama_model *m, const llama_kernels *kern, llama_pool *pool,
-                  const llama_request *req) {
-    fwd_state st = {m, kern, req, pool, 0, 0, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
-    const int nt = pool->n;
-    const size_t hd = m->head_dim, d = m->hidden, group = m->n_head / m->n_kv;
-    for (size_t s = 0; s < req->n_segs; s++) {
-        st.rows += req->segs[s].t;
-        const size_t width = req->segs[s].length + req->segs[s].t;
-        if (width > st.max_slots) st.max_slots = width;
-    }
-    st.max_slots = (st.max_slots + 15) / 16 * 16;
-    st.n_qkv = (m->n_head + 2 * m->n_kv) * hd;
-    const size_t rows = st.rows, wide = d > m->ffn ? d : m->ffn;
-    const size_t qrows = rows > req->n_logit_rows ? rows : req->n_logit_rows;
+typedef struct {
+    fwd_state *st;
+    const float *hidden;
+    size_t rows;
+    const llama_matrix *head;
+    float *logits;
+    int norm;
+} project_state;
 
-    /* one allocation: shared buffers, then per-thread scratch; the first pass only sizes it */
+static void project_job(void *arg, int tid, int nt) {
+    project_state *ps = arg;
+    thread_scratch *ts = &ps->st->ts[tid];
+    size_t c0, c1;
+    norm_quantize(ps->st, ts, ps->hidden, ps->rows, NULL, ps->norm ? ps->st->m->out_norm : NULL);
+    matmul_group(ps->st, ts, ps->head, 1, ps->rows, ps->logits, ps->head->n, tid, nt, &c0, &c1);
+}
+
+/* Lays out (and with pass 1 allocates) the shared buffers for st->rows rows and each thread's
+ * scratch for qrows quantized rows; returns the block to free, or NULL. */
+static char *alloc_state(fwd_state *st, int nt, size_t qrows) {
+    const llama_model *m = st->m;
+    const size_t hd = m->head_dim, d = m->hidden, group = m->n_head / m->n_kv, rows = st->rows;
+    const size_t wide = d > m->ffn ? d : m->ffn;
     char *mem = NULL;
     size_t off = 0;
     for (int pass = 0; pass < 2; pass++) {
-        if (pass == 1 && !(mem = aligned_alloc(64, (off + 63) / 64 * 64))) return -1;
+        if (pass == 1 && !(mem = aligned_alloc(64, (off + 63) / 64 * 64))) return NULL;
         off = 0;
 #define TAKE(ptr, type, count) \
     (ptr = mem ? (type *)(mem + off) : NULL, off += ((count) * sizeof(type) + 63) / 64 * 64)
-        TAKE(st.row_seg, int32_t, rows);
-        TAKE(st.rope, float, rows * hd);
-        TAKE(st.x, float, rows * d);
-        TAKE(st.qkv, float, rows * st.n_qkv);
-        TAKE(st.attn, float, rows * m->n_head * hd);
-        TAKE(st.gu, float, rows * 2 * m->ffn);
-        TAKE(st.proj, float, rows * d);
-        TAKE(st.ts, thread_scratch, (size_t)nt);
+        TAKE(st->row_seg, int32_t, rows);
+        TAKE(st->rope, float, rows * hd);
+        TAKE(st->x, float, rows * d);
+        TAKE(st->qkv, float, rows * st->n_qkv);
+        TAKE(st->attn, float, rows * m->n_head * hd);
+        TAKE(st->gu, float, rows * 2 * m->ffn);
+        TAKE(st->proj, float, rows * d);
+        TAKE(st->ts, thread_scratch, (size_t)nt);
         for (int t = 0; t < nt; t++) {
             thread_scratch ts;
             TAKE(ts.tmp, float, qrows * wide);
@@ -433,14 +445,29 @@ int llama_forward(const llama_model *m, const llama_kernels *kern, llama_pool *p
             TAKE(ts.qa.d, float, qrows * (wide / LLAMA_QK));
             TAKE(ts.qa.s, float, qrows * (wide / LLAMA_QK));
             TAKE(ts.qa.sum, int32_t, qrows * (wide / LLAMA_QK));
-            TAKE(ts.scores, float, group * st.max_slots);
-            TAKE(ts.probs, float, group * st.max_slots);
-            TAKE(ts.idx, int32_t, st.max_slots);
-            if (pass == 1) st.ts[t] = ts;
+            TAKE(ts.scores, float, group * st->max_slots);
+            TAKE(ts.probs, float, group * st->max_slots);
+            TAKE(ts.idx, int32_t, st->max_slots);
+            if (pass == 1) st->ts[t] = ts;
         }
 #undef TAKE
     }
+    return mem;
+}
 
+int llama_forward(const llama_model *m, const llama_kernels *kern, llama_pool *pool,
+                  const llama_request *req) {
+    fwd_state st = {m, kern, req, pool, 0, 0, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    const size_t hd = m->head_dim;
+    for (size_t s = 0; s < req->n_segs; s++) {
+        st.rows += req->segs[s].t;
+        const size_t width = req->segs[s].length + req->segs[s].t;
+        if (width > st.max_slots) st.max_slots = width;
+    }
+    st.max_slots = (st.max_slots + 15) / 16 * 16;
+    st.n_qkv = (m->n_head + 2 * m->n_kv) * hd;
+    char *mem = alloc_state(&st, pool->n, st.rows > req->n_logit_rows ? st.rows : req->n_logit_rows);
+    if (!mem) return -1;
     size_t r = 0;
     for (size_t s = 0; s < req->n_segs; s++)
         for (size_t i = 0; i < req->segs[s].t; i++, r++) {
@@ -453,6 +480,18 @@ int llama_forward(const llama_model *m, const llama_kernels *kern, llama_pool *p
             }
         }
     pool_run(pool, forward_job, &st);
+    free(mem);
+    return 0;
+}
+
+int llama_project(const llama_model *m, const llama_kernels *kern, llama_pool *pool,
+                  const float *hidden, size_t rows, const llama_matrix *head, int norm,
+                  float *logits) {
+    fwd_state st = {m, kern, NULL, pool, 0, 0, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    char *mem = alloc_state(&st, pool->n, rows);
+    if (!mem) return -1;
+    project_state ps = {&st, hidden, rows, head, logits, norm};
+    pool_run(pool, project_job, &ps);
     free(mem);
     return 0;
 }

@@ -61,6 +61,11 @@ int llama_pool_threads(const llama_pool *pool);
 int llama_forward(const llama_model *m, const llama_kernels *kern, llama_pool *pool,
                   const llama_request *req);
 
+/* logits[rows][head->n] = head(RMSNorm(hidden)) (no norm when norm == 0); 0 or -1 (memory). */
+int llama_project(const llama_model *m, const llama_kernels *kern, llama_pool *pool,
+                  const float *hidden, size_t rows, const llama_matrix *head, int norm,
+                  float *logits);
+
 /* x[:hidden] = embedding of token (dequantized from the packed embedding matrix). */
 void llama_embed_row(const llama_model *m, int32_t token, float *x);
 #endif
