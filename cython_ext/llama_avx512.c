@@ -6,6 +6,12 @@
 #include "llama_kernels.h"
 
 #define AI static inline __attribute__((always_inline))
+#ifndef LLAMA_PF_BLOCKS
+#define LLAMA_PF_BLOCKS 8  /* software prefetch distance in blocks of a tile */
+#endif
+#ifndef LLAMA_PF_HINT
+#define LLAMA_PF_HINT _MM_HINT_T0
+#endif
 
 AI __m512i bcast4(const int8_t *p) {
     int32_t v;
@@ -31,6 +37,11 @@ AI void tile_kernel(const uint8_t *w0, size_t tile_bytes, size_t kb, const int f
         for (int r = 0; r < R; r++) aq[r] = a->q + (r0 + r) * a->k + b * LLAMA_QK;
         for (int c = 0; c < C; c++) {
             const uint8_t *blk = w0 + c * tile_bytes + b * bb;
+#if LLAMA_PF_BLOCKS
+            /* the hardware prefetcher alone keeps too few lines in flight for one core */
+            for (size_t line = 0; line < bb; line += 64)
+                _mm_prefetch((const char *)blk + LLAMA_PF_BLOCKS * bb + line, LLAMA_PF_HINT);
+#endif
             __m512i i0[8], i1[8];
             for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm512_setzero_si512();
             if (fmt == LLAMA_Q8_0) {

@@ -1,13 +1,17 @@
 /* The llama decoder step over the per-ISA kernels, run by a small pthread pool.
  *
- * Threads: the pool holds `threads - 1` workers; the calling thread is thread 0. One forward
- * is one parallel region: every thread runs the whole layer loop, each matrix product is split
- * by column tiles (a column is computed by one thread, in one order, so the split never
- * changes a result), attention by (row, KV head), and phases meet at a spinning barrier.
- * Elementwise work before a product (RMSNorm, SwiGLU, activation quantization) is done by
- * every thread for all rows into its own buffer, which costs less than another barrier for
- * the row counts of decoding. Between forwards the workers spin briefly, then sleep on a futex.
- * Concurrent callers are serialized by a mutex. */
+ * Threads: the pool holds `threads - 1` workers; the calling thread is thread 0. A forward is
+ * one parallel region made of phases (per layer: QKV product, attention, output product,
+ * gate/up product, down product). Each phase is a list of work items (a few column tiles of a
+ * product, or one (row, KV head) of attention) that threads claim with an atomic counter; a
+ * phase starts once every item of the previous one is done. A column is always computed by
+ * one thread in one order, so which thread takes which item never changes a result, and a
+ * thread that the OS deschedules (2 cores shared with the server, a drafter, other processes)
+ * does not hold the others at a barrier: they take its items, and it skips the phases that
+ * are already taken when it runs again. Elementwise work before a product (RMSNorm, SwiGLU,
+ * activation quantization) is done by each participating thread for all rows into its own
+ * buffer, cheaper than another phase at decoding's row counts. Between forwards the workers
+ * spin briefly, then sleep on a futex. Concurrent callers are serialized by a mutex. */
 #define _GNU_SOURCE
 #include "llama_forward.h"
 
@@ -43,11 +47,10 @@ struct llama_pool {
     _Atomic int sleepers;
     _Atomic int done;
     _Atomic int stop;
-    _Atomic uint32_t bar_count, bar_epoch;
 };
 
 #define WORKER_SPINS 4000   /* pauses before a worker sleeps (~0.1-0.5 ms) */
-#define BARRIER_SPINS 20000 /* pauses before a barrier yields the core */
+#define WAIT_SPINS 2000    /* pauses before a thread waiting on a phase yields the core */
 
 static void futex_wait(_Atomic uint32_t *word, uint32_t value) {
 #ifdef __linux__
@@ -139,26 +142,19 @@ static void pool_run(llama_pool *pool, llama_job job, void *arg) {
     job(arg, 0, pool->n);
     int spins = 0;
     while (atomic_load(&pool->done) < pool->n - 1)
-        if (++spins < BARRIER_SPINS) CPU_RELAX();
+        if (++spins < WAIT_SPINS) CPU_RELAX();
         else sched_yield();
     pthread_mutex_unlock(&pool->run_lock);
 }
 
-static void barrier(llama_pool *pool) {
-    if (pool->n == 1) return;
-    const uint32_t e = atomic_load(&pool->bar_epoch);
-    if (atomic_fetch_add(&pool->bar_count, 1) == (uint32_t)pool->n - 1) {
-        atomic_store(&pool->bar_count, 0);
-        atomic_store(&pool->bar_epoch, e + 1);
-        return;
-    }
-    int spins = 0;
-    while (atomic_load(&pool->bar_epoch) == e)
-        if (++spins < BARRIER_SPINS) CPU_RELAX();
-        else sched_yield();
-}
-
 /* ---- forward --------------------------------------------------------------------------- */
+
+/* A phase's work items: claimed by fetch_add on `claimed`, counted in `done` when finished. */
+typedef struct {
+    _Atomic uint32_t claimed, done;
+    uint32_t total;
+    char pad[64 - 3 * sizeof(uint32_t)];
+} phase;
 
 typedef struct {
     float *tmp;      /* [rows][max(hidden, ffn)]: normed or gated rows, the quantizer's input */
@@ -175,19 +171,34 @@ typedef struct {
     llama_pool *pool;
     size_t rows, max_slots, n_qkv;
     int32_t *row_seg;    /* [rows] segment of each row */
+    int32_t *row_first;  /* [rows] the segment's first row */
     float *rope;         /* [rows][head_dim]: cos, sin per pair */
     float *x;            /* [rows][hidden] residual stream */
     float *qkv;          /* [rows][n_qkv] */
     float *attn;         /* [rows][n_head * head_dim] */
     float *gu;           /* [rows][2 * ffn] */
     float *proj;         /* [rows][hidden] output of wo / down before the residual add */
+    phase *phases;       /* [n_phases] */
+    size_t n_phases;
     thread_scratch *ts;  /* [threads] */
 } fwd_state;
 
-static void split_range(size_t n, int tid, int nt, size_t *begin, size_t *end) {
-    *begin = n * (size_t)tid / (size_t)nt;
-    *end = n * (size_t)(tid + 1) / (size_t)nt;
+static int phase_open(phase *p) { return atomic_load(&p->claimed) < p->total; }
+
+static void phase_wait(phase *p) {
+    int spins = 0;
+    while (atomic_load(&p->done) < p->total)
+        if (++spins < WAIT_SPINS) CPU_RELAX();
+        else sched_yield();
 }
+
+/* The next unclaimed item, or -1. */
+static long phase_claim(phase *p) {
+    const uint32_t i = atomic_fetch_add(&p->claimed, 1);
+    return i < p->total ? (long)i : -1;
+}
+
+static void phase_finish(phase *p) { atomic_fetch_add(&p->done, 1); }
 
 static void embed_dequant(const llama_matrix *w, size_t col, float *x) {
     const size_t kb = w->k / LLAMA_QK, bb = llama_block_bytes(w->fmt), so = llama_scale_offset(w->fmt);
@@ -248,14 +259,25 @@ static void quantize_rows(fwd_state *st, thread_scratch *ts, const float *x, siz
     st->kern->quantize(x, ld, rows, &ts->qa);
 }
 
-/* This thread's share of the tiles of matrices mats[0..n) (outputs side by side in out). */
-static void matmul_group(fwd_state *st, thread_scratch *ts, const llama_matrix *mats, int n,
-                         size_t rows, float *out, size_t ldo, int tid, int nt, size_t *col0,
-                         size_t *col1) {
+static size_t group_tiles(const llama_matrix *mats, int n) {
     size_t total = 0;
     for (int i = 0; i < n; i++) total += mats[i].n / LLAMA_TILE;
-    size_t begin, end;
-    split_range(total, tid, nt, &begin, &end);
+    return total;
+}
+
+/* Tiles per work item of a product: at least 4, and about 8 items per thread. */
+static size_t chunk_tiles(size_t tiles, int nt) {
+    const size_t per = (tiles + 8 * (size_t)nt - 1) / (8 * (size_t)nt);
+    return per < 4 ? 4 : per;
+}
+
+/* Item `item` of a product over the tiles of mats[0..n) (outputs side by side in out); sets
+ * the columns [*col0, *col1) it computed. */
+static void matmul_item(fwd_state *st, thread_scratch *ts, const llama_matrix *mats, int n,
+                        size_t item, size_t rows, float *out, size_t ldo, size_t *col0,
+                        size_t *col1) {
+    const size_t total = group_tiles(mats, n), chunk = chunk_tiles(total, st->pool->n);
+    const size_t begin = item * chunk, end = begin + chunk < total ? begin + chunk : total;
     *col0 = begin * LLAMA_TILE;
     *col1 = end * LLAMA_TILE;
     size_t base = 0;
@@ -269,6 +291,11 @@ static void matmul_group(fwd_state *st, thread_scratch *ts, const llama_matrix *
     }
 }
 
+static uint32_t matmul_items(fwd_state *st, const llama_matrix *mats, int n) {
+    const size_t total = group_tiles(mats, n), chunk = chunk_tiles(total, st->pool->n);
+    return (uint32_t)((total + chunk - 1) / chunk);
+}
+
 /* RoPE on the q and k columns [c0, c1), k and v into the caches, q scaled by 1/sqrt(hd). */
 static void qkv_epilogue(fwd_state *st, size_t layer, size_t c0, size_t c1) {
     const llama_model *m = st->m;
@@ -276,9 +303,7 @@ static void qkv_epilogue(fwd_state *st, size_t layer, size_t c0, size_t c1) {
     const float qscale = 1.0f / sqrtf((float)hd);
     for (size_t r = 0; r < st->rows; r++) {
         const llama_segment *seg = &st->req->segs[st->row_seg[r]];
-        size_t first = 0;
-        for (int s = 0; s < st->row_seg[r]; s++) first += st->req->segs[s].t;
-        const size_t slot = seg->length + (r - first);
+        const size_t slot = seg->length + (r - (size_t)st->row_first[r]);
         float *row = st->qkv + r * st->n_qkv;
         const float *cs = st->rope + r * hd;
         for (size_t c = c0; c < c1; c += 2) {
@@ -304,41 +329,72 @@ static void qkv_epilogue(fwd_state *st, size_t layer, size_t c0, size_t c1) {
     }
 }
 
-static void attention(fwd_state *st, thread_scratch *ts, size_t layer, int tid, int nt) {
+/* Attention of one (row, KV head): its query heads over the slots the row's mask shows. */
+static void attention_item(fwd_state *st, thread_scratch *ts, size_t layer, size_t item) {
     const llama_model *m = st->m;
     const size_t hd = m->head_dim, group = m->n_head / m->n_kv;
-    size_t begin, end;
-    split_range(st->rows * m->n_kv, tid, nt, &begin, &end);
-    size_t first = 0, s = 0;
-    for (size_t u = begin; u < end; u++) {
-        const size_t r = u / m->n_kv, g = u % m->n_kv;
-        while ((size_t)st->row_seg[r] != s) first += st->req->segs[s++].t;
-        const llama_segment *seg = &st->req->segs[s];
-        const size_t width = seg->length + seg->t, i = r - first;
-        const uint8_t *mask = seg->mask + i * width;
-        size_t n = width;
-        while (n > 0 && !mask[n - 1]) n--;
-        float *out = st->attn + r * m->n_head * hd + g * group * hd;
-        if (n == 0) {
-            memset(out, 0, group * hd * sizeof(float));
-            continue;
-        }
-        const uint16_t *kt = seg->k + (layer * m->n_kv + g) * (seg->cap / 16) * hd * 16;
-        const uint16_t *v = seg->v + (layer * m->n_kv + g) * seg->cap * hd;
-        const float *q = st->qkv + r * st->n_qkv + g * group * hd;
-        st->kern->scores(q, group, hd, kt, n, ts->scores, st->max_slots);
-        size_t c = 0;
-        for (size_t j = 0; j < n; j++)
-            if (mask[j]) ts->idx[c++] = (int32_t)j;
-        float scale[64];
-        for (size_t h = 0; h < group; h++) {
-            const float *sh = ts->scores + h * st->max_slots;
-            float *ph = ts->probs + h * st->max_slots;
-            for (size_t k = 0; k < c; k++) ph[k] = sh[ts->idx[k]];
-            scale[h] = 1.0f / st->kern->softmax(ph, c);
-        }
-        st->kern->values(ts->probs, st->max_slots, group, scale, hd, v, ts->idx, c, out);
+    const size_t r = item / m->n_kv, g = item % m->n_kv;
+    const llama_segment *seg = &st->req->segs[st->row_seg[r]];
+    const size_t width = seg->length + seg->t;
+    const uint8_t *mask = seg->mask + (r - (size_t)st->row_first[r]) * width;
+    size_t n = width;
+    while (n > 0 && !mask[n - 1]) n--;
+    float *out = st->attn + r * m->n_head * hd + g * group * hd;
+    if (n == 0) {
+        memset(out, 0, group * hd * sizeof(float));
+        return;
     }
+    const uint16_t *kt = seg->k + (layer * m->n_kv + g) * (seg->cap / 16) * hd * 16;
+    const uint16_t *v = seg->v + (layer * m->n_kv + g) * seg->cap * hd;
+    const float *q = st->qkv + r * st->n_qkv + g * group * hd;
+    st->kern->scores(q, group, hd, kt, n, ts->scores, st->max_slots);
+    size_t c = 0;
+    for (size_t j = 0; j < n; j++)
+        if (mask[j]) ts->idx[c++] = (int32_t)j;
+    float scale[64];
+    for (size_t h = 0; h < group; h++) {
+        const float *sh = ts->scores + h * st->max_slots;
+        float *ph = ts->probs + h * st->max_slots;
+        for (size_t k = 0; k < c; k++) ph[k] = sh[ts->idx[k]];
+        scale[h] = 1.0f / st->kern->softmax(ph, c);
+    }
+    st->kern->values(ts->probs, st->max_slots, group, scale, hd, v, ts->idx, c, out);
+}
+
+static void residual_add(fwd_state *st, size_t c0, size_t c1) {
+    const size_t d = st->m->hidden;
+    for (size_t r = 0; r < st->rows; r++)
+        for (size_t c = c0; c < c1; c++) st->x[r * d + c] += st->proj[r * d + c];
+}
+
+/* Phases in order; the totals are set by set_phase_totals, consumed by forward_job. */
+enum { PH_QKV, PH_ATTN, PH_WO, PH_GATE_UP, PH_DOWN, PH_TAPS, PH_PER_LAYER };
+
+static size_t phase_count(const llama_model *m) { return 1 + m->n_layer * PH_PER_LAYER + 1; }
+
+static void set_phase_totals(fwd_state *st) {
+    const llama_model *m = st->m;
+    const llama_request *req = st->req;
+    phase *p = st->phases;
+    for (size_t i = 0; i < st->n_phases; i++) {
+        atomic_init(&p[i].claimed, 0);
+        atomic_init(&p[i].done, 0);
+        p[i].total = 0;
+    }
+    p[0].total = (uint32_t)st->rows;  /* embeddings */
+    for (size_t l = 0; l < m->n_layer; l++) {
+        const llama_layer *L = &m->layers[l];
+        phase *q = p + 1 + l * PH_PER_LAYER;
+        q[PH_QKV].total = matmul_items(st, L->qkv, 3);
+        q[PH_ATTN].total = (uint32_t)(st->rows * m->n_kv);
+        q[PH_WO].total = matmul_items(st, &L->wo, 1);
+        q[PH_GATE_UP].total = matmul_items(st, L->gate_up, 2);
+        q[PH_DOWN].total = matmul_items(st, &L->down, 1);
+        for (size_t t = 0; t < req->n_taps; t++)
+            if ((size_t)req->tap_layers[t] == l && req->taps) q[PH_TAPS].total = (uint32_t)st->rows;
+    }
+    if (req->n_logit_rows)
+        p[st->n_phases - 1].total = matmul_items(st, req->head ? req->head : &m->head, 1);
 }
 
 static void forward_job(void *arg, int tid, int nt) {
@@ -347,56 +403,94 @@ static void forward_job(void *arg, int tid, int nt) {
     const llama_request *req = st->req;
     thread_scratch *ts = &st->ts[tid];
     const size_t rows = st->rows, d = m->hidden, nh = m->n_head * m->head_dim;
-    size_t begin, end, c0, c1;
+    size_t c0, c1;
+    long item;
+    (void)nt;
 
-    split_range(rows, tid, nt, &begin, &end);
-    for (size_t r = begin; r < end; r++) {
-        size_t first = 0;
-        for (int s = 0; s < st->row_seg[r]; s++) first += req->segs[s].t;
-        llama_embed_row(m, req->segs[st->row_seg[r]].tokens[r - first], st->x + r * d);
+    phase *ph = st->phases, *prev = ph;
+    while ((item = phase_claim(ph)) >= 0) {
+        const size_t r = (size_t)item;
+        const llama_segment *seg = &req->segs[st->row_seg[r]];
+        llama_embed_row(m, seg->tokens[r - (size_t)st->row_first[r]], st->x + r * d);
+        phase_finish(ph);
     }
-    barrier(st->pool);
 
     for (size_t l = 0; l < m->n_layer; l++) {
         const llama_layer *L = &m->layers[l];
-        norm_quantize(st, ts, st->x, rows, NULL, L->attn_norm);
-        matmul_group(st, ts, L->qkv, 3, rows, st->qkv, st->n_qkv, tid, nt, &c0, &c1);
-        qkv_epilogue(st, l, c0, c1);
-        barrier(st->pool);
+        phase *q = st->phases + 1 + l * PH_PER_LAYER;
 
-        attention(st, ts, l, tid, nt);
-        barrier(st->pool);
-
-        quantize_rows(st, ts, st->attn, nh, nh, rows);
-        matmul_group(st, ts, &L->wo, 1, rows, st->proj, d, tid, nt, &c0, &c1);
-        for (size_t r = 0; r < rows; r++)
-            for (size_t c = c0; c < c1; c++) st->x[r * d + c] += st->proj[r * d + c];
-        barrier(st->pool);
-
-        norm_quantize(st, ts, st->x, rows, NULL, L->ffn_norm);
-        matmul_group(st, ts, L->gate_up, 2, rows, st->gu, 2 * m->ffn, tid, nt, &c0, &c1);
-        barrier(st->pool);
-
-        for (size_t r = 0; r < rows; r++)
-            st->kern->swiglu(st->gu + r * 2 * m->ffn, st->gu + r * 2 * m->ffn + m->ffn, m->ffn,
-                             ts->tmp + r * m->ffn);
-        quantize_rows(st, ts, ts->tmp, m->ffn, m->ffn, rows);
-        matmul_group(st, ts, &L->down, 1, rows, st->proj, d, tid, nt, &c0, &c1);
-        for (size_t r = 0; r < rows; r++)
-            for (size_t c = c0; c < c1; c++) st->x[r * d + c] += st->proj[r * d + c];
-        barrier(st->pool);
-
-        if (tid == 0 && req->taps)
-            for (size_t t = 0; t < req->n_taps; t++)
-                if ((size_t)req->tap_layers[t] == l)
-                    for (size_t r = 0; r < rows; r++)
-                        memcpy(req->taps + (r * req->n_taps + t) * d, st->x + r * d, d * sizeof(float));
+        if (phase_open(&q[PH_QKV])) {
+            phase_wait(prev);
+            norm_quantize(st, ts, st->x, rows, NULL, L->attn_norm);
+            while ((item = phase_claim(&q[PH_QKV])) >= 0) {
+                matmul_item(st, ts, L->qkv, 3, (size_t)item, rows, st->qkv, st->n_qkv, &c0, &c1);
+                qkv_epilogue(st, l, c0, c1);
+                phase_finish(&q[PH_QKV]);
+            }
+        }
+        if (phase_open(&q[PH_ATTN])) {
+            phase_wait(&q[PH_QKV]);
+            while ((item = phase_claim(&q[PH_ATTN])) >= 0) {
+                attention_item(st, ts, l, (size_t)item);
+                phase_finish(&q[PH_ATTN]);
+            }
+        }
+        if (phase_open(&q[PH_WO])) {
+            phase_wait(&q[PH_ATTN]);
+            quantize_rows(st, ts, st->attn, nh, nh, rows);
+            while ((item = phase_claim(&q[PH_WO])) >= 0) {
+                matmul_item(st, ts, &L->wo, 1, (size_t)item, rows, st->proj, d, &c0, &c1);
+                residual_add(st, c0, c1);
+                phase_finish(&q[PH_WO]);
+            }
+        }
+        if (phase_open(&q[PH_GATE_UP])) {
+            phase_wait(&q[PH_WO]);
+            norm_quantize(st, ts, st->x, rows, NULL, L->ffn_norm);
+            while ((item = phase_claim(&q[PH_GATE_UP])) >= 0) {
+                matmul_item(st, ts, L->gate_up, 2, (size_t)item, rows, st->gu, 2 * m->ffn, &c0, &c1);
+                phase_finish(&q[PH_GATE_UP]);
+            }
+        }
+        if (phase_open(&q[PH_DOWN])) {
+            phase_wait(&q[PH_GATE_UP]);
+            for (size_t r = 0; r < rows; r++)
+                st->kern->swiglu(st->gu + r * 2 * m->ffn, st->gu + r * 2 * m->ffn + m->ffn, m->ffn,
+                                 ts->tmp + r * m->ffn);
+            quantize_rows(st, ts, ts->tmp, m->ffn, m->ffn, rows);
+            while ((item = phase_claim(&q[PH_DOWN])) >= 0) {
+                matmul_item(st, ts, &L->down, 1, (size_t)item, rows, st->proj, d, &c0, &c1);
+                residual_add(st, c0, c1);
+                phase_finish(&q[PH_DOWN]);
+            }
+        }
+        prev = &q[PH_DOWN];
+        if (phase_open(&q[PH_TAPS])) {
+            phase_wait(prev);
+            while ((item = phase_claim(&q[PH_TAPS])) >= 0) {
+                for (size_t t = 0; t < req->n_taps; t++)
+                    if ((size_t)req->tap_layers[t] == l)
+                        memcpy(req->taps + ((size_t)item * req->n_taps + t) * d, st->x + (size_t)item * d,
+                               d * sizeof(float));
+                phase_finish(&q[PH_TAPS]);
+            }
+        }
+        if (q[PH_TAPS].total) prev = &q[PH_TAPS];
     }
 
-    if (req->n_logit_rows) {
+    phase *head_phase = st->phases + st->n_phases - 1;
+    if (phase_open(head_phase)) {
         const llama_matrix *head = req->head ? req->head : &m->head;
+        phase_wait(prev);
         norm_quantize(st, ts, st->x, req->n_logit_rows, req->logit_rows, m->out_norm);
-        matmul_group(st, ts, head, 1, req->n_logit_rows, req->logits, head->n, tid, nt, &c0, &c1);
+        while ((item = phase_claim(head_phase)) >= 0) {
+            matmul_item(st, ts, head, 1, (size_t)item, req->n_logit_rows, req->logits, head->n, &c0, &c1);
+            phase_finish(head_phase);
+        }
+    }
+    if (tid == 0) {  /* the caller returns only when every item of every phase is done */
+        phase_wait(prev);
+        phase_wait(head_phase);
     }
 }
 
@@ -412,9 +506,17 @@ typedef struct {
 static void project_job(void *arg, int tid, int nt) {
     project_state *ps = arg;
     thread_scratch *ts = &ps->st->ts[tid];
+    phase *p = ps->st->phases;
     size_t c0, c1;
+    long item;
+    (void)nt;
+    if (!phase_open(p)) return;
     norm_quantize(ps->st, ts, ps->hidden, ps->rows, NULL, ps->norm ? ps->st->m->out_norm : NULL);
-    matmul_group(ps->st, ts, ps->head, 1, ps->rows, ps->logits, ps->head->n, tid, nt, &c0, &c1);
+    while ((item = phase_claim(p)) >= 0) {
+        matmul_item(ps->st, ts, ps->head, 1, (size_t)item, ps->rows, ps->logits, ps->head->n, &c0, &c1);
+        phase_finish(p);
+    }
+    if (tid == 0) phase_wait(p);
 }
 
 /* Lays out (and with pass 1 allocates) the shared buffers for st->rows rows and each thread's
@@ -431,6 +533,8 @@ static char *alloc_state(fwd_state *st, int nt, size_t qrows) {
 #define TAKE(ptr, type, count) \
     (ptr = mem ? (type *)(mem + off) : NULL, off += ((count) * sizeof(type) + 63) / 64 * 64)
         TAKE(st->row_seg, int32_t, rows);
+        TAKE(st->row_first, int32_t, rows);
+        TAKE(st->phases, phase, st->n_phases);
         TAKE(st->rope, float, rows * hd);
         TAKE(st->x, float, rows * d);
         TAKE(st->qkv, float, rows * st->n_qkv);
@@ -457,7 +561,9 @@ static char *alloc_state(fwd_state *st, int nt, size_t qrows) {
 
 int llama_forward(const llama_model *m, const llama_kernels *kern, llama_pool *pool,
                   const llama_request *req) {
-    fwd_state st = {m, kern, req, pool, 0, 0, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    fwd_state st = {0};
+    st.m = m, st.kern = kern, st.req = req, st.pool = pool;
+    st.n_phases = phase_count(m);
     const size_t hd = m->head_dim;
     for (size_t s = 0; s < req->n_segs; s++) {
         st.rows += req->segs[s].t;
@@ -472,6 +578,7 @@ int llama_forward(const llama_model *m, const llama_kernels *kern, llama_pool *p
     for (size_t s = 0; s < req->n_segs; s++)
         for (size_t i = 0; i < req->segs[s].t; i++, r++) {
             st.row_seg[r] = (int32_t)s;
+            st.row_first[r] = (int32_t)(r - i);
             for (size_t k = 0; k < hd / 2; k++) {
                 const double theta = (double)req->segs[s].positions[i] *
                                      pow(m->rope_base, -2.0 * (double)k / (double)hd);
@@ -479,6 +586,7 @@ int llama_forward(const llama_model *m, const llama_kernels *kern, llama_pool *p
                 st.rope[r * hd + 2 * k + 1] = (float)sin(theta);
             }
         }
+    set_phase_totals(&st);
     pool_run(pool, forward_job, &st);
     free(mem);
     return 0;
@@ -487,10 +595,15 @@ int llama_forward(const llama_model *m, const llama_kernels *kern, llama_pool *p
 int llama_project(const llama_model *m, const llama_kernels *kern, llama_pool *pool,
                   const float *hidden, size_t rows, const llama_matrix *head, int norm,
                   float *logits) {
-    fwd_state st = {m, kern, NULL, pool, 0, 0, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    fwd_state st = {0};
+    st.m = m, st.kern = kern, st.pool = pool;
+    st.n_phases = 1;
     char *mem = alloc_state(&st, pool->n, rows);
     if (!mem) return -1;
     project_state ps = {&st, hidden, rows, head, logits, norm};
+    atomic_init(&st.phases[0].claimed, 0);
+    atomic_init(&st.phases[0].done, 0);
+    st.phases[0].total = matmul_items(&st, head, 1);
     pool_run(pool, project_job, &ps);
     free(mem);
     return 0;
