@@ -19,6 +19,8 @@ cdef extern from "llama_kernels.h" nogil:
     ctypedef struct llama_kernels:
         const char *name
     int LLAMA_Q4_0, LLAMA_Q4_1, LLAMA_Q8_0, LLAMA_ISA_COUNT
+    float llama_half_to_float(uint16_t h)
+    uint16_t llama_float_to_half(float f)
     size_t llama_block_bytes(int fmt)
     const char *llama_isa_name(int isa)
     int llama_isa_compiled(int isa)
@@ -89,6 +91,30 @@ def isa_info():
         "best": names[llama_isa_best()],
         "chosen": names[isa] if isa >= 0 else "error: " + err.decode(),
     }
+
+
+def half_bits(values):
+    """fp16 bits of float32 values, as the KV cache stores them (round to nearest even)."""
+    src = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    out = np.empty(src.shape[0], np.uint16)
+    cdef const float[::1] sv = src
+    cdef uint16_t[::1] ov = out
+    cdef Py_ssize_t i
+    for i in range(sv.shape[0]):
+        ov[i] = llama_float_to_half(sv[i])
+    return out
+
+
+def half_values(bits):
+    """float32 values of fp16 bits, as the kernels read the cache and the block scales."""
+    src = np.ascontiguousarray(bits, dtype=np.uint16).reshape(-1)
+    out = np.empty(src.shape[0], np.float32)
+    cdef const uint16_t[::1] sv = src
+    cdef float[::1] ov = out
+    cdef Py_ssize_t i
+    for i in range(sv.shape[0]):
+        ov[i] = llama_half_to_float(sv[i])
+    return out
 
 
 cdef int _isa_index(object name) except -1:

@@ -26,12 +26,11 @@ from typing import Sequence
 import numpy as np
 
 from dspark._ext import llama as _llama
-from dspark.errors import ConfigError, RequestError
+from dspark.errors import RequestError
+from dspark.llm.gguf_model import BLOCK_MATRICES, GGUFModel, LlamaConfig
 from dspark.llm.taps import TAP_LAYERS
 
-# GGML type ids of the weight formats the kernels take (gguf.GGMLQuantizationType)
-GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 0, 1, 2, 3, 8
-PACKED_TYPES = {GGML_Q4_0: "Q4_0", GGML_Q4_1: "Q4_1", GGML_Q8_0: "Q8_0"}
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the kernels' weight formats; others run as Q8_0
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF bytes per 32 weights
 
 
@@ -63,23 +62,6 @@ def pack_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> "_llama.PackedMatr
             parts.append(per_column(raw[:, :, 2:4], 2))
     packed = np.ascontiguousarray(np.concatenate(parts, axis=2))
     return _llama.PackedMatrix(packed, fmt, n + pad, k)
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """The decoder's shape (what llm-core's LlamaConfig holds for the C1 runtimes)."""
-    n_layer: int
-    hidden: int
-    ffn: int
-    n_head: int
-    n_kv_head: int
-    head_dim: int
-    rope_base: float
-    rms_eps: float
-    vocab: int
-    ctx: int
-    bos_id: int
-    eos_id: int
 
 
 @dataclass
@@ -121,69 +103,33 @@ class KernelCache:
         return self.keys.nbytes + self.values.nbytes + self.positions.nbytes
 
 
-def _metadata(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        if default is None:
-            raise ConfigError(key, "missing from the GGUF metadata")
-        return default
-    value = field.parts[field.data[0]]
-    if value.dtype == np.uint8 and key.startswith("general."):
-        return bytes(value).decode()
-    return value.item() if value.size == 1 else value
+def pack_matrix(model: GGUFModel, name: str) -> "_llama.PackedMatrix":
+    """One GGUF matrix in the kernels' layout: Q4_0/Q4_1/Q8_0 blocks as stored; float matrices
+    (F32/F16/BF16) quantized to Q8_0 at load, so every product runs on the int8 kernels."""
+    kind = model.tensor_type(name)
+    k, n = (int(s) for s in model._tensor_or_fail(name).shape)
+    if kind in PACKED_TYPES:
+        return pack_blocks(model.raw(name), kind, n, k)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    blocks = quantize(model.dequantized(name), GGMLQuantizationType.Q8_0)
+    return pack_blocks(blocks, "Q8_0", n, k)
 
 
-def load_gguf(path: str | Path) -> tuple[KernelConfig, dict]:
-    """Config and packed weights of a llama-architecture GGUF (Q4_0/Q4_1/Q8_0 matrices).
-
-    Temporary: reads with the ``gguf`` package directly until llm-core's reader lands."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    arch = _metadata(reader, "general.architecture")
-    if arch != "llama":
-        raise ConfigError("general.architecture", f"{arch!r}: only 'llama' is supported", path)
-    hidden = int(_metadata(reader, "llama.embedding_length"))
-    n_head = int(_metadata(reader, "llama.attention.head_count"))
-    tensors = {t.name: t for t in reader.tensors}
-    vocab = int(tensors["token_embd.weight"].shape[1])
-    cfg = KernelConfig(
-        n_layer=int(_metadata(reader, "llama.block_count")),
-        hidden=hidden,
-        ffn=int(_metadata(reader, "llama.feed_forward_length")),
-        n_head=n_head,
-        n_kv_head=int(_metadata(reader, "llama.attention.head_count_kv", n_head)),
-        head_dim=hidden // n_head,
-        rope_base=float(_metadata(reader, "llama.rope.freq_base", 10000.0)),
-        rms_eps=float(_metadata(reader, "llama.attention.layer_norm_rms_epsilon")),
-        vocab=vocab,
-        ctx=int(_metadata(reader, "llama.context_length")),
-        bos_id=int(_metadata(reader, "tokenizer.ggml.bos_token_id", 1)),
-        eos_id=int(_metadata(reader, "tokenizer.ggml.eos_token_id", 2)),
-    )
-
-    def matrix(name: str):
-        t = tensors.get(name)
-        if t is None:
-            raise ConfigError(name, "tensor missing from the GGUF", path)
-        fmt = PACKED_TYPES.get(int(t.tensor_type))
-        if fmt is None:
-            raise ConfigError(name, f"weight type {t.tensor_type.name} is not one of Q4_0, Q4_1, Q8_0", path)
-        k, n = (int(s) for s in t.shape)
-        return pack_blocks(t.data, fmt, n, k)
-
-    def vector(name: str) -> np.ndarray:
-        return np.asarray(tensors[name].data, np.float32).copy()
-
-    weights = {"embed": matrix("token_embd.weight"), "out_norm": vector("output_norm.weight")}
-    weights["head"] = matrix("output.weight") if "output.weight" in tensors else weights["embed"]
-    for i in range(cfg.n_layer):
+def pack_weights(model: GGUFModel) -> dict:
+    """Every weight of the model, packed (matrices) or float32 (norms), by the names the
+    binding takes."""
+    weights = {"embed": pack_matrix(model, "token_embd.weight"),
+               "out_norm": np.array(model.raw("output_norm.weight"), np.float32)}
+    weights["head"] = weights["embed"] if model.config.tied_embeddings else pack_matrix(model, "output.weight")
+    for i in range(model.config.n_layer):
         p = f"blk.{i}."
-        weights[p + "attn_norm"] = vector(p + "attn_norm.weight")
-        weights[p + "ffn_norm"] = vector(p + "ffn_norm.weight")
-        for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
-            weights[p + name] = matrix(p + name + ".weight")
-    return cfg, weights
+        for norm in ("attn_norm", "ffn_norm"):
+            weights[p + norm] = np.array(model.raw(p + norm + ".weight"), np.float32)
+        for name in BLOCK_MATRICES:
+            weights[p + name] = pack_matrix(model, p + name + ".weight")
+    return weights
 
 
 def default_threads() -> int:
@@ -195,8 +141,11 @@ class KernelRuntime:
     """A llama GGUF on dspark's C kernels, with the C1 interface (config, new_cache, forward,
     last_taps, forward_batch) plus ``project`` for a vocabulary subset of the head."""
 
-    def __init__(self, gguf_path: str | Path, threads: int | None = None, isa: str | None = None):
-        self.config, weights = load_gguf(gguf_path)
+    def __init__(self, model: GGUFModel | str | Path, threads: int | None = None,
+                 isa: str | None = None):
+        model = model if isinstance(model, GGUFModel) else GGUFModel(model)
+        self.config: LlamaConfig = model.config
+        weights = pack_weights(model)
         c = self.config
         self._model = _llama.LlamaModel(
             {"n_layer": c.n_layer, "hidden": c.hidden, "ffn": c.ffn, "n_head": c.n_head,
@@ -204,6 +153,8 @@ class KernelRuntime:
              "rope_base": c.rope_base},
             weights, threads or default_threads(), isa)
         self._head = weights["head"]
+        # the tapped layers this model has (a small test model may lack the deeper ones)
+        self.tap_layers = tuple(layer for layer in TAP_LAYERS if layer < c.n_layer)
         self._local = threading.local()
 
     @property
@@ -256,13 +207,17 @@ class KernelRuntime:
         return (cache.keys, cache.values, length, tokens, positions, mask)
 
     def _run(self, items: list, logit_rows: Sequence[int] | None, head) -> tuple[np.ndarray, np.ndarray]:
+        caches = [id(item[0]) for item in items]
+        if len(set(caches)) < len(caches):
+            dup = next(i for i, c in enumerate(caches) if c in caches[:i])
+            raise RequestError(f"items[{dup}].cache", "the same cache appears twice in one batch")
         segs = [self._segment(f"items[{i}]." if len(items) > 1 else "", *item) for i, item in enumerate(items)]
         rows = sum(len(s[3]) for s in segs)
         lr = np.arange(rows) if logit_rows is None else np.asarray(logit_rows, np.int64)
         head = head or self._head
         logits = np.empty((len(lr), head.n), np.float32)
-        taps = np.empty((rows, len(TAP_LAYERS) * self.config.hidden), np.float32)
-        self._model.forward(segs, lr, logits, taps, TAP_LAYERS, head)
+        taps = np.empty((rows, len(self.tap_layers) * self.config.hidden), np.float32)
+        self._model.forward(segs, lr, logits, taps, self.tap_layers, head)
         for (cache, _, positions, *_), seg in zip(items, segs):
             t = len(seg[3])
             cache.positions[cache.length:cache.length + t] = positions
@@ -278,6 +233,8 @@ class KernelRuntime:
         ``tree_mask`` (T x T, default causal) says which new tokens see which; ``past_visible``
         (T x length, default all) which cached rows they see. The new rows are appended to the
         cache. ``logit_rows`` limits the logits to those rows (a prompt needs only its last)."""
+        if len(tokens) == 0:
+            return np.zeros((0, self.config.vocab), np.float32)
         logits, _ = self._run([(cache, tokens, positions, tree_mask, past_visible)], logit_rows, None)
         return logits[:, :self.config.vocab]
 
