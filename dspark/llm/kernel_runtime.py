@@ -12,13 +12,17 @@ on how many rows run together, on masked cache slots or on the instruction set (
 rounds the same operations in the same order; tests/unit/test_llm_kernel.py checks it bit
 for bit). Plain decoding, chain and tree verification therefore agree exactly.
 
-Taps: ``forward`` keeps the tapped hidden states (the residual stream after each block of
-``TAP_LAYERS``) of its rows in ``last_taps`` (per thread) as [T, len(TAP_LAYERS) * hidden].
+Taps (as llm-core's OnnxLlama): ``forward(..., want_taps=True)`` returns ``(logits, taps)``,
+taps [T, len(TAP_LAYERS) * hidden] float32, the residual stream after each block of
+``TAP_LAYERS``; nothing is kept between calls.
+
+Threads: ``threads`` (default 2) run each step; concurrent calls are serialized inside the
+extension, and ``forward_batch`` puts several requests' rows into one step instead.
 """
 from __future__ import annotations
 
 import os
-import threading
+from dataclasses import replace
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -30,6 +34,7 @@ from dspark.errors import RequestError
 from dspark.llm.gguf_model import BLOCK_MATRICES, GGUFModel, LlamaConfig
 from dspark.llm.taps import TAP_LAYERS
 
+DEFAULT_MAX_CONTEXT = 2048  # new_cache()'s default capacity, as OnnxLlama's
 PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the kernels' weight formats; others run as Q8_0
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF bytes per 32 weights
 
@@ -139,12 +144,13 @@ def default_threads() -> int:
 
 class KernelRuntime:
     """A llama GGUF on dspark's C kernels, with the C1 interface (config, new_cache, forward,
-    last_taps, forward_batch) plus ``project`` for a vocabulary subset of the head."""
+    want_taps, logit_rows, forward_batch) plus ``project`` through the head or a vocabulary
+    subset of it (``head_subset``)."""
 
     def __init__(self, model: GGUFModel | str | Path, threads: int | None = None,
-                 isa: str | None = None):
+                 isa: str | None = None, max_context: int = DEFAULT_MAX_CONTEXT):
         model = model if isinstance(model, GGUFModel) else GGUFModel(model)
-        self.config: LlamaConfig = model.config
+        self.config: LlamaConfig = replace(model.config, ctx=min(model.config.ctx, max_context))
         weights = pack_weights(model)
         c = self.config
         self._model = _llama.LlamaModel(
@@ -155,7 +161,6 @@ class KernelRuntime:
         self._head = weights["head"]
         # the tapped layers this model has (a small test model may lack the deeper ones)
         self.tap_layers = tuple(layer for layer in TAP_LAYERS if layer < c.n_layer)
-        self._local = threading.local()
 
     @property
     def isa(self) -> str:
@@ -169,14 +174,10 @@ class KernelRuntime:
     def threads(self) -> int:
         return self._model.threads
 
-    @property
-    def last_taps(self) -> np.ndarray | None:
-        return getattr(self._local, "taps", None)
-
     def new_cache(self, capacity: int | None = None) -> KernelCache:
         capacity = int(capacity or self.config.ctx)
-        if capacity <= 0:
-            raise RequestError("capacity", f"{capacity}: expected a positive number of rows")
+        if not 0 < capacity <= self.config.ctx:
+            raise RequestError("capacity", f"{capacity}: expected 1..{self.config.ctx} rows (max_context)")
         kshape, vshape = self._model.cache_shapes(capacity)
         return KernelCache(np.zeros(kshape, np.uint16), np.zeros(vshape, np.uint16),
                            np.zeros(vshape[2], np.int64), 0, capacity)
@@ -222,33 +223,38 @@ class KernelRuntime:
             t = len(seg[3])
             cache.positions[cache.length:cache.length + t] = positions
             cache.length += t
-        self._local.taps = taps
         return logits, taps
 
     def forward(self, cache: KernelCache, tokens, positions, tree_mask: np.ndarray | None = None,
-                past_visible: np.ndarray | None = None, *,
-                logit_rows: Sequence[int] | None = None) -> np.ndarray:
-        """Run T new tokens against the cache; return logits [T, vocab] float32.
+                past_visible: np.ndarray | None = None, want_taps: bool = False,
+                logit_rows: Sequence[int] | None = None):
+        """Run T new tokens against the cache; return logits [T, vocab] float32 (only the rows
+        in ``logit_rows``, in that order, when given: a prompt needs only its last row).
 
         ``tree_mask`` (T x T, default causal) says which new tokens see which; ``past_visible``
         (T x length, default all) which cached rows they see. The new rows are appended to the
-        cache. ``logit_rows`` limits the logits to those rows (a prompt needs only its last)."""
+        cache. With ``want_taps`` the result is ``(logits, taps)``."""
         if len(tokens) == 0:
-            return np.zeros((0, self.config.vocab), np.float32)
-        logits, _ = self._run([(cache, tokens, positions, tree_mask, past_visible)], logit_rows, None)
-        return logits[:, :self.config.vocab]
+            empty = np.zeros((0, self.config.vocab), np.float32)
+            return (empty, np.zeros((0, len(self.tap_layers) * self.config.hidden), np.float32)) \
+                if want_taps else empty
+        logits, taps = self._run([(cache, tokens, positions, tree_mask, past_visible)], logit_rows, None)
+        logits = logits[:, :self.config.vocab]
+        return (logits, taps) if want_taps else logits
 
-    def forward_batch(self, items: list) -> list[np.ndarray]:
-        """Several sequences' new rows in one step: items of (cache, tokens, positions,
-        tree_mask[, past_visible]); returns each one's logits. Same results as separate calls."""
+    def forward_batch(self, items: Sequence[tuple], want_taps: bool = False) -> list:
+        """Several requests' new rows in one step: items of (cache, tokens, positions,
+        tree_mask[, past_visible]) with distinct caches; results in item order, as ``forward``
+        returns them (bitwise the same as separate calls)."""
         if not items:
             return []
         full = [tuple(item) + (None,) * (5 - len(item)) for item in items]
-        logits, _ = self._run(full, None, None)
+        logits, taps = self._run(full, None, None)
         out, row = [], 0
         for item in full:
             t = len(np.asarray(item[1]))
-            out.append(logits[row:row + t, :self.config.vocab])
+            part = logits[row:row + t, :self.config.vocab]
+            out.append((part, taps[row:row + t]) if want_taps else part)
             row += t
         return out
 

@@ -180,10 +180,9 @@ def test_tiny_model_every_format_matches_float64_reference(tiny, tiny_model):
     that rounds where the kernels round, up to float32 arithmetic."""
     tokens = [1, 17, 150, 3, 99, 42, 7, 180, 64, 5]
     ref, residuals = reference(tiny_model, tokens, kernel_rounding=True)
-    logits = tiny.forward(tiny.new_cache(32), tokens, np.arange(len(tokens)))
+    logits, taps = tiny.forward(tiny.new_cache(32), tokens, np.arange(len(tokens)), want_taps=True)
     assert logits.shape == (len(tokens), TINY["vocab"])
     assert np.abs(logits - ref).max() < 1e-3 * np.abs(ref).max()
-    taps = tiny.last_taps
     assert tiny.tap_layers == (3,) and taps.shape == (len(tokens), TINY["hidden"])
     assert np.abs(taps - residuals[3]).max() < 1e-3 * np.abs(residuals[3]).max()
 
@@ -312,6 +311,7 @@ def test_project_and_head_subset(tiny):
     (lambda rt, c: rt.project(np.zeros((2, 3), np.float32)), "hidden"),
     (lambda rt, c: rt.head_subset([TINY["vocab"]]), "vocab_ids"),
     (lambda rt, c: rt.new_cache(-4), "capacity"),
+    (lambda rt, c: rt.new_cache(TINY["ctx"] + 1), "capacity"),
 ])
 def test_bad_arguments_raise_request_errors(tiny, call, field):
     cache = tiny.new_cache(16)
