@@ -1,0 +1,240 @@
+"""Benchmark of dspark's llama kernels (dspark.llm.kernel_runtime) on SmolLM2-135M-Instruct.
+
+  python tools/bench_llm_kernel.py [--threads 2] [--json out.json] [--onnx model.onnx]
+
+Prints markdown tables (docs/llm_kernels.md quotes them) and writes the numbers, the settings
+and the CPU model as JSON:
+  1. step cost: one decoder step at a cached context of 128/512/2048 rows, for 1 new row
+     (plain decoding) and 2/4/8/16 new rows (verification; every row gets logits), medians of
+     interleaved repeats, and each relative to 1 row;
+  2. plain greedy decoding tokens/s after a chat prompt: dspark's kernels, llama.cpp
+     (llama-cpp-python, `make bench-deps`) with the same threads, and llm-core's ONNX Runtime
+     graph when --onnx names one; the peers are skipped, with a note, when not installed;
+  3. greedy agreement with llama.cpp: 32 tokens on 12 prompts;
+  4. resident memory of a process holding the model and one 2048-row cache filled by a prompt.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+PROMPTS = [  # 12 prompts, 4 kinds (chat question, rewrite, code, open continuation)
+    "Why is the sky blue?",
+    "What is the capital of Australia, and why was it chosen?",
+    "Give me three tips for sleeping better.",
+    "Rewrite more formally: hey, can u send me the report by tmrw? thx",
+    "Summarize in one sentence: The meeting was moved from Tuesday to Thursday because the "
+    "projector in room 4 broke and the replacement arrives on Wednesday.",
+    "Rewrite as a haiku: the train was late again this morning.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Write a SQL query that counts orders per customer in a table orders(customer_id, id).",
+    "Complete this Python code:\ndef is_palindrome(s):\n",
+    "Continue the story: The lighthouse keeper found a letter in a bottle.",
+    "Continue: The three most important inventions of the 20th century are",
+    "Explain recursion to a ten-year-old.",
+]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def step_costs(rt, contexts, rows_list, repeats) -> dict:
+    """Median ms of one step of `rows` new rows at each cached context, interleaved."""
+    rng = np.random.default_rng(0)
+    caches = {}
+    for ctx in contexts:
+        cache = rt.new_cache(ctx + max(rows_list))
+        for start in range(0, ctx, 512):  # the prompt in chunks of 512 rows
+            n = min(512, ctx - start)
+            rt.forward(cache, rng.integers(0, rt.config.vocab, n), np.arange(start, start + n), logit_rows=[n - 1])
+        caches[ctx] = cache
+    times: dict = {(ctx, rows): [] for ctx in contexts for rows in rows_list}
+    for _ in range(repeats):
+        for ctx in contexts:
+            for rows in rows_list:
+                cache = caches[ctx]
+                tokens = rng.integers(0, rt.config.vocab, rows)
+                t0 = time.perf_counter()
+                rt.forward(cache, tokens, np.arange(ctx, ctx + rows))
+                times[ctx, rows].append(time.perf_counter() - t0)
+                cache.truncate(ctx)
+    return {f"{ctx}/{rows}": 1e3 * float(np.median(v)) for (ctx, rows), v in times.items()}
+
+
+class KernelPeer:
+    name = "dspark kernels"
+
+    def __init__(self, rt):
+        self.rt = rt
+
+    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], float]:
+        cache = self.rt.new_cache(len(prompt) + n)
+        logits = self.rt.forward(cache, prompt, np.arange(len(prompt)), logit_rows=[len(prompt) - 1])
+        out = [int(logits[-1].argmax())]
+        t0 = time.perf_counter()
+        while len(out) < n:
+            logits = self.rt.forward(cache, [out[-1]], [cache.length])
+            out.append(int(logits[0].argmax()))
+        return out, (n - 1) / (time.perf_counter() - t0)
+
+
+class OnnxPeer(KernelPeer):
+    name = "ONNX Runtime (llm-core)"
+
+
+class LlamaCppPeer:
+    name = "llama.cpp"
+
+    def __init__(self, path: Path, threads: int):
+        from llama_cpp import Llama
+
+        self.llm = Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=2048,
+                         n_batch=512, verbose=False)
+
+    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], float]:
+        self.llm.reset()
+        self.llm.eval(prompt)
+        out = [int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))]
+        t0 = time.perf_counter()
+        while len(out) < n:
+            self.llm.eval([out[-1]])
+            out.append(int(np.argmax(self.llm.scores[self.llm.n_tokens - 1])))
+        return out, (n - 1) / (time.perf_counter() - t0)
+
+
+def resident_memory(gguf: Path, threads: int, context: int) -> dict:
+    """In a fresh process: RSS after loading the model and filling one `context`-row cache."""
+    code = f"""
+import json, numpy as np, resource
+from dspark.llm.kernel_runtime import KernelRuntime
+def rss():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmRSS'):
+            return int(line.split()[1]) / 1024
+rt = KernelRuntime({str(gguf)!r}, threads={threads}, max_context={context})
+loaded = rss()
+cache = rt.new_cache({context})
+rng = np.random.default_rng(0)
+for start in range(0, {context} - 1, 512):
+    n = min(512, {context} - 1 - start)
+    rt.forward(cache, rng.integers(0, rt.config.vocab, n), np.arange(start, start + n), logit_rows=[n - 1])
+rt.forward(cache, [1], [cache.length])
+print(json.dumps({{"model_loaded_mb": loaded, "with_cache_mb": rss(),
+                  "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "cache_mb": cache.nbytes / 2**20, "cache_rows": cache.length}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--decode-repeats", type=int, default=3)
+    parser.add_argument("--onnx", type=Path, help="llm-core's imported graph, to time as a peer")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["steps", "decode", "agreement", "memory"])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    from dspark._ext import llama as ext
+    from dspark.llm.gguf_model import GGUFModel, installed_smollm2
+    from dspark.llm.kernel_runtime import KernelRuntime
+    from dspark.llm.tokenizer import LlamaTokenizer
+
+    gguf_path = installed_smollm2()
+    model = GGUFModel(gguf_path)
+    rt = KernelRuntime(model, threads=args.threads, max_context=max(args.contexts) + max(args.rows) + 64)
+    result = {"cpu": cpu_name(), "isa": rt.isa, "threads": rt.threads, "model": gguf_path.name,
+              "settings": vars(args) | {"onnx": str(args.onnx) if args.onnx else None,
+                                        "json": str(args.json) if args.json else None},
+              "isa_info": ext.isa_info()}
+    print(f"# {gguf_path.name} on {result['cpu']}, {rt.threads} threads, kernels: {rt.isa}\n")
+
+    if "steps" not in args.skip:
+        costs = step_costs(rt, args.contexts, args.rows, args.repeats)
+        result["step_ms"] = costs
+        print("| cached rows | 1 row: ms (tokens/s) | " + " | ".join(f"{r} rows" for r in args.rows[1:]) + " |")
+        print("|---|---|" + "---|" * (len(args.rows) - 1))
+        for ctx in args.contexts:
+            one = costs[f"{ctx}/1"]
+            cells = [f"{costs[f'{ctx}/{r}']:.2f} ms ({costs[f'{ctx}/{r}'] / one:.2f}x)" for r in args.rows[1:]]
+            print(f"| {ctx} | {one:.2f} ({1e3 / one:.0f}) | " + " | ".join(cells) + " |")
+        print()
+
+    tokenizer = LlamaTokenizer.from_gguf(model)
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    peers = [KernelPeer(rt)]
+    notes = []
+    if args.onnx:
+        from dspark.llm.onnx_runtime import OnnxLlama
+
+        peers.append(OnnxPeer(OnnxLlama(args.onnx, threads=args.threads)))
+    try:
+        peers.append(LlamaCppPeer(gguf_path, args.threads))
+    except ImportError:
+        notes.append("llama.cpp: llama-cpp-python is not installed (make bench-deps)")
+
+    if "decode" not in args.skip:
+        rates = {p.name: [] for p in peers}
+        for _ in range(args.decode_repeats):
+            for peer in peers:
+                rates[peer.name].append(peer.greedy(prompts[0], args.decode_tokens)[1])
+        result["decode_tokens_per_s"] = {k: float(np.median(v)) for k, v in rates.items()}
+        base = result["decode_tokens_per_s"].get("llama.cpp")
+        print(f"| plain greedy decoding, {args.decode_tokens} tokens after a chat prompt | tokens/s |"
+              + (" vs llama.cpp |" if base else ""))
+        print("|---|---|" + ("---|" if base else ""))
+        for name, rate in result["decode_tokens_per_s"].items():
+            print(f"| {name} | {rate:.1f} |" + (f" {rate / base:.2f}x |" if base else ""))
+        print()
+
+    if "agreement" not in args.skip and len(peers) > 1:
+        outputs = {p.name: [p.greedy(prompt, 32)[0] for prompt in prompts] for p in peers}
+        ref = outputs[peers[-1].name]
+        result["agreement"] = {}
+        print(f"| greedy, 32 tokens, 12 prompts, vs {peers[-1].name} | identical | first difference at (mean) |")
+        print("|---|---|---|")
+        for name, outs in outputs.items():
+            if name == peers[-1].name:
+                continue
+            first = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), 32) for o, r in zip(outs, ref)]
+            same = sum(f == 32 for f in first)
+            result["agreement"][name] = {"identical": same, "first_difference": first}
+            print(f"| {name} | {same}/12 | {np.mean(first):.1f} |")
+        print()
+
+    if "memory" not in args.skip:
+        mem = resident_memory(gguf_path, args.threads, 2048)
+        result["memory"] = mem
+        print("| resident memory | MB |\n|---|---|")
+        print(f"| model loaded | {mem['model_loaded_mb']:.0f} |")
+        print(f"| + one {mem['cache_rows']}-row cache, filled ({mem['cache_mb']:.0f} MB of keys/values) | "
+              f"{mem['with_cache_mb']:.0f} |")
+        print(f"| peak (loading, the prompt's scratch) | {mem['peak_mb']:.0f} |\n")
+
+    for note in notes:
+        print("note:", note)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
