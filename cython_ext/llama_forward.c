@@ -329,11 +329,12 @@ static void qkv_epilogue(fwd_state *st, size_t layer, size_t c0, size_t c1) {
     }
 }
 
-/* Attention of one (row, KV head): its query heads over the slots the row's mask shows. */
+/* Attention of one (KV head, row): its query heads over the slots the row's mask shows. Items
+ * run KV-head-major, so a head's keys and values stay in cache across the rows of a step. */
 static void attention_item(fwd_state *st, thread_scratch *ts, size_t layer, size_t item) {
     const llama_model *m = st->m;
     const size_t hd = m->head_dim, group = m->n_head / m->n_kv;
-    const size_t r = item / m->n_kv, g = item % m->n_kv;
+    const size_t g = item / st->rows, r = item % st->rows;
     const llama_segment *seg = &st->req->segs[st->row_seg[r]];
     const size_t width = seg->length + seg->t;
     const uint8_t *mask = seg->mask + (r - (size_t)st->row_first[r]) * width;
