@@ -52,7 +52,28 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def step_costs(rt, contexts, rows_list, repeats) -> dict:
+def products(rt, weights, rows_list, repeats, clock) -> dict:
+    """Median ms of single products (no norm): a layer's gate (Q4_1 1536x576, fits L2) and the
+    head (Q8_0 49152x576, read from memory), for each row count."""
+    rng = np.random.default_rng(1)
+    out = {}
+    for name, key in (("Q4_1 1536x576 (ffn_gate, in L2)", "blk.0.ffn_gate"), ("Q8_0 49152x576 (head)", "head")):
+        matrix = weights[key]
+        for rows in rows_list:
+            hidden = rng.standard_normal((rows, matrix.k)).astype(np.float32)
+            logits = np.empty((rows, matrix.n), np.float32)
+            times = []
+            for _ in range(max(repeats, int(3e8 / matrix.data.nbytes))):
+                t0 = clock()
+                rt._model.project(hidden, logits, matrix, False)
+                times.append(clock() - t0)
+            ms = 1e3 * float(np.median(times))
+            out[f"{name}/{rows}"] = {"ms": ms, "gmac_s": matrix.n * matrix.k * rows / ms / 1e6,
+                                     "gb_s": matrix.data.nbytes / ms / 1e6}
+    return out
+
+
+def step_costs(rt, contexts, rows_list, repeats, clock=time.perf_counter) -> dict:
     """Median ms of one step of `rows` new rows at each cached context, interleaved."""
     rng = np.random.default_rng(0)
     caches = {}
@@ -68,9 +89,9 @@ def step_costs(rt, contexts, rows_list, repeats) -> dict:
             for rows in rows_list:
                 cache = caches[ctx]
                 tokens = rng.integers(0, rt.config.vocab, rows)
-                t0 = time.perf_counter()
+                t0 = clock()
                 rt.forward(cache, tokens, np.arange(ctx, ctx + rows))
-                times[ctx, rows].append(time.perf_counter() - t0)
+                times[ctx, rows].append(clock() - t0)
                 cache.truncate(ctx)
     return {f"{ctx}/{rows}": 1e3 * float(np.median(v)) for (ctx, rows), v in times.items()}
 
@@ -150,7 +171,11 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--decode-repeats", type=int, default=3)
     parser.add_argument("--onnx", type=Path, help="llm-core's imported graph, to time as a peer")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["steps", "decode", "agreement", "memory"])
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: CPU time of the calling thread (with --threads 1: less "
+                             "sensitive to other load) for the steps and products tables")
+    parser.add_argument("--skip", nargs="*", default=[],
+                        choices=["steps", "products", "decode", "agreement", "memory"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -162,14 +187,26 @@ def main() -> None:
     gguf_path = installed_smollm2()
     model = GGUFModel(gguf_path)
     rt = KernelRuntime(model, threads=args.threads, max_context=max(args.contexts) + max(args.rows) + 64)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     result = {"cpu": cpu_name(), "isa": rt.isa, "threads": rt.threads, "model": gguf_path.name,
               "settings": vars(args) | {"onnx": str(args.onnx) if args.onnx else None,
                                         "json": str(args.json) if args.json else None},
               "isa_info": ext.isa_info()}
-    print(f"# {gguf_path.name} on {result['cpu']}, {rt.threads} threads, kernels: {rt.isa}\n")
+    print(f"# {gguf_path.name} on {result['cpu']}, {rt.threads} threads, kernels: {rt.isa}, "
+          f"clock: {args.clock}\n")
+
+    if "products" not in args.skip:
+        result["products"] = products(rt, rt.weights, args.rows, args.repeats, clock)
+        print("| product | " + " | ".join(f"{r} rows" for r in args.rows) + " |")
+        print("|---|" + "---|" * len(args.rows))
+        for name in dict.fromkeys(k.rsplit("/", 1)[0] for k in result["products"]):
+            cells = [result["products"][f"{name}/{r}"] for r in args.rows]
+            print(f"| {name} | " + " | ".join(f"{c['ms']:.3f} ms, {c['gmac_s']:.0f} GMAC/s, {c['gb_s']:.1f} GB/s"
+                                             for c in cells) + " |")
+        print()
 
     if "steps" not in args.skip:
-        costs = step_costs(rt, args.contexts, args.rows, args.repeats)
+        costs = step_costs(rt, args.contexts, args.rows, args.repeats, clock)
         result["step_ms"] = costs
         print("| cached rows | 1 row: ms (tokens/s) | " + " | ".join(f"{r} rows" for r in args.rows[1:]) + " |")
         print("|---|---|" + "---|" * (len(args.rows) - 1))

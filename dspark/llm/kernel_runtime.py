@@ -158,6 +158,7 @@ class KernelRuntime:
              "n_kv": c.n_kv_head, "head_dim": c.head_dim, "vocab": c.vocab, "rms_eps": c.rms_eps,
              "rope_base": c.rope_base},
             weights, threads or default_threads(), isa)
+        self.weights = weights  # the packed matrices (the extension holds them too)
         self._head = weights["head"]
         # the tapped layers this model has (a small test model may lack the deeper ones)
         self.tap_layers = tuple(layer for layer in TAP_LAYERS if layer < c.n_layer)
