@@ -296,7 +296,8 @@ static uint32_t matmul_items(fwd_state *st, const llama_matrix *mats, int n) {
     return (uint32_t)((total + chunk - 1) / chunk);
 }
 
-/* RoPE on the q and k columns [c0, c1), k and v into the caches, q scaled by 1/sqrt(hd). */
+/* RoPE on the q and k columns [c0, c1), k and v into the caches, q scaled by 1/sqrt(hd).
+ * [c0, c1) is whole tiles, and a 16-column tile lies inside one head (hd % 64 == 0). */
 static void qkv_epilogue(fwd_state *st, size_t layer, size_t c0, size_t c1) {
     const llama_model *m = st->m;
     const size_t hd = m->head_dim, nq = m->n_head * hd, nk = m->n_kv * hd;
@@ -305,25 +306,28 @@ static void qkv_epilogue(fwd_state *st, size_t layer, size_t c0, size_t c1) {
         const llama_segment *seg = &st->req->segs[st->row_seg[r]];
         const size_t slot = seg->length + (r - (size_t)st->row_first[r]);
         float *row = st->qkv + r * st->n_qkv;
-        const float *cs = st->rope + r * hd;
-        for (size_t c = c0; c < c1; c += 2) {
-            if (c < nq + nk) {  /* q or k: rotate the pair (c, c + 1) */
-                const size_t i = (c % hd) / 2;
-                const float x0 = row[c], x1 = row[c + 1], cos_ = cs[2 * i], sin_ = cs[2 * i + 1];
-                row[c] = x0 * cos_ - x1 * sin_;
-                row[c + 1] = x0 * sin_ + x1 * cos_;
-            }
-            for (size_t e = c; e < c + 2; e++) {
-                if (e < nq) {
-                    row[e] *= qscale;
-                } else if (e < nq + nk) {
-                    const size_t g = (e - nq) / hd, d = (e - nq) % hd;
-                    uint16_t *kt = seg->k + ((layer * m->n_kv + g) * seg->cap / 16 + slot / 16) * hd * 16;
-                    kt[d * 16 + slot % 16] = llama_float_to_half(row[e]);
-                } else {
-                    const size_t g = (e - nq - nk) / hd, d = (e - nq - nk) % hd;
-                    seg->v[((layer * m->n_kv + g) * seg->cap + slot) * hd + d] = llama_float_to_half(row[e]);
+        const float *cs = st->rope + r * hd;  /* cos, sin of pair i at 2i, 2i + 1 */
+        for (size_t c = c0; c < c1; c += LLAMA_TILE) {
+            float *x = row + c;
+            if (c < nq + nk) {
+                const size_t d0 = (c < nq ? c : c - nq) % hd;
+                for (size_t i = 0; i < LLAMA_TILE; i += 2) {
+                    const float x0 = x[i], x1 = x[i + 1], cos_ = cs[d0 + i], sin_ = cs[d0 + i + 1];
+                    x[i] = x0 * cos_ - x1 * sin_;
+                    x[i + 1] = x0 * sin_ + x1 * cos_;
                 }
+            }
+            if (c < nq) {
+                for (size_t i = 0; i < LLAMA_TILE; i++) x[i] *= qscale;
+            } else if (c < nq + nk) {
+                const size_t g = (c - nq) / hd, d0 = (c - nq) % hd;
+                uint16_t *kt = seg->k + ((layer * m->n_kv + g) * (seg->cap / 16) + slot / 16) * hd * 16
+                               + d0 * 16 + slot % 16;
+                for (size_t i = 0; i < LLAMA_TILE; i++) kt[i * 16] = llama_float_to_half(x[i]);
+            } else {
+                const size_t g = (c - nq - nk) / hd, d0 = (c - nq - nk) % hd;
+                uint16_t *v = seg->v + ((layer * m->n_kv + g) * seg->cap + slot) * hd + d0;
+                for (size_t i = 0; i < LLAMA_TILE; i++) v[i] = llama_float_to_half(x[i]);
             }
         }
     }
