@@ -292,16 +292,13 @@ cdef class LlamaModel:
             raise MemoryError("LlamaModel.project: no memory for the scratch")
 
     cdef object _tokens(self, tokens, str field):
-        arr = np.asarray(tokens)
-        if arr.ndim != 1 or arr.shape[0] == 0:
-            raise RequestError(field, f"expected a non-empty 1-D sequence of token ids, got shape {arr.shape}")
-        if arr.dtype.kind not in "iu":
-            raise RequestError(field, f"token ids must be integers, got {arr.dtype}")
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= <long long>self.model.vocab:
-            bad = lo if lo < 0 else hi
+        arr = _int64s(tokens, field, "token ids")
+        if arr.shape[0] == 0:
+            raise RequestError(field, "expected at least one token id")
+        bad = _first_outside(arr, 0, <long long>self.model.vocab - 1)
+        if bad is not None:
             raise RequestError(field, f"token id {bad} is outside the vocabulary [0, {self.model.vocab})")
-        return np.ascontiguousarray(arr, dtype=np.int32)
+        return arr.astype(np.int32)
 
     def cache_shapes(self, size_t capacity):
         """(keys shape, values shape) of a cache with room for ``capacity`` rows (slots are
@@ -368,13 +365,11 @@ cdef class LlamaModel:
                 if not isinstance(length_obj, (int, np.integer)) or length_obj < 0 or length_obj + t > cap:
                     raise RequestError(_field(where, "cache"),
                                        f"{length_obj} cached + {t} new rows do not fit {cap} slots")
-                pos = np.asarray(positions)
-                if pos.ndim != 1 or pos.shape[0] != t or pos.dtype.kind not in "iu":
-                    raise RequestError(_field(where, "positions"),
-                                       f"expected {t} integer positions (one per token), got shape {pos.shape} {pos.dtype}")
-                if int(pos.min()) < 0 or int(pos.max()) > MAX_POSITION:
+                pos = _int64s(positions, _field(where, "positions"), "positions")
+                if pos.shape[0] != t:
+                    raise RequestError(_field(where, "positions"), f"expected {t} positions (one per token), got {pos.shape[0]}")
+                if _first_outside(pos, 0, MAX_POSITION) is not None:
                     raise RequestError(_field(where, "positions"), f"positions must lie in [0, {MAX_POSITION}]")
-                pos = np.ascontiguousarray(pos, dtype=np.int64)
                 msk = np.asarray(mask)
                 if msk.shape != (t, length_obj + t) or msk.dtype not in (np.bool_, np.uint8):
                     raise RequestError(_field(where, "mask"),
@@ -396,8 +391,8 @@ cdef class LlamaModel:
                 head_pm = head
                 req.head = &head_pm.mat
                 head_cols = head_pm.mat.n
-            lr = np.ascontiguousarray(np.asarray(logit_rows, dtype=np.int64).reshape(-1))
-            if lr.shape[0] and (lr.min() < 0 or lr.max() >= <long long>rows):
+            lr = _int64s(logit_rows, "logit_rows", "rows")
+            if _first_outside(lr, 0, <long long>rows - 1) is not None:
                 raise RequestError("logit_rows", f"rows must lie in [0, {rows})")
             lr = lr.astype(np.int32)
             if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 \
@@ -410,8 +405,8 @@ cdef class LlamaModel:
                 rows_view = lr
                 logits_view = logits
                 req.logit_rows, req.logits = &rows_view[0], &logits_view[0, 0]
-            tl = np.ascontiguousarray(np.asarray(tap_layers, dtype=np.int64).reshape(-1))
-            if tl.shape[0] and (tl.min() < 0 or tl.max() >= <long long>self.model.n_layer):
+            tl = _int64s(tap_layers, "tap_layers", "layers")
+            if _first_outside(tl, 0, <long long>self.model.n_layer - 1) is not None:
                 raise RequestError("tap_layers", f"layers must lie in [0, {self.model.n_layer})")
             tl = tl.astype(np.int32)
             req.n_taps, req.tap_layers, req.taps = tl.shape[0], NULL, NULL
@@ -430,6 +425,23 @@ cdef class LlamaModel:
                 raise MemoryError("LlamaModel.forward: no memory for the step's scratch")
         finally:
             free(segs)
+
+
+cdef object _first_outside(const int64_t[::1] values, long long lo, long long hi):
+    """The first value outside [lo, hi], or None (a typed loop: numpy's min/max cost more
+    than a decoding step's whole Python side)."""
+    cdef Py_ssize_t i
+    for i in range(values.shape[0]):
+        if values[i] < lo or values[i] > hi:
+            return values[i]
+    return None
+
+
+cdef object _int64s(object value, str field, str what):
+    arr = np.asarray(value)
+    if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.shape[0]):
+        raise RequestError(field, f"expected a 1-D sequence of integer {what}, got shape {arr.shape} {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 def _field(where, name):

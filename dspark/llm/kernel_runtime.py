@@ -137,6 +137,11 @@ def pack_weights(model: GGUFModel) -> dict:
     return weights
 
 
+@lru_cache(maxsize=64)
+def _causal(t: int) -> np.ndarray:
+    return np.tri(t, dtype=bool)
+
+
 def default_threads() -> int:
     """2 (the kernels' design point), fewer on a 1-core machine."""
     return max(1, min(2, len(os.sched_getaffinity(0))))
@@ -198,7 +203,7 @@ class KernelRuntime:
                 raise RequestError(where + "past_visible", f"expected shape ({t}, {length}), got {past_visible.shape}")
             mask[:, :length] = past_visible
         if tree_mask is None:
-            mask[:, length:] = np.tri(t, dtype=bool)
+            mask[:, length:] = _causal(t)
         else:
             tree_mask = np.asarray(tree_mask)
             if tree_mask.shape != (t, t):
