@@ -22,8 +22,8 @@ extension, and ``forward_batch`` puts several requests' rows into one step inste
 from __future__ import annotations
 
 import os
-from dataclasses import replace
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
