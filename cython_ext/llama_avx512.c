@@ -199,41 +199,37 @@ static void swiglu(const float *gate, const float *up, size_t n, float *out) {
     }
 }
 
-/* NQ queries x 2 blocks of 16 keys. */
-AI void scores_block(const float *q, const int NQ, size_t hd, const uint16_t *kb0,
-                     const uint16_t *kb1, __m512 acc[4][2]) {
-    for (int h = 0; h < NQ; h++) acc[h][0] = acc[h][1] = _mm512_setzero_ps();
-    for (size_t d = 0; d < hd; d++) {
-        const __m512 k0 = load_half16(kb0 + d * 16), k1 = load_half16(kb1 + d * 16);
-        for (int h = 0; h < NQ; h++) {
-            const __m512 qd = _mm512_set1_ps(q[h * hd + d]);
-            acc[h][0] = _mm512_fmadd_ps(qd, k0, acc[h][0]);
-            acc[h][1] = _mm512_fmadd_ps(qd, k1, acc[h][1]);
-        }
-    }
-}
-
+/* NQ queries x NB blocks of 16 keys: NQ * NB independent chains of fma over the dims. */
 AI void scores_nq(const float *q, const int NQ, size_t hd, const uint16_t *kt, size_t n, float *s,
                   size_t ls) {
-    for (size_t j = 0; j < n; j += 32) {
-        const uint16_t *kb0 = kt + (j / 16) * hd * 16;
-        /* past n the second block is a repeat of the first: computed, never stored */
-        const uint16_t *kb1 = j + 16 < n ? kb0 + hd * 16 : kb0;
-        __m512 acc[4][2];
-        scores_block(q, NQ, hd, kb0, kb1, acc);
-        const __mmask16 m0 = tail_mask(n - j), m1 = j + 16 < n ? tail_mask(n - j - 16) : 0;
-        for (int h = 0; h < NQ; h++) {
-            _mm512_mask_storeu_ps(s + h * ls + j, m0, acc[h][0]);
-            _mm512_mask_storeu_ps(s + h * ls + j + 16, m1, acc[h][1]);
+    enum { NB = 4 };
+    for (size_t j = 0; j < n; j += 16 * NB) {
+        const uint16_t *kb[NB];
+        for (int i = 0; i < NB; i++)  /* blocks past n repeat the first: computed, never stored */
+            kb[i] = kt + ((j + 16 * i < n ? j + 16 * i : j) / 16) * hd * 16;
+        __m512 acc[4][NB];
+        for (int h = 0; h < NQ; h++)
+            for (int i = 0; i < NB; i++) acc[h][i] = _mm512_setzero_ps();
+        for (size_t d = 0; d < hd; d++) {
+            __m512 k[NB];
+            for (int i = 0; i < NB; i++) k[i] = load_half16(kb[i] + d * 16);
+            for (int h = 0; h < NQ; h++) {
+                const __m512 qd = _mm512_set1_ps(q[h * hd + d]);
+                for (int i = 0; i < NB; i++) acc[h][i] = _mm512_fmadd_ps(qd, k[i], acc[h][i]);
+            }
+        }
+        for (int i = 0; i < NB; i++) {
+            if (j + 16 * i >= n) break;
+            const __mmask16 m = tail_mask(n - j - 16 * i);
+            for (int h = 0; h < NQ; h++) _mm512_mask_storeu_ps(s + h * ls + j + 16 * i, m, acc[h][i]);
         }
     }
 }
 
 static void scores(const float *q, size_t nq, size_t hd, const uint16_t *kt, size_t n,
                    float *s, size_t ls) {
-    for (size_t h = 0; h < nq; h += 4) {
-        switch (nq - h >= 4 ? 4 : nq - h) {
-        case 4: scores_nq(q + h * hd, 4, hd, kt, n, s + h * ls, ls); break;
+    for (size_t h = 0; h < nq; h += 3) {
+        switch (nq - h >= 3 ? 3 : nq - h) {
         case 3: scores_nq(q + h * hd, 3, hd, kt, n, s + h * ls, ls); break;
         case 2: scores_nq(q + h * hd, 2, hd, kt, n, s + h * ls, ls); break;
         default: scores_nq(q + h * hd, 1, hd, kt, n, s + h * ls, ls); break;

@@ -161,7 +161,8 @@ typedef struct {
     llama_qact qa;   /* quantized tmp (k set per use) */
     float *scores;   /* [group][max_slots] */
     float *probs;    /* [group][max_slots] */
-    int32_t *idx;    /* [max_slots] */
+    int32_t *idx;    /* [max_slots]: the visible slots of a row */
+    int32_t *iota;   /* [max_slots]: 0, 1, 2, ... */
 } thread_scratch;
 
 typedef struct {
@@ -353,10 +354,16 @@ static void attention_item(fwd_state *st, thread_scratch *ts, size_t layer, size
     const uint16_t *v = seg->v + (layer * m->n_kv + g) * seg->cap * hd;
     const float *q = st->qkv + r * st->n_qkv + g * group * hd;
     st->kern->scores(q, group, hd, kt, n, ts->scores, st->max_slots);
+    float scale[64];
+    if (!memchr(mask, 0, n)) {  /* sees every slot up to n: the compact list is 0..n-1 */
+        for (size_t h = 0; h < group; h++)
+            scale[h] = 1.0f / st->kern->softmax(ts->scores + h * st->max_slots, n);
+        st->kern->values(ts->scores, st->max_slots, group, scale, hd, v, ts->iota, n, out);
+        return;
+    }
     size_t c = 0;
     for (size_t j = 0; j < n; j++)
         if (mask[j]) ts->idx[c++] = (int32_t)j;
-    float scale[64];
     for (size_t h = 0; h < group; h++) {
         const float *sh = ts->scores + h * st->max_slots;
         float *ph = ts->probs + h * st->max_slots;
@@ -557,7 +564,11 @@ static char *alloc_state(fwd_state *st, int nt, size_t qrows) {
             TAKE(ts.scores, float, group * st->max_slots);
             TAKE(ts.probs, float, group * st->max_slots);
             TAKE(ts.idx, int32_t, st->max_slots);
-            if (pass == 1) st->ts[t] = ts;
+            TAKE(ts.iota, int32_t, st->max_slots);
+            if (pass == 1) {
+                for (size_t j = 0; j < st->max_slots; j++) ts.iota[j] = (int32_t)j;
+                st->ts[t] = ts;
+            }
         }
 #undef TAKE
     }
