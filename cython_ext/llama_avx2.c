@@ -187,22 +187,17 @@ static float sum_squares(const float *x, size_t n) {
     return fold16(lo, hi);
 }
 
-AI __m256 exp_canonical(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(LLAMA_EXP_LO)), _mm256_set1_ps(LLAMA_EXP_HI));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LLAMA_LOG2E)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LLAMA_LN2_HI), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LLAMA_LN2_LO), r);
-    __m256 p = _mm256_set1_ps(LLAMA_EXP_P0);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(LLAMA_EXP_P1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(LLAMA_EXP_P2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(LLAMA_EXP_P3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(LLAMA_EXP_P4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(LLAMA_EXP_P5));
-    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
-}
+#define VF __m256
+#define vset1 _mm256_set1_ps
+#define vmin _mm256_min_ps
+#define vmax _mm256_max_ps
+#define vmul _mm256_mul_ps
+#define vadd _mm256_add_ps
+#define vfmadd _mm256_fmadd_ps
+#define vround(v) _mm256_round_ps((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vexp2i(n) _mm256_castsi256_ps(_mm256_slli_epi32( \
+    _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
+#include "llama_exp.inc"
 
 static void swiglu(const float *gate, const float *up, size_t n, float *out) {
     const __m256 one = _mm256_set1_ps(1.0f);
@@ -253,10 +248,10 @@ static float softmax(float *p, size_t n) {
         mx = _mm256_max_ps(mx, n - i >= 8 ? v : _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v,
                                                                  _mm256_castsi256_ps(lanes(n - i))));
     }
-    const __m256 vmax = _mm256_set1_ps(hmax8(mx));
+    const __m256 top = _mm256_set1_ps(hmax8(mx));
     __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
     for (size_t i = 0; i < n; i += 8) {
-        __m256 e = exp_canonical(_mm256_sub_ps(load_n(p + i, n - i), vmax));
+        __m256 e = exp_canonical(_mm256_sub_ps(load_n(p + i, n - i), top));
         if (n - i < 8) e = _mm256_and_ps(e, _mm256_castsi256_ps(lanes(n - i)));
         store_n(p + i, n - i, e);
         if ((i / 8) % 2 == 0) lo = _mm256_add_ps(lo, e);

@@ -172,22 +172,17 @@ static float sum_squares(const float *x, size_t n) {
     return fold16(acc);
 }
 
-AI __m512 exp_canonical(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(LLAMA_EXP_LO)), _mm512_set1_ps(LLAMA_EXP_HI));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LLAMA_LOG2E)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LLAMA_LN2_HI), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LLAMA_LN2_LO), r);
-    __m512 p = _mm512_set1_ps(LLAMA_EXP_P0);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(LLAMA_EXP_P1));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(LLAMA_EXP_P2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(LLAMA_EXP_P3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(LLAMA_EXP_P4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(LLAMA_EXP_P5));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
-}
+#define VF __m512
+#define vset1 _mm512_set1_ps
+#define vmin _mm512_min_ps
+#define vmax _mm512_max_ps
+#define vmul _mm512_mul_ps
+#define vadd _mm512_add_ps
+#define vfmadd _mm512_fmadd_ps
+#define vround(v) _mm512_roundscale_ps((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vexp2i(n) _mm512_castsi512_ps(_mm512_slli_epi32( \
+    _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
+#include "llama_exp.inc"
 
 static void swiglu(const float *gate, const float *up, size_t n, float *out) {
     const __m512 one = _mm512_set1_ps(1.0f);
@@ -241,11 +236,11 @@ static float softmax(float *p, size_t n) {
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (size_t i = 0; i < n; i += 16)
         mx = _mm512_mask_max_ps(mx, tail_mask(n - i), mx, _mm512_maskz_loadu_ps(tail_mask(n - i), p + i));
-    const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 acc = _mm512_setzero_ps();
     for (size_t i = 0; i < n; i += 16) {
         const __mmask16 m = tail_mask(n - i);
-        const __m512 e = exp_canonical(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + i), vmax));
+        const __m512 e = exp_canonical(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + i), top));
         _mm512_mask_storeu_ps(p + i, m, e);
         acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(m, e));
     }

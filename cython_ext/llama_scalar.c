@@ -76,23 +76,23 @@ static float sum_squares(const float *x, size_t n) {
     return fold16(acc);
 }
 
-static float exp_canonical(float x) {
-    x = fminf(fmaxf(x, LLAMA_EXP_LO), LLAMA_EXP_HI);
-    const float n = rintf(x * LLAMA_LOG2E);
-    float r = fmaf(n, -LLAMA_LN2_HI, x);
-    r = fmaf(n, -LLAMA_LN2_LO, r);
-    float p = LLAMA_EXP_P0;
-    p = fmaf(p, r, LLAMA_EXP_P1);
-    p = fmaf(p, r, LLAMA_EXP_P2);
-    p = fmaf(p, r, LLAMA_EXP_P3);
-    p = fmaf(p, r, LLAMA_EXP_P4);
-    p = fmaf(p, r, LLAMA_EXP_P5);
-    const float y = fmaf(p, r * r, r) + 1.0f;
+static inline float exp2i(float n) {
     const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, 4);
-    return y * scale;
+    return scale;
 }
+
+#define VF float
+#define vset1(v) (v)
+#define vmin fminf
+#define vmax fmaxf
+#define vmul(a, b) ((a) * (b))
+#define vadd(a, b) ((a) + (b))
+#define vfmadd fmaf
+#define vround rintf
+#define vexp2i exp2i
+#include "llama_exp.inc"
 
 static void swiglu(const float *gate, const float *up, size_t n, float *out) {
     for (size_t i = 0; i < n; i++)
