@@ -112,14 +112,15 @@ def pack_matrix(model: GGUFModel, name: str) -> "_llama.PackedMatrix":
     """One GGUF matrix in the kernels' layout: Q4_0/Q4_1/Q8_0 blocks as stored; float matrices
     (F32/F16/BF16) quantized to Q8_0 at load, so every product runs on the int8 kernels."""
     kind = model.tensor_type(name)
-    k, n = (int(s) for s in model._tensor_or_fail(name).shape)
     if kind in PACKED_TYPES:
-        return pack_blocks(model.raw(name), kind, n, k)
+        raw = model.raw(name)  # [n, k / 32 * block bytes]
+        return pack_blocks(raw, kind, raw.shape[0], raw.shape[1] // BLOCK_BYTES[kind] * 32)
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    blocks = quantize(model.dequantized(name), GGMLQuantizationType.Q8_0)
-    return pack_blocks(blocks, "Q8_0", n, k)
+    weights = model.dequantized(name)  # [n, k]
+    blocks = quantize(weights, GGMLQuantizationType.Q8_0)
+    return pack_blocks(blocks, "Q8_0", *weights.shape)
 
 
 def pack_weights(model: GGUFModel) -> dict:
