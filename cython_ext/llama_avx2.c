@@ -208,8 +208,8 @@ static void swiglu(const float *gate, const float *up, size_t n, float *out) {
     }
 }
 
-AI void scores_nq(const float *q, const int NQ, size_t hd, const uint16_t *kt, size_t n, float *s,
-                  size_t ls) {
+AI void scores_nq(const float *const *q, const int NQ, size_t hd, const uint16_t *kt, size_t n,
+                  float *s, size_t ls) {
     for (size_t j = 0; j < n; j += 16) {
         const uint16_t *kb = kt + (j / 16) * hd * 16;
         __m256 acc[4][2];
@@ -217,7 +217,7 @@ AI void scores_nq(const float *q, const int NQ, size_t hd, const uint16_t *kt, s
         for (size_t d = 0; d < hd; d++) {
             const __m256 k0 = load_half8(kb + d * 16), k1 = load_half8(kb + d * 16 + 8);
             for (int h = 0; h < NQ; h++) {
-                const __m256 qd = _mm256_set1_ps(q[h * hd + d]);
+                const __m256 qd = _mm256_set1_ps(q[h][d]);
                 acc[h][0] = _mm256_fmadd_ps(qd, k0, acc[h][0]);
                 acc[h][1] = _mm256_fmadd_ps(qd, k1, acc[h][1]);
             }
@@ -229,14 +229,14 @@ AI void scores_nq(const float *q, const int NQ, size_t hd, const uint16_t *kt, s
     }
 }
 
-static void scores(const float *q, size_t nq, size_t hd, const uint16_t *kt, size_t n,
+static void scores(const float *const *q, size_t nq, size_t hd, const uint16_t *kt, size_t n,
                    float *s, size_t ls) {
     for (size_t h = 0; h < nq; h += 4) {
         switch (nq - h >= 4 ? 4 : nq - h) {
-        case 4: scores_nq(q + h * hd, 4, hd, kt, n, s + h * ls, ls); break;
-        case 3: scores_nq(q + h * hd, 3, hd, kt, n, s + h * ls, ls); break;
-        case 2: scores_nq(q + h * hd, 2, hd, kt, n, s + h * ls, ls); break;
-        default: scores_nq(q + h * hd, 1, hd, kt, n, s + h * ls, ls); break;
+        case 4: scores_nq(q + h, 4, hd, kt, n, s + h * ls, ls); break;
+        case 3: scores_nq(q + h, 3, hd, kt, n, s + h * ls, ls); break;
+        case 2: scores_nq(q + h, 2, hd, kt, n, s + h * ls, ls); break;
+        default: scores_nq(q + h, 1, hd, kt, n, s + h * ls, ls); break;
         }
     }
 }

@@ -194,22 +194,22 @@ static void swiglu(const float *gate, const float *up, size_t n, float *out) {
     }
 }
 
-/* NQ queries x NB blocks of 16 keys: NQ * NB independent chains of fma over the dims. */
-AI void scores_nq(const float *q, const int NQ, size_t hd, const uint16_t *kt, size_t n, float *s,
-                  size_t ls) {
-    enum { NB = 4 };
-    for (size_t j = 0; j < n; j += 16 * NB) {
-        const uint16_t *kb[NB];
+/* NQ queries x NB blocks of 16 keys: NQ * NB independent chains of fma over the dims, each
+ * key converted from fp16 once for all NQ queries. */
+AI void scores_nq(const float *const *q, const int NQ, const int NB, size_t hd, const uint16_t *kt,
+                  size_t n, float *s, size_t ls) {
+    for (size_t j = 0; j < n; j += 16 * (size_t)NB) {
+        const uint16_t *kb[8];
         for (int i = 0; i < NB; i++)  /* blocks past n repeat the first: computed, never stored */
             kb[i] = kt + ((j + 16 * i < n ? j + 16 * i : j) / 16) * hd * 16;
-        __m512 acc[4][NB];
+        __m512 acc[6][8];
         for (int h = 0; h < NQ; h++)
             for (int i = 0; i < NB; i++) acc[h][i] = _mm512_setzero_ps();
         for (size_t d = 0; d < hd; d++) {
-            __m512 k[NB];
+            __m512 k[8];
             for (int i = 0; i < NB; i++) k[i] = load_half16(kb[i] + d * 16);
             for (int h = 0; h < NQ; h++) {
-                const __m512 qd = _mm512_set1_ps(q[h * hd + d]);
+                const __m512 qd = _mm512_set1_ps(q[h][d]);
                 for (int i = 0; i < NB; i++) acc[h][i] = _mm512_fmadd_ps(qd, k[i], acc[h][i]);
             }
         }
@@ -221,13 +221,16 @@ AI void scores_nq(const float *q, const int NQ, size_t hd, const uint16_t *kt, s
     }
 }
 
-static void scores(const float *q, size_t nq, size_t hd, const uint16_t *kt, size_t n,
+static void scores(const float *const *q, size_t nq, size_t hd, const uint16_t *kt, size_t n,
                    float *s, size_t ls) {
-    for (size_t h = 0; h < nq; h += 3) {
-        switch (nq - h >= 3 ? 3 : nq - h) {
-        case 3: scores_nq(q + h * hd, 3, hd, kt, n, s + h * ls, ls); break;
-        case 2: scores_nq(q + h * hd, 2, hd, kt, n, s + h * ls, ls); break;
-        default: scores_nq(q + h * hd, 1, hd, kt, n, s + h * ls, ls); break;
+    for (size_t h = 0; h < nq; h += 6) {
+        switch (nq - h >= 6 ? 6 : nq - h) {
+        case 6: scores_nq(q + h, 6, 2, hd, kt, n, s + h * ls, ls); break;
+        case 5: scores_nq(q + h, 5, 2, hd, kt, n, s + h * ls, ls); break;
+        case 4: scores_nq(q + h, 4, 3, hd, kt, n, s + h * ls, ls); break;
+        case 3: scores_nq(q + h, 3, 4, hd, kt, n, s + h * ls, ls); break;
+        case 2: scores_nq(q + h, 2, 6, hd, kt, n, s + h * ls, ls); break;
+        default: scores_nq(q + h, 1, 8, hd, kt, n, s + h * ls, ls); break;
         }
     }
 }

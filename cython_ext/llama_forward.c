@@ -156,10 +156,16 @@ typedef struct {
     char pad[64 - 3 * sizeof(uint32_t)];
 } phase;
 
+#define ATT_ROWS 4  /* rows of a segment whose scores are computed in one pass over the keys */
+
+typedef struct {
+    size_t r0, rows;  /* rows [r0, r0 + rows) of one segment */
+} att_block;
+
 typedef struct {
     float *tmp;      /* [rows][max(hidden, ffn)]: normed or gated rows, the quantizer's input */
     llama_qact qa;   /* quantized tmp (k set per use) */
-    float *scores;   /* [group][max_slots] */
+    float *scores;   /* [ATT_ROWS * group][max_slots] */
     float *probs;    /* [group][max_slots] */
     int32_t *idx;    /* [max_slots]: the visible slots of a row */
     int32_t *iota;   /* [max_slots]: 0, 1, 2, ... */
@@ -179,6 +185,8 @@ typedef struct {
     float *attn;         /* [rows][n_head * head_dim] */
     float *gu;           /* [rows][2 * ffn] */
     float *proj;         /* [rows][hidden] output of wo / down before the residual add */
+    att_block *att_blocks;  /* [n_att_blocks] the rows attention takes together */
+    size_t n_att_blocks;
     phase *phases;       /* [n_phases] */
     size_t n_phases;
     thread_scratch *ts;  /* [threads] */
@@ -334,43 +342,55 @@ static void qkv_epilogue(fwd_state *st, size_t layer, size_t c0, size_t c1) {
     }
 }
 
-/* Attention of one (KV head, row): its query heads over the slots the row's mask shows. Items
- * run KV-head-major, so a head's keys and values stay in cache across the rows of a step. */
+/* Attention of one KV head for a block of up to ATT_ROWS rows of one segment: the rows' query
+ * heads score every slot in one pass over the keys, then each row takes the slots its mask
+ * shows. Items run KV-head-major, so a head's keys and values stay in cache across a step. */
 static void attention_item(fwd_state *st, thread_scratch *ts, size_t layer, size_t item) {
     const llama_model *m = st->m;
     const size_t hd = m->head_dim, group = m->n_head / m->n_kv;
-    const size_t g = item / st->rows, r = item % st->rows;
-    const llama_segment *seg = &st->req->segs[st->row_seg[r]];
+    const size_t g = item / st->n_att_blocks, r0 = st->att_blocks[item % st->n_att_blocks].r0;
+    const size_t nr = st->att_blocks[item % st->n_att_blocks].rows;
+    const llama_segment *seg = &st->req->segs[st->row_seg[r0]];
     const size_t width = seg->length + seg->t;
-    const uint8_t *mask = seg->mask + (r - (size_t)st->row_first[r]) * width;
-    size_t n = width;
-    while (n > 0 && !mask[n - 1]) n--;
-    float *out = st->attn + r * m->n_head * hd + g * group * hd;
-    if (n == 0) {
-        memset(out, 0, group * hd * sizeof(float));
-        return;
-    }
     const uint16_t *kt = seg->k + (layer * m->n_kv + g) * (seg->cap / 16) * hd * 16;
     const uint16_t *v = seg->v + (layer * m->n_kv + g) * seg->cap * hd;
-    const float *q = st->qkv + r * st->n_qkv + g * group * hd;
-    st->kern->scores(q, group, hd, kt, n, ts->scores, st->max_slots);
-    float scale[64];
-    if (!memchr(mask, 0, n)) {  /* sees every slot up to n: the compact list is 0..n-1 */
-        for (size_t h = 0; h < group; h++)
-            scale[h] = 1.0f / st->kern->softmax(ts->scores + h * st->max_slots, n);
-        st->kern->values(ts->scores, st->max_slots, group, scale, hd, v, ts->iota, n, out);
-        return;
+    const float *q[ATT_ROWS * 64];
+    size_t visible[ATT_ROWS], most = 0;
+    for (size_t i = 0; i < nr; i++) {
+        const uint8_t *mask = seg->mask + (r0 + i - (size_t)st->row_first[r0]) * width;
+        size_t n = width;
+        while (n > 0 && !mask[n - 1]) n--;
+        visible[i] = n;
+        most = n > most ? n : most;
+        for (size_t h = 0; h < group; h++) q[i * group + h] = st->qkv + (r0 + i) * st->n_qkv + (g * group + h) * hd;
     }
-    size_t c = 0;
-    for (size_t j = 0; j < n; j++)
-        if (mask[j]) ts->idx[c++] = (int32_t)j;
-    for (size_t h = 0; h < group; h++) {
-        const float *sh = ts->scores + h * st->max_slots;
-        float *ph = ts->probs + h * st->max_slots;
-        for (size_t k = 0; k < c; k++) ph[k] = sh[ts->idx[k]];
-        scale[h] = 1.0f / st->kern->softmax(ph, c);
+    if (most) st->kern->scores(q, nr * group, hd, kt, most, ts->scores, st->max_slots);
+    for (size_t i = 0; i < nr; i++) {
+        const uint8_t *mask = seg->mask + (r0 + i - (size_t)st->row_first[r0]) * width;
+        const size_t n = visible[i];
+        float *out = st->attn + (r0 + i) * m->n_head * hd + g * group * hd;
+        float *sc = ts->scores + i * group * st->max_slots, scale[64];
+        if (n == 0) {
+            memset(out, 0, group * hd * sizeof(float));
+            continue;
+        }
+        if (!memchr(mask, 0, n)) {  /* sees every slot up to n: the compact list is 0..n-1 */
+            for (size_t h = 0; h < group; h++)
+                scale[h] = 1.0f / st->kern->softmax(sc + h * st->max_slots, n);
+            st->kern->values(sc, st->max_slots, group, scale, hd, v, ts->iota, n, out);
+            continue;
+        }
+        size_t c = 0;
+        for (size_t j = 0; j < n; j++)
+            if (mask[j]) ts->idx[c++] = (int32_t)j;
+        for (size_t h = 0; h < group; h++) {
+            const float *sh = sc + h * st->max_slots;
+            float *ph = ts->probs + h * st->max_slots;
+            for (size_t k = 0; k < c; k++) ph[k] = sh[ts->idx[k]];
+            scale[h] = 1.0f / st->kern->softmax(ph, c);
+        }
+        st->kern->values(ts->probs, st->max_slots, group, scale, hd, v, ts->idx, c, out);
     }
-    st->kern->values(ts->probs, st->max_slots, group, scale, hd, v, ts->idx, c, out);
 }
 
 static void residual_add(fwd_state *st, size_t c0, size_t c1) {
@@ -398,7 +418,7 @@ static void set_phase_totals(fwd_state *st) {
         const llama_layer *L = &m->layers[l];
         phase *q = p + 1 + l * PH_PER_LAYER;
         q[PH_QKV].total = matmul_items(st, L->qkv, 3);
-        q[PH_ATTN].total = (uint32_t)(st->rows * m->n_kv);
+        q[PH_ATTN].total = (uint32_t)(st->n_att_blocks * m->n_kv);
         q[PH_WO].total = matmul_items(st, &L->wo, 1);
         q[PH_GATE_UP].total = matmul_items(st, L->gate_up, 2);
         q[PH_DOWN].total = matmul_items(st, &L->down, 1);
@@ -547,6 +567,7 @@ static char *alloc_state(fwd_state *st, int nt, size_t qrows) {
         TAKE(st->row_seg, int32_t, rows);
         TAKE(st->row_first, int32_t, rows);
         TAKE(st->phases, phase, st->n_phases);
+        TAKE(st->att_blocks, att_block, rows);
         TAKE(st->rope, float, rows * hd);
         TAKE(st->x, float, rows * d);
         TAKE(st->qkv, float, rows * st->n_qkv);
@@ -561,7 +582,7 @@ static char *alloc_state(fwd_state *st, int nt, size_t qrows) {
             TAKE(ts.qa.d, float, qrows * (wide / LLAMA_QK));
             TAKE(ts.qa.s, float, qrows * (wide / LLAMA_QK));
             TAKE(ts.qa.sum, int32_t, qrows * (wide / LLAMA_QK));
-            TAKE(ts.scores, float, group * st->max_slots);
+            TAKE(ts.scores, float, ATT_ROWS * group * st->max_slots);
             TAKE(ts.probs, float, group * st->max_slots);
             TAKE(ts.idx, int32_t, st->max_slots);
             TAKE(ts.iota, int32_t, st->max_slots);
@@ -595,6 +616,10 @@ int llama_forward(const llama_model *m, const llama_kernels *kern, llama_pool *p
         for (size_t i = 0; i < req->segs[s].t; i++, r++) {
             st.row_seg[r] = (int32_t)s;
             st.row_first[r] = (int32_t)(r - i);
+            if (i % ATT_ROWS == 0) {
+                const size_t left = req->segs[s].t - i;
+                st.att_blocks[st.n_att_blocks++] = (att_block){r, left < ATT_ROWS ? left : ATT_ROWS};
+            }
             for (size_t k = 0; k < hd / 2; k++) {
                 const double theta = (double)req->segs[s].positions[i] *
                                      pow(m->rope_base, -2.0 * (double)k / (double)hd);

@@ -73,10 +73,10 @@ typedef struct {
     float (*sum_squares)(const float *x, size_t n);
     /* out[i] = silu(gate[i]) * up[i]. */
     void (*swiglu)(const float *gate, const float *up, size_t n, float *out);
-    /* s[h * ls + j] = sum_d q[h * hd + d] * key[j][d] (fma in order of d) for h < nq, j < n;
+    /* s[h * ls + j] = sum_d q[h][d] * key[j][d] (fma in order of d) for h < nq, j < n;
      * kt holds a head's fp16 keys in blocks of 16 slots, key[j][d] at
      * ((j / 16) * hd + d) * 16 + j % 16 (the slots past n in the last block are read). */
-    void (*scores)(const float *q, size_t nq, size_t hd, const uint16_t *kt, size_t n,
+    void (*scores)(const float *const *q, size_t nq, size_t hd, const uint16_t *kt, size_t n,
                    float *s, size_t ls);
     /* p[i] = exp(p[i] - max p) in place for i < n; returns their sum (canonical order). */
     float (*softmax)(float *p, size_t n);

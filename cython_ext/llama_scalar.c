@@ -99,14 +99,14 @@ static void swiglu(const float *gate, const float *up, size_t n, float *out) {
         out[i] = gate[i] / (1.0f + exp_canonical(-gate[i])) * up[i];
 }
 
-static void scores(const float *q, size_t nq, size_t hd, const uint16_t *kt, size_t n,
+static void scores(const float *const *q, size_t nq, size_t hd, const uint16_t *kt, size_t n,
                    float *s, size_t ls) {
     for (size_t h = 0; h < nq; h++)
         for (size_t j = 0; j < n; j++) {
             const uint16_t *kj = kt + (j / 16) * hd * 16 + j % 16;
             float acc = 0.0f;
             for (size_t d = 0; d < hd; d++)
-                acc = fmaf(q[h * hd + d], llama_half_to_float(kj[d * 16]), acc);
+                acc = fmaf(q[h][d], llama_half_to_float(kj[d * 16]), acc);
             s[h * ls + j] = acc;
         }
 }
