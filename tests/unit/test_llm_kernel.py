@@ -341,3 +341,23 @@ def test_binding_refuses_foreign_caches_and_buffers(tiny, smol):
         with pytest.raises(RequestError) as err:
             tiny._model.forward(segments, [0], out)
         assert err.value.field == field, segments
+
+
+def test_concurrent_callers_get_their_own_results(tiny):
+    """Requests on their own threads share one runtime: each gets what it would alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [[1, 9, 33, 120 + i, 7] for i in range(6)]
+
+    def decode(prompt):
+        cache = tiny.new_cache(32)
+        out = [tiny.forward(cache, prompt, np.arange(len(prompt)))[-1]]
+        for step in range(4):
+            out.append(tiny.forward(cache, [int(out[-1].argmax())], [len(prompt) + step])[0])
+        return np.stack(out)
+
+    alone = [decode(p) for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(decode, prompts))
+    for a, b in zip(alone, together):
+        assert np.array_equal(a, b)
