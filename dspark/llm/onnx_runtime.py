@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 
 from dspark.engines.onnx_session import make_session_options
@@ -107,7 +106,7 @@ class LlamaKVCache:
         if n and not np.array_equal(rows, np.arange(n)):
             src = start + rows
             for arr in (*self.pool.keys, *self.pool.values):
-                arr[self.slot, :, start:start + n] = arr[self.slot, :, src]
+                arr[self.slot, :, start:start + n] = arr[self.slot][:, src]
             self.positions[start:start + n] = self.positions[src]
         self.length = start + n
 
@@ -123,15 +122,14 @@ class _Rows:
     past_visible: np.ndarray | None
 
 
-def read_graph(path: str | Path) -> tuple[onnx.ModelProto, LlamaConfig, str]:
-    """The graph, its config and cache dtype; refuses graphs of another format."""
-    model = onnx.load(str(path), load_external_data=False)
-    props = {p.key: p.value for p in model.metadata_props}
+def graph_metadata(session: ort.InferenceSession, path) -> tuple[LlamaConfig, str]:
+    """The graph's config and cache dtype; refuses graphs of another format."""
+    props = session.get_modelmeta().custom_metadata_map
     if props.get("dspark_llm_format") != GRAPH_FORMAT:
         raise ConfigError("dspark_llm_format", f"found {props.get('dspark_llm_format')!r}, this dspark "
                           f"needs {GRAPH_FORMAT!r}: re-import the GGUF (make setup, or dspark llm import)",
                           path)
-    return model, LlamaConfig.from_json(props["dspark_llm_config"]), props["dspark_llm_cache_dtype"]
+    return LlamaConfig.from_json(props["dspark_llm_config"]), props["dspark_llm_cache_dtype"]
 
 
 class OnnxLlama:
@@ -143,13 +141,15 @@ class OnnxLlama:
 
     def __init__(self, path: str | Path, threads: int = 2, max_context: int = DEFAULT_MAX_CONTEXT,
                  max_batch: int = DEFAULT_MAX_BATCH, spinning: bool = False):
-        model, cfg, cache_dtype = read_graph(path)
-        self.config = replace(cfg, ctx=min(cfg.ctx, max_context))
-        self.cache_dtype = np.dtype(cache_dtype)
         options = make_session_options(intra_op_threads=threads, inter_op_threads=1,
                                        allow_spinning=spinning)
-        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        del model
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # ORT raises its own Fail/InvalidGraph/NoSuchFile types
+            raise ConfigError("model", f"ONNX Runtime cannot load the graph ({exc})", path) from None
+        cfg, cache_dtype = graph_metadata(self.session, path)
+        self.config = replace(cfg, ctx=min(cfg.ctx, max_context))
+        self.cache_dtype = np.dtype(cache_dtype)
         self.max_batch = max_batch
         self._pool = self._new_pool(max_batch)
         self._lock = threading.Lock()
