@@ -5,8 +5,9 @@ the verification of a chain or a tree of draft tokens alike:
 
 * inputs ``input_ids``, ``position_ids`` ``[B, T]``; ``attention_bias`` ``[B, 1, T, S]`` (0 where
   a row may see a key, -inf elsewhere; S = ``total_sequence_length``, the longest past + T);
-  ``seqlens_k`` ``[B]`` (each request's past + T - 1); ``logit_rows`` ``[R]`` (which of the B*T
-  rows get logits: a prompt needs only its last);
+  ``seqlens_k`` ``[B]`` (each request's past + T - 1); ``query_seqlens`` ``[B]`` (T for every
+  request: without it ORT's CPU attention refuses B > 1 with T > 1); ``logit_rows`` ``[R]``
+  (which of the B*T rows get logits: a prompt needs only its last);
 * per layer ``past_key_i`` / ``past_value_i`` ``[B, kv_heads, capacity, head_dim]``: the cache
   itself. ``present_*`` outputs are bound to the same buffers (ORT's GroupQueryAttention then
   writes the T new rows in place at ``seqlens_k + 1 - T``), so no cache is copied per call;
@@ -39,7 +40,7 @@ from dspark.llm.gguf_model import GGUFModel, LlamaConfig
 from dspark.llm.quant import NBITS_TYPES, QK, NBitsWeight, concat_rows, to_nbits
 from dspark.llm.taps import TAP_LAYERS
 
-GRAPH_FORMAT = "llama-1"  # bumped when inputs, outputs or weight layout change
+GRAPH_FORMAT = "llama-3"  # bumped when inputs, outputs or weight layout change
 OPSET = 21
 MS_DOMAIN = "com.microsoft"
 CACHE_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
@@ -157,6 +158,7 @@ def build_llama_onnx(model: GGUFModel, cache_dtype: str = "float32", accuracy_le
         helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["B", "T"]),
         helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT, ["B", 1, "T", "S"]),
         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
+        helper.make_tensor_value_info("query_seqlens", TensorProto.INT32, ["B"]),
         helper.make_tensor_value_info("logit_rows", TensorProto.INT64, ["R"]),
     ]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["R", cfg.vocab]),
@@ -183,7 +185,7 @@ def build_llama_onnx(model: GGUFModel, cache_dtype: str = "float32", accuracy_le
         qkv = w.linear(h, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], p + "qkv")
         attn, _, _ = g.op("GroupQueryAttention", g.op("Reshape", qkv, shape_btx), "", "",
                     f"past_key_{i}", f"past_value_{i}", "seqlens_k", total, "rope.cos", "rope.sin",
-                    "position_ids", "attention_bias",
+                    "position_ids", "attention_bias", "", "", "", "", "", "query_seqlens",
                     outputs=[f"attn_{i}", f"present_key_{i}", f"present_value_{i}"], domain=MS_DOMAIN,
                     num_heads=cfg.n_head, kv_num_heads=kvh, do_rotary=1, rotary_interleaved=1)
         attn = w.linear(g.op("Reshape", attn, rows_2d), [p + "attn_output.weight"], p + "attn_output")
