@@ -158,6 +158,10 @@ class GGUFModel:
     def tensor_type(self, name: str) -> str:
         return self._tensor_or_fail(name).tensor_type.name
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Numpy-order shape of the (dequantized) tensor: ``(out, in)`` for a matrix."""
+        return tuple(int(n) for n in reversed(self._tensor_or_fail(name).shape))
+
     def raw(self, name: str) -> np.ndarray:
         """The stored data: float arrays as they are; quantized ones as uint8 ``[rows, bytes]``."""
         return self._tensor_or_fail(name).data
