@@ -4,8 +4,8 @@ What a user of the target runtime relies on: logits close to a float64 forward p
 GGUF; greedy identity of speculation (a row's logits bitwise the same whether decoded alone, in
 a chain, in a tree, in a batch with other requests, or after the cache is compacted); the same
 bits on every instruction set this CPU runs; and a clear error, never a crash, for bad input.
-A small GGUF written here covers every weight format (Q4_0, Q4_1, Q8_0 and F16 run as Q8_0);
-the real SmolLM2 covers the shipped model.
+Small GGUFs (llm-core's test factory) cover every weight format (Q4_0, Q4_1, Q8_0, F16 run as
+Q8_0), tied and untied heads; the real SmolLM2 covers the shipped model.
 """
 from __future__ import annotations
 
@@ -14,55 +14,23 @@ import pytest
 
 from dspark._ext import llama as ext
 from dspark.errors import ConfigError, RequestError
+from dspark.llm.evaluate import heldout_text, perplexity, runtime_logits
 from dspark.llm.gguf_model import GGUFModel, installed_smollm2
 from dspark.llm.kernel_runtime import KernelRuntime
+from dspark.llm.tokenizer import LlamaTokenizer
+from tests.unit.llm_gguf_factory import write_llama_gguf
 
 ISAS = [isa for isa in ext.isa_info()["supported"] if isa in ext.isa_info()["compiled"]]
 
-TINY = dict(n_layer=4, hidden=128, n_head=2, n_kv=1, ffn=192, vocab=200, ctx=256)
-TINY_TYPES = {"attn_q": "Q4_1", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "F16",
-              "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q4_1"}
+TINY = dict(n_layer=4, hidden=128, n_head=2, n_kv_head=1, ffn=192, vocab=270)  # head dim 64
+FORMATS = ("Q4_0", "Q4_1", "Q8_0", "F16")  # F16 matrices run as Q8_0 (quantized at load)
+# The shipped model's teacher-forced perplexity on the first 512 tokens of pydoc topic "class",
+# as test_llm_runtime.py stores it for llm-core's graph: both runtimes land within 1%.
+PPL_CLASS_512 = 20.749
 
 
-def write_tiny_gguf(path) -> None:
-    """A 4-block llama GGUF with random weights in mixed formats and an untied Q4_1 head."""
-    import gguf
-    from gguf.quants import quantize
-
-    rng = np.random.default_rng(7)
-    d, hd = TINY["hidden"], TINY["hidden"] // TINY["n_head"]
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(TINY["n_layer"])
-    w.add_context_length(TINY["ctx"])
-    w.add_embedding_length(d)
-    w.add_feed_forward_length(TINY["ffn"])
-    w.add_head_count(TINY["n_head"])
-    w.add_head_count_kv(TINY["n_kv"])
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-
-    def matrix(name: str, n: int, k: int, kind: str) -> None:
-        data = (rng.standard_normal((n, k)) * 1.5 / np.sqrt(k)).astype(np.float32)
-        qtype = gguf.GGMLQuantizationType[kind]
-        w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
-
-    matrix("token_embd.weight", TINY["vocab"], d, "Q8_0")
-    matrix("output.weight", TINY["vocab"], d, "Q4_1")
-    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
-    shapes = {"attn_q": (d, d), "attn_k": (hd * TINY["n_kv"], d), "attn_v": (hd * TINY["n_kv"], d),
-              "attn_output": (d, d), "ffn_gate": (TINY["ffn"], d), "ffn_up": (TINY["ffn"], d),
-              "ffn_down": (d, TINY["ffn"])}
-    for i in range(TINY["n_layer"]):
-        for norm in ("attn_norm", "ffn_norm"):
-            w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
-        for name, (n, k) in shapes.items():
-            matrix(f"blk.{i}.{name}.weight", n, k, TINY_TYPES[name])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+def tiny_gguf(path, weight_type: str, head_type: str = "Q4_1", tied: bool = False) -> GGUFModel:
+    return GGUFModel(write_llama_gguf(path, weight_type, head_type=head_type, tied=tied, **TINY))
 
 
 def int8_blocks(x: np.ndarray) -> np.ndarray:
@@ -131,9 +99,8 @@ def reference(model: GGUFModel, tokens, kernel_rounding: bool = False):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    write_tiny_gguf(path)
-    return GGUFModel(path)
+    """Q4_1 blocks, an untied Q4_1 head over a vocabulary that is not a multiple of 16."""
+    return tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", "Q4_1")
 
 
 @pytest.fixture(scope="module")
@@ -175,15 +142,19 @@ def test_fp16_conversion_matches_numpy():
     assert np.array_equal(ext.half_bits(floats), want)
 
 
-def test_tiny_model_every_format_matches_float64_reference(tiny, tiny_model):
+@pytest.mark.parametrize("weight_type, head_type, tied", [
+    ("Q4_0", "Q8_0", True), ("Q4_1", "Q4_1", False), ("Q8_0", "Q4_0", False), ("F16", "Q8_0", True)])
+def test_every_format_matches_float64_reference(tmp_path, weight_type, head_type, tied):
     """Each format's products, RoPE, attention, SwiGLU and the head: equal to a float64 pass
     that rounds where the kernels round, up to float32 arithmetic."""
+    model = tiny_gguf(tmp_path / "m.gguf", weight_type, head_type, tied)
+    rt = KernelRuntime(model)
     tokens = [1, 17, 150, 3, 99, 42, 7, 180, 64, 5]
-    ref, residuals = reference(tiny_model, tokens, kernel_rounding=True)
-    logits, taps = tiny.forward(tiny.new_cache(32), tokens, np.arange(len(tokens)), want_taps=True)
+    ref, residuals = reference(model, tokens, kernel_rounding=True)
+    logits, taps = rt.forward(rt.new_cache(32), tokens, np.arange(len(tokens)), want_taps=True)
     assert logits.shape == (len(tokens), TINY["vocab"])
     assert np.abs(logits - ref).max() < 1e-3 * np.abs(ref).max()
-    assert tiny.tap_layers == (3,) and taps.shape == (len(tokens), TINY["hidden"])
+    assert rt.tap_layers == (3,) and taps.shape == (len(tokens), TINY["hidden"])
     assert np.abs(taps - residuals[3]).max() < 1e-3 * np.abs(residuals[3]).max()
 
 
@@ -195,6 +166,12 @@ def test_smollm2_matches_float64_reference(smol, smol_gguf):
     logits = smol.forward(smol.new_cache(32), tokens, np.arange(len(tokens)))
     assert np.corrcoef(logits.ravel(), ref.ravel())[0, 1] > 0.999
     assert (logits.argmax(1) == ref.argmax(1)).mean() >= 0.85
+
+
+def test_smollm2_perplexity_matches_the_stored_reference(smol, smol_gguf):
+    tokens = LlamaTokenizer.from_gguf(smol_gguf).encode(heldout_text(("class",)))[:512]
+    ppl = perplexity(runtime_logits(smol), tokens)
+    assert abs(ppl - PPL_CLASS_512) < 0.01 * PPL_CLASS_512, ppl
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -311,7 +288,7 @@ def test_project_and_head_subset(tiny):
     (lambda rt, c: rt.project(np.zeros((2, 3), np.float32)), "hidden"),
     (lambda rt, c: rt.head_subset([TINY["vocab"]]), "vocab_ids"),
     (lambda rt, c: rt.new_cache(-4), "capacity"),
-    (lambda rt, c: rt.new_cache(TINY["ctx"] + 1), "capacity"),
+    (lambda rt, c: rt.new_cache(rt.config.ctx + 1), "capacity"),
 ])
 def test_bad_arguments_raise_request_errors(tiny, call, field):
     cache = tiny.new_cache(16)
