@@ -21,6 +21,7 @@ import platform
 import subprocess
 import sys
 import time
+from itertools import product
 from pathlib import Path
 
 import numpy as np
@@ -73,27 +74,30 @@ def products(rt, weights, rows_list, repeats, clock) -> dict:
     return out
 
 
-def step_costs(rt, contexts, rows_list, repeats, clock=time.perf_counter) -> dict:
-    """Median ms of one step of `rows` new rows at each cached context, interleaved."""
+def step_costs(runtimes: dict, contexts, rows_list, repeats, clock=time.perf_counter) -> dict:
+    """Median ms of one step of `rows` new rows at each cached context, per runtime, all
+    configurations interleaved in each repeat."""
     rng = np.random.default_rng(0)
     caches = {}
-    for ctx in contexts:
-        cache = rt.new_cache(ctx + max(rows_list))
-        for start in range(0, ctx, 512):  # the prompt in chunks of 512 rows
-            n = min(512, ctx - start)
-            rt.forward(cache, rng.integers(0, rt.config.vocab, n), np.arange(start, start + n), logit_rows=[n - 1])
-        caches[ctx] = cache
-    times: dict = {(ctx, rows): [] for ctx in contexts for rows in rows_list}
-    for _ in range(repeats):
+    for name, rt in runtimes.items():
         for ctx in contexts:
-            for rows in rows_list:
-                cache = caches[ctx]
-                tokens = rng.integers(0, rt.config.vocab, rows)
-                t0 = clock()
-                rt.forward(cache, tokens, np.arange(ctx, ctx + rows))
-                times[ctx, rows].append(clock() - t0)
-                cache.truncate(ctx)
-    return {f"{ctx}/{rows}": 1e3 * float(np.median(v)) for (ctx, rows), v in times.items()}
+            cache = rt.new_cache(ctx + max(rows_list))
+            for start in range(0, ctx, 512):  # the prompt in chunks of 512 rows
+                n = min(512, ctx - start)
+                rt.forward(cache, rng.integers(0, rt.config.vocab, n), np.arange(start, start + n),
+                           logit_rows=[n - 1])
+            caches[name, ctx] = cache
+    times: dict = {key: [] for key in product(runtimes, contexts, rows_list)}
+    for _ in range(repeats):
+        for name, ctx, rows in times:
+            cache = caches[name, ctx]
+            tokens = rng.integers(0, runtimes[name].config.vocab, rows)
+            t0 = clock()
+            runtimes[name].forward(cache, tokens, np.arange(ctx, ctx + rows))
+            times[name, ctx, rows].append(clock() - t0)
+            cache.truncate(ctx)
+    return {name: {f"{ctx}/{rows}": 1e3 * float(np.median(times[name, ctx, rows]))
+                   for ctx in contexts for rows in rows_list} for name in runtimes}
 
 
 class KernelPeer:
@@ -205,25 +209,38 @@ def main() -> None:
                                              for c in cells) + " |")
         print()
 
-    if "steps" not in args.skip:
-        costs = step_costs(rt, args.contexts, args.rows, args.repeats, clock)
-        result["step_ms"] = costs
-        print("| cached rows | 1 row: ms (tokens/s) | " + " | ".join(f"{r} rows" for r in args.rows[1:]) + " |")
-        print("|---|---|" + "---|" * (len(args.rows) - 1))
-        for ctx in args.contexts:
-            one = costs[f"{ctx}/1"]
-            cells = [f"{costs[f'{ctx}/{r}']:.2f} ms ({costs[f'{ctx}/{r}'] / one:.2f}x)" for r in args.rows[1:]]
-            print(f"| {ctx} | {one:.2f} ({1e3 / one:.0f}) | " + " | ".join(cells) + " |")
-        print()
-
-    tokenizer = LlamaTokenizer.from_gguf(model)
-    prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    peers = [KernelPeer(rt)]
-    notes = []
+    onnx = None
     if args.onnx:
         from dspark.llm.onnx_runtime import OnnxLlama
 
-        peers.append(OnnxPeer(OnnxLlama(args.onnx, threads=args.threads)))
+        onnx = OnnxLlama(args.onnx, threads=args.threads, max_context=rt.config.ctx)
+
+    if "steps" not in args.skip:
+        runtimes = {"dspark kernels": rt} | ({"ONNX Runtime (llm-core)": onnx} if onnx else {})
+        result["step_ms"] = step_costs(runtimes, args.contexts, args.rows, args.repeats, clock)
+        for name, costs in result["step_ms"].items():
+            print(f"{name}:\n")
+            print("| cached rows | 1 row: ms (tokens/s) | " + " | ".join(f"{r} rows" for r in args.rows[1:]) + " |")
+            print("|---|---|" + "---|" * (len(args.rows) - 1))
+            for ctx in args.contexts:
+                one = costs[f"{ctx}/1"]
+                cells = [f"{costs[f'{ctx}/{r}']:.2f} ms ({costs[f'{ctx}/{r}'] / one:.2f}x)" for r in args.rows[1:]]
+                print(f"| {ctx} | {one:.2f} ({1e3 / one:.0f}) | " + " | ".join(cells) + " |")
+            print()
+        if onnx:
+            ours, theirs = result["step_ms"]["dspark kernels"], result["step_ms"]["ONNX Runtime (llm-core)"]
+            print("ONNX Runtime's step time over the kernels' (above 1: the kernels are faster):\n")
+            print("| cached rows | " + " | ".join(f"{r} rows" for r in args.rows) + " |")
+            print("|---|" + "---|" * len(args.rows))
+            for ctx in args.contexts:
+                print(f"| {ctx} | " + " | ".join(f"{theirs[f'{ctx}/{r}'] / ours[f'{ctx}/{r}']:.2f}x"
+                                                 for r in args.rows) + " |")
+            print()
+
+    tokenizer = LlamaTokenizer.from_gguf(model)
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    peers = [KernelPeer(rt)] + ([OnnxPeer(onnx)] if onnx else [])
+    notes = []
     try:
         peers.append(LlamaCppPeer(gguf_path, args.threads))
     except ImportError:
