@@ -124,11 +124,26 @@ class OnnxPeer(KernelPeer):
 class LlamaCppPeer:
     name = "llama.cpp"
 
-    def __init__(self, path: Path, threads: int):
+    def __init__(self, path: Path, threads: int, extra_buffers: bool):
         from llama_cpp import Llama
+        from llama_cpp import llama_cpp as raw
 
+        if not extra_buffers:
+            # llama.cpp's "extra buffer types" (weight repacking, its AMX kernels) off: built
+            # with GGML_NATIVE on a Sapphire Rapids VM, its AMX Q4_1 kernel dies with SIGILL
+            # (tilezero in an OpenMP worker). Off, Q4_1 runs on its AVX-512 dot products, the
+            # path it takes on CPUs without AMX (the Zen 4 figure in facts.md).
+            defaults = raw.llama_model_default_params
+
+            def params():
+                p = defaults()
+                p.use_extra_bufts = False
+                return p
+
+            raw.llama_model_default_params = params
+        # logits_all: without it llama-cpp-python 0.3 no longer copies logits into `scores`
         self.llm = Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=2048,
-                         n_batch=512, verbose=False)
+                         n_batch=512, logits_all=True, verbose=False)
 
     def greedy(self, prompt: list[int], n: int) -> tuple[list[int], float]:
         self.llm.reset()
@@ -175,6 +190,9 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--decode-repeats", type=int, default=3)
     parser.add_argument("--onnx", type=Path, help="llm-core's imported graph, to time as a peer")
+    parser.add_argument("--llama-extra-buffers", action="store_true",
+                        help="let llama.cpp use its extra buffer types (repacking, AMX); off by "
+                             "default because its AMX kernels crash on this build (see LlamaCppPeer)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: CPU time of the calling thread (with --threads 1: less "
                              "sensitive to other load) for the steps and products tables")
@@ -242,7 +260,7 @@ def main() -> None:
     peers = [KernelPeer(rt)] + ([OnnxPeer(onnx)] if onnx else [])
     notes = []
     try:
-        peers.append(LlamaCppPeer(gguf_path, args.threads))
+        peers.append(LlamaCppPeer(gguf_path, args.threads, args.llama_extra_buffers))
     except ImportError:
         notes.append("llama.cpp: llama-cpp-python is not installed (make bench-deps)")
 
