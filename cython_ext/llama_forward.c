@@ -35,7 +35,7 @@
 
 /* ---- pool ---------------------------------------------------------------------------- */
 
-typedef void (*llama_job)(void *arg, int tid, int nt);
+typedef void (*llama_job)(void *arg, int tid);
 
 struct llama_pool {
     int n;
@@ -93,7 +93,7 @@ static void *worker_main(void *p) {
         }
         seen = e;
         if (atomic_load(&pool->stop)) return NULL;
-        pool->job(pool->arg, w.tid, pool->n);
+        pool->job(pool->arg, w.tid);
         atomic_fetch_add(&pool->done, 1);
     }
 }
@@ -139,7 +139,7 @@ static void pool_run(llama_pool *pool, llama_job job, void *arg) {
     atomic_store(&pool->done, 0);
     atomic_fetch_add(&pool->epoch, 1);
     if (atomic_load(&pool->sleepers) > 0) futex_wake_all(&pool->epoch);
-    job(arg, 0, pool->n);
+    job(arg, 0);
     int spins = 0;
     while (atomic_load(&pool->done) < pool->n - 1)
         if (++spins < WAIT_SPINS) CPU_RELAX();
@@ -429,7 +429,7 @@ static void set_phase_totals(fwd_state *st) {
         p[st->n_phases - 1].total = matmul_items(st, req->head ? req->head : &m->head, 1);
 }
 
-static void forward_job(void *arg, int tid, int nt) {
+static void forward_job(void *arg, int tid) {
     fwd_state *st = arg;
     const llama_model *m = st->m;
     const llama_request *req = st->req;
@@ -437,7 +437,6 @@ static void forward_job(void *arg, int tid, int nt) {
     const size_t rows = st->rows, d = m->hidden, nh = m->n_head * m->head_dim;
     size_t c0, c1;
     long item;
-    (void)nt;
 
     phase *ph = st->phases, *prev = ph;
     while ((item = phase_claim(ph)) >= 0) {
@@ -535,13 +534,12 @@ typedef struct {
     int norm;
 } project_state;
 
-static void project_job(void *arg, int tid, int nt) {
+static void project_job(void *arg, int tid) {
     project_state *ps = arg;
     thread_scratch *ts = &ps->st->ts[tid];
     phase *p = ps->st->phases;
     size_t c0, c1;
     long item;
-    (void)nt;
     if (!phase_open(p)) return;
     norm_quantize(ps->st, ts, ps->hidden, ps->rows, NULL, ps->norm ? ps->st->m->out_norm : NULL);
     while ((item = phase_claim(p)) >= 0) {
