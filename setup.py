@@ -24,7 +24,7 @@ def cython_extension(name: str, sources: list[str], **kwargs) -> Extension:
         include_dirs=["cython_ext", numpy.get_include(), *kwargs.pop("include_dirs", [])],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"), *kwargs.pop("define_macros", [])],
         extra_compile_args=[*kwargs.pop("extra_compile_args", []), *SANITIZE],
-        extra_link_args=SANITIZE,
+        extra_link_args=[*kwargs.pop("extra_link_args", []), *SANITIZE],
         **kwargs,
     )
 
@@ -42,6 +42,20 @@ SIMD_LIBRARIES = [
     (f"dspark_simd_{isa}", {"sources": [f"cython_ext/simd_{isa}.c"], "include_dirs": ["cython_ext"],
                             "cflags": ["-fPIC", "-fvisibility=hidden", *flags, *SANITIZE]})
     for isa, flags in SIMD_FLAGS.items() if X86 or isa == "scalar"
+]
+# The llama decoder's kernels (docs/llm_kernels.md), the same scheme: one translation unit per
+# instruction set, linked into dspark._ext.llama, chosen at run time (cython_ext/llama_dispatch.c).
+# -ffp-contract=off everywhere: every fused multiply-add is written out, so all paths and all
+# row counts round alike.
+LLAMA_FLAGS = {
+    "scalar": ["-O2", "-fno-tree-vectorize"],
+    "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"],
+}
+LLAMA_LIBRARIES = [
+    (f"dspark_llama_{isa}", {"sources": [f"cython_ext/llama_{isa}.c"], "include_dirs": ["cython_ext"],
+                             "cflags": ["-fPIC", "-fvisibility=hidden", "-ffp-contract=off", *flags, *SANITIZE]})
+    for isa, flags in LLAMA_FLAGS.items() if X86 or isa == "scalar"
 ]
 # The GEMM: OpenBLAS from the scipy-openblas32 wheel (headers + .so), found at run time via rpath.
 OPENBLAS = dict(
@@ -89,6 +103,10 @@ EXTENSIONS = [
     cython_extension("lm_step", ["lm_step.pyx", "lm_forward.c"],
                      libraries=[scipy_openblas32.get_library()], extra_compile_args=["-O3"],
                      **OPENBLAS),
+    cython_extension("llama", ["llama.pyx", "llama_forward.c", "llama_dispatch.c"],
+                     libraries=[name for name, _ in LLAMA_LIBRARIES],
+                     extra_compile_args=["-O3", "-ffp-contract=off", "-pthread"],
+                     extra_link_args=["-pthread"]),
 ]
 
 setup(
@@ -100,7 +118,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.9",
     packages=find_packages(include=["dspark", "dspark.*"]),
-    libraries=SIMD_LIBRARIES + HCBLAS_LIBRARIES,
+    libraries=SIMD_LIBRARIES + HCBLAS_LIBRARIES + LLAMA_LIBRARIES,
     cmdclass={"build_ext": BuildExtAndSharedLibrary},
     ext_modules=cythonize(
         EXTENSIONS,

@@ -2,7 +2,7 @@
 import click
 
 from dspark import __version__
-from dspark.cli import bench, bench_router, info, quantize, repo, route, serve
+from dspark.cli import bench, bench_router, info, llm, quantize, repo, route, serve
 from dspark.cli import bench_spec, kernels  # noqa: F401  (add `bench spec`, `bench kernels`, `bench pool`)
 from dspark.cli import accel  # noqa: F401  (adds `bench gemm`)
 
@@ -14,6 +14,7 @@ COMMANDS = [
     bench.bench,
     route.route,
     quantize.quantize,
+    llm.llm,
 ]
 bench.bench.add_command(bench_router.router)
 

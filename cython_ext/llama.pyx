@@ -1,0 +1,448 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""dspark's own llama-architecture forward pass over GGUF 4/8-bit blocks (llama_forward.c).
+
+Wrapped by dspark.llm.kernel_runtime.KernelRuntime. Every entry point checks its arguments and
+raises dspark.errors.RequestError / ConfigError naming the argument: a bad token id, short
+positions or a cache of another shape never reach the C code."""
+import numpy as np
+
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t
+from libc.stdlib cimport calloc, free
+
+from dspark.errors import ConfigError, RequestError
+
+cdef extern from "llama_kernels.h" nogil:
+    ctypedef struct llama_matrix:
+        int fmt
+        size_t n, k
+        const uint8_t *data
+    ctypedef struct llama_kernels:
+        const char *name
+    int LLAMA_Q4_0, LLAMA_Q4_1, LLAMA_Q8_0, LLAMA_ISA_COUNT
+    float llama_half_to_float(uint16_t h)
+    uint16_t llama_float_to_half(float f)
+    size_t llama_block_bytes(int fmt)
+    const char *llama_isa_name(int isa)
+    int llama_isa_compiled(int isa)
+    int llama_isa_supported(int isa)
+    int llama_isa_best()
+    int llama_isa_by_name(const char *name, char *err, size_t err_len)
+    int llama_isa_select(char *err, size_t err_len)
+    const llama_kernels *llama_isa_kernels(int isa)
+
+
+cdef extern from "llama_forward.h" nogil:
+    ctypedef struct llama_layer:
+        const float *attn_norm
+        const float *ffn_norm
+        llama_matrix qkv[3]
+        llama_matrix wo
+        llama_matrix gate_up[2]
+        llama_matrix down
+    ctypedef struct llama_model:
+        size_t n_layer, hidden, ffn, n_head, n_kv, head_dim, vocab
+        float rms_eps
+        double rope_base
+        llama_matrix embed, head
+        const float *out_norm
+        const llama_layer *layers
+    ctypedef struct llama_segment:
+        uint16_t *k
+        uint16_t *v
+        size_t cap, length, t
+        const int32_t *tokens
+        const int64_t *positions
+        const uint8_t *mask
+    ctypedef struct llama_request:
+        const llama_segment *segs
+        size_t n_segs
+        const llama_matrix *head
+        const int32_t *logit_rows
+        size_t n_logit_rows
+        float *logits
+        const int32_t *tap_layers
+        size_t n_taps
+        float *taps
+    ctypedef struct llama_pool:
+        pass
+    llama_pool *llama_pool_new(int threads)
+    void llama_pool_free(llama_pool *pool)
+    int llama_pool_threads(const llama_pool *pool)
+    int llama_forward(const llama_model *m, const llama_kernels *kern, llama_pool *pool,
+                      const llama_request *req)
+    void llama_embed_row(const llama_model *m, int32_t token, float *x)
+    int llama_project(const llama_model *m, const llama_kernels *kern, llama_pool *pool,
+                      const float *hidden, size_t rows, const llama_matrix *head, int norm,
+                      float *logits)
+
+
+FORMATS = {"Q4_0": LLAMA_Q4_0, "Q4_1": LLAMA_Q4_1, "Q8_0": LLAMA_Q8_0}
+MAX_POSITION = 2 ** 31 - 1
+
+
+def isa_info():
+    """Compiled and supported instruction sets of the llama kernels, the best and the chosen."""
+    cdef char err[256]
+    names = [llama_isa_name(i).decode() for i in range(LLAMA_ISA_COUNT)]
+    isa = llama_isa_select(err, sizeof(err))
+    return {
+        "compiled": [n for i, n in enumerate(names) if llama_isa_compiled(i)],
+        "supported": [n for i, n in enumerate(names) if llama_isa_supported(i)],
+        "best": names[llama_isa_best()],
+        "chosen": names[isa] if isa >= 0 else "error: " + err.decode(),
+    }
+
+
+def half_bits(values):
+    """fp16 bits of float32 values, as the KV cache stores them (round to nearest even)."""
+    src = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    out = np.empty(src.shape[0], np.uint16)
+    cdef const float[::1] sv = src
+    cdef uint16_t[::1] ov = out
+    cdef Py_ssize_t i
+    for i in range(sv.shape[0]):
+        ov[i] = llama_float_to_half(sv[i])
+    return out
+
+
+def half_values(bits):
+    """float32 values of fp16 bits, as the kernels read the cache and the block scales."""
+    src = np.ascontiguousarray(bits, dtype=np.uint16).reshape(-1)
+    out = np.empty(src.shape[0], np.float32)
+    cdef const uint16_t[::1] sv = src
+    cdef float[::1] ov = out
+    cdef Py_ssize_t i
+    for i in range(sv.shape[0]):
+        ov[i] = llama_half_to_float(sv[i])
+    return out
+
+
+cdef int _isa_index(object name) except -1:
+    cdef char err[256]
+    cdef bytes raw = b"" if name is None else str(name).encode()
+    cdef int isa = llama_isa_select(err, sizeof(err)) if name is None else \
+        llama_isa_by_name(raw, err, sizeof(err))
+    if isa < 0:
+        raise ConfigError("isa", err.decode())
+    return isa
+
+
+cdef class PackedMatrix:
+    """A matrix in the kernels' tile layout (see llama_kernels.h); keeps its bytes alive."""
+    cdef llama_matrix mat
+    cdef readonly object data
+    cdef readonly str fmt
+
+    def __cinit__(self, data, str fmt, size_t n, size_t k):
+        if fmt not in FORMATS:
+            raise ConfigError("fmt", f"{fmt!r} is not one of {sorted(FORMATS)}")
+        if n == 0 or n % 16 or k == 0 or k % 32:
+            raise ConfigError("shape", f"{n} x {k}: need a positive multiple of 16 x 32")
+        arr = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
+        expected = (n // 16) * (k // 32) * llama_block_bytes(FORMATS[fmt])
+        if arr.shape[0] != expected:
+            raise ConfigError("data", f"{arr.shape[0]} bytes for a {fmt} {n} x {k} matrix, "
+                                      f"expected {expected}")
+        cdef const uint8_t[::1] view = arr
+        self.data, self.fmt = arr, fmt
+        self.mat.fmt, self.mat.n, self.mat.k, self.mat.data = FORMATS[fmt], n, k, &view[0]
+
+    @property
+    def n(self):
+        return self.mat.n
+
+    @property
+    def k(self):
+        return self.mat.k
+
+
+cdef const float *_floats(dict keep, str name, object value, size_t n) except NULL:
+    arr = np.ascontiguousarray(value, dtype=np.float32).reshape(-1)
+    if arr.shape[0] != n:
+        raise ConfigError(name, f"{arr.shape[0]} values, expected {n}")
+    keep[name] = arr
+    cdef const float[::1] view = arr
+    return &view[0]
+
+
+cdef llama_matrix _matrix(dict keep, str name, object value, size_t n, size_t k) except *:
+    if not isinstance(value, PackedMatrix):
+        raise ConfigError(name, "expected a PackedMatrix")
+    cdef PackedMatrix pm = value
+    if pm.mat.n != n or pm.mat.k != k:
+        raise ConfigError(name, f"{pm.mat.n} x {pm.mat.k}, expected {n} x {k}")
+    keep[name] = pm
+    return pm.mat
+
+
+cdef class LlamaModel:
+    """The packed weights, a thread pool and the chosen kernels. ``forward`` runs one step."""
+    cdef llama_model model
+    cdef llama_layer *layers
+    cdef llama_pool *pool
+    cdef const llama_kernels *kern
+    cdef dict keep
+    cdef readonly dict config
+
+    def __cinit__(self, dict config, dict weights, int threads=2, isa=None):
+        self.keep = {}
+        keys = ("n_layer", "hidden", "ffn", "n_head", "n_kv", "head_dim", "vocab")
+        for key in keys + ("rms_eps", "rope_base"):
+            if key not in config:
+                raise ConfigError(key, "missing from the model config")
+        cdef size_t n_layer = config["n_layer"], d = config["hidden"], ffn = config["ffn"]
+        cdef size_t nh = config["n_head"], nkv = config["n_kv"], hd = config["head_dim"]
+        if nh == 0 or nkv == 0 or nh % nkv or nh // nkv > 64:
+            raise ConfigError("n_kv", f"{nh} heads over {nkv} KV heads: need a divisor, at most 64 heads per KV head")
+        if hd == 0 or hd % 64 or hd > 512:
+            raise ConfigError("head_dim", f"{hd}: the kernels need a multiple of 64 (at most 512)")
+        if threads < 1 or threads > 64:
+            raise ConfigError("threads", f"{threads}: expected 1..64")
+        self.config = dict(config)
+        self.model.n_layer, self.model.hidden, self.model.ffn = n_layer, d, ffn
+        self.model.n_head, self.model.n_kv, self.model.head_dim = nh, nkv, hd
+        self.model.vocab = config["vocab"]
+        self.model.rms_eps, self.model.rope_base = config["rms_eps"], config["rope_base"]
+        for name in ("embed", "head"):
+            pm = weights.get(name)
+            if not isinstance(pm, PackedMatrix) or pm.n < self.model.vocab:
+                raise ConfigError(name, f"expected a PackedMatrix of at least {self.model.vocab} rows")
+        self.model.embed = _matrix(self.keep, "embed", weights["embed"], weights["embed"].n, d)
+        self.model.head = _matrix(self.keep, "head", weights["head"], weights["head"].n, d)
+        self.model.out_norm = _floats(self.keep, "out_norm", weights.get("out_norm"), d)
+        self.layers = <llama_layer *>calloc(n_layer, sizeof(llama_layer))
+        if self.layers == NULL:
+            raise MemoryError("LlamaModel: no memory for the layer table")
+        cdef llama_layer *L
+        cdef size_t i
+        for i in range(n_layer):
+            p = f"blk.{i}."
+            L = &self.layers[i]
+            L.attn_norm = _floats(self.keep, p + "attn_norm", weights.get(p + "attn_norm"), d)
+            L.ffn_norm = _floats(self.keep, p + "ffn_norm", weights.get(p + "ffn_norm"), d)
+            L.qkv[0] = _matrix(self.keep, p + "attn_q", weights.get(p + "attn_q"), nh * hd, d)
+            L.qkv[1] = _matrix(self.keep, p + "attn_k", weights.get(p + "attn_k"), nkv * hd, d)
+            L.qkv[2] = _matrix(self.keep, p + "attn_v", weights.get(p + "attn_v"), nkv * hd, d)
+            L.wo = _matrix(self.keep, p + "attn_output", weights.get(p + "attn_output"), d, nh * hd)
+            L.gate_up[0] = _matrix(self.keep, p + "ffn_gate", weights.get(p + "ffn_gate"), ffn, d)
+            L.gate_up[1] = _matrix(self.keep, p + "ffn_up", weights.get(p + "ffn_up"), ffn, d)
+            L.down = _matrix(self.keep, p + "ffn_down", weights.get(p + "ffn_down"), d, ffn)
+        self.model.layers = self.layers
+        self.kern = llama_isa_kernels(_isa_index(isa))
+        self.pool = llama_pool_new(threads)
+        if self.pool == NULL:
+            raise MemoryError("LlamaModel: could not start the thread pool")
+
+    def __dealloc__(self):
+        if self.pool != NULL:
+            llama_pool_free(self.pool)
+        free(self.layers)
+
+    @property
+    def isa(self):
+        return self.kern.name.decode()
+
+    @isa.setter
+    def isa(self, name):
+        """Switch the instruction set ("auto", "scalar", "avx2", "avx512"); weights are shared."""
+        self.kern = llama_isa_kernels(_isa_index(name or "auto"))
+
+    @property
+    def threads(self):
+        return llama_pool_threads(self.pool)
+
+    @property
+    def head_columns(self):
+        return self.model.head.n
+
+    def embed(self, tokens):
+        """Dequantized embedding rows of ``tokens`` [n, hidden] float32."""
+        ids = self._tokens(tokens, "tokens")
+        out = np.empty((ids.shape[0], self.model.hidden), np.float32)
+        cdef float[:, ::1] view = out
+        cdef const int32_t[::1] idv = ids
+        cdef size_t i
+        for i in range(ids.shape[0]):
+            llama_embed_row(&self.model, idv[i], &view[i, 0])
+        return out
+
+    def project(self, hidden, logits, head=None, bint norm=True):
+        """logits [n, head columns] = head(RMSNorm(hidden)) for hidden [n, hidden] float32 (the
+        final norm skipped when ``norm`` is False); ``head`` a PackedMatrix or the model's."""
+        cdef PackedMatrix pm
+        cdef const llama_matrix *mat = &self.model.head
+        if head is not None:
+            if not isinstance(head, PackedMatrix) or (<PackedMatrix>head).mat.k != self.model.hidden:
+                raise RequestError("head", f"expected a PackedMatrix over {self.model.hidden} inputs")
+            pm = head
+            mat = &pm.mat
+        if not isinstance(hidden, np.ndarray) or hidden.dtype != np.float32 or hidden.ndim != 2 \
+                or hidden.shape[0] == 0 or hidden.shape[1] != self.model.hidden or not hidden.flags.c_contiguous:
+            raise RequestError("hidden", f"expected a C-ordered float32 [n, {self.model.hidden}] array")
+        if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 \
+                or logits.shape != (hidden.shape[0], mat.n) or not logits.flags.c_contiguous \
+                or not logits.flags.writeable:
+            raise RequestError("logits", f"expected a writable float32 [{hidden.shape[0]}, {mat.n}] array")
+        cdef const float[:, ::1] hv = hidden
+        cdef float[:, ::1] lv = logits
+        cdef int rc
+        with nogil:
+            rc = llama_project(&self.model, self.kern, self.pool, &hv[0, 0], hv.shape[0], mat, norm, &lv[0, 0])
+        if rc != 0:
+            raise MemoryError("LlamaModel.project: no memory for the scratch")
+
+    cdef object _tokens(self, tokens, str field):
+        arr = _int64s(tokens, field, "token ids")
+        if arr.shape[0] == 0:
+            raise RequestError(field, "expected at least one token id")
+        bad = _first_outside(arr, 0, <long long>self.model.vocab - 1)
+        if bad is not None:
+            raise RequestError(field, f"token id {bad} is outside the vocabulary [0, {self.model.vocab})")
+        return arr.astype(np.int32)
+
+    def cache_shapes(self, size_t capacity):
+        """(keys shape, values shape) of a cache with room for ``capacity`` rows (slots are
+        rounded up to a multiple of 16)."""
+        slots = (capacity + 15) // 16 * 16
+        m = self.model
+        return ((m.n_layer, m.n_kv, slots // 16, m.head_dim, 16), (m.n_layer, m.n_kv, slots, m.head_dim))
+
+    def forward(self, list segments, logit_rows, logits, taps=None, tap_layers=(), head=None):
+        """One decoder step over the new rows of each segment.
+
+        segments: [(keys, values, length, tokens, positions, mask)] with keys/values a cache from
+        ``cache_shapes`` (uint16 holding fp16), ``length`` cached rows, and mask [t, length + t]
+        (row i sees slot j where mask[i, j]). logit_rows: rows over all segments (in order) whose
+        logits are written to ``logits`` [len(logit_rows), head columns] float32; taps: None or
+        [rows, len(tap_layers) * hidden] float32 for the outputs of ``tap_layers``; head: a
+        PackedMatrix over the hidden size in place of the model's head (a vocabulary subset)."""
+        cdef size_t nseg = len(segments), s, rows = 0, t, length, cap
+        if nseg == 0:
+            raise RequestError("segments", "at least one segment is needed")
+        cdef llama_segment *segs = <llama_segment *>calloc(nseg, sizeof(llama_segment))
+        if segs == NULL:
+            raise MemoryError("LlamaModel.forward: no memory for the segment table")
+        cdef llama_request req
+        cdef const int32_t[::1] rows_view
+        cdef float[:, ::1] logits_view
+        cdef float[:, ::1] taps_view
+        cdef const int32_t[::1] tap_view
+        cdef uint16_t[:, :, :, :, ::1] kview
+        cdef uint16_t[:, :, :, ::1] vview
+        cdef const int32_t[::1] tok_view
+        cdef const int64_t[::1] pos_view
+        cdef const uint8_t[:, ::1] mask_view
+        cdef PackedMatrix head_pm
+        cdef int rc
+        held = []
+        seen_caches = set()
+        try:
+            kshape0, vshape0 = self.cache_shapes(0)
+            for s in range(nseg):
+                where = f"segments[{s}]" if nseg > 1 else ""
+                try:
+                    keys, values, length_obj, tokens, positions, mask = segments[s]
+                except (TypeError, ValueError):
+                    raise RequestError(where or "segments", "expected (keys, values, length, tokens, positions, mask)")
+                if not isinstance(keys, np.ndarray) or keys.dtype != np.uint16 or keys.ndim != 5 \
+                        or keys.shape[:2] + keys.shape[3:] != kshape0[:2] + kshape0[3:] \
+                        or not keys.flags.c_contiguous or not keys.flags.writeable:
+                    raise RequestError(_field(where, "cache"),
+                                       f"keys {getattr(keys, 'shape', None)} {getattr(keys, 'dtype', None)} "
+                                       "are not a cache of this model (make one with new_cache)")
+                cap = keys.shape[2] * 16
+                if not isinstance(values, np.ndarray) or values.dtype != np.uint16 or values.ndim != 4 \
+                        or values.shape != (kshape0[0], kshape0[1], cap, kshape0[3]) \
+                        or not values.flags.c_contiguous or not values.flags.writeable:
+                    raise RequestError(_field(where, "cache"),
+                                       f"values {getattr(values, 'shape', None)} do not match the keys "
+                                       "(make the cache with new_cache)")
+                if keys.ctypes.data in seen_caches:
+                    raise RequestError(_field(where, "cache"), "the same cache appears twice in one batch")
+                seen_caches.add(keys.ctypes.data)
+                tok = self._tokens(tokens, _field(where, "tokens"))
+                t = tok.shape[0]
+                if not isinstance(length_obj, (int, np.integer)) or length_obj < 0 or length_obj + t > cap:
+                    raise RequestError(_field(where, "cache"),
+                                       f"{length_obj} cached + {t} new rows do not fit {cap} slots")
+                pos = _int64s(positions, _field(where, "positions"), "positions")
+                if pos.shape[0] != t:
+                    raise RequestError(_field(where, "positions"), f"expected {t} positions (one per token), got {pos.shape[0]}")
+                if _first_outside(pos, 0, MAX_POSITION) is not None:
+                    raise RequestError(_field(where, "positions"), f"positions must lie in [0, {MAX_POSITION}]")
+                msk = np.asarray(mask)
+                if msk.shape != (t, length_obj + t) or msk.dtype not in (np.bool_, np.uint8):
+                    raise RequestError(_field(where, "mask"),
+                                       f"expected a bool [{t}, {length_obj + t}] mask, got {msk.shape} {msk.dtype}")
+                msk = np.ascontiguousarray(msk).view(np.uint8)
+                length = length_obj
+                kview, vview, tok_view, pos_view, mask_view = keys, values, tok, pos, msk
+                held.append((tok, pos, msk))
+                segs[s].k, segs[s].v, segs[s].cap = &kview[0, 0, 0, 0, 0], &vview[0, 0, 0, 0], cap
+                segs[s].length, segs[s].t = length, t
+                segs[s].tokens, segs[s].positions, segs[s].mask = &tok_view[0], &pos_view[0], &mask_view[0, 0]
+                rows += t
+
+            req.segs, req.n_segs, req.head = segs, nseg, NULL
+            head_cols = self.model.head.n
+            if head is not None:
+                if not isinstance(head, PackedMatrix) or (<PackedMatrix>head).mat.k != self.model.hidden:
+                    raise RequestError("head", f"expected a PackedMatrix over {self.model.hidden} inputs")
+                head_pm = head
+                req.head = &head_pm.mat
+                head_cols = head_pm.mat.n
+            lr = _int64s(logit_rows, "logit_rows", "rows")
+            if _first_outside(lr, 0, <long long>rows - 1) is not None:
+                raise RequestError("logit_rows", f"rows must lie in [0, {rows})")
+            lr = lr.astype(np.int32)
+            if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 \
+                    or logits.shape != (lr.shape[0], head_cols) or not logits.flags.c_contiguous \
+                    or not logits.flags.writeable:
+                raise RequestError("logits", f"expected a writable float32 [{lr.shape[0]}, {head_cols}] array")
+            req.n_logit_rows = lr.shape[0]
+            req.logit_rows, req.logits = NULL, NULL
+            if lr.shape[0]:
+                rows_view = lr
+                logits_view = logits
+                req.logit_rows, req.logits = &rows_view[0], &logits_view[0, 0]
+            tl = _int64s(tap_layers, "tap_layers", "layers")
+            if _first_outside(tl, 0, <long long>self.model.n_layer - 1) is not None:
+                raise RequestError("tap_layers", f"layers must lie in [0, {self.model.n_layer})")
+            tl = tl.astype(np.int32)
+            req.n_taps, req.tap_layers, req.taps = tl.shape[0], NULL, NULL
+            if taps is not None and tl.shape[0]:
+                if not isinstance(taps, np.ndarray) or taps.dtype != np.float32 \
+                        or taps.shape != (rows, tl.shape[0] * self.model.hidden) \
+                        or not taps.flags.c_contiguous or not taps.flags.writeable:
+                    raise RequestError("taps", f"expected a writable float32 "
+                                               f"[{rows}, {tl.shape[0] * self.model.hidden}] array")
+                tap_view = tl
+                taps_view = taps
+                req.tap_layers, req.taps = &tap_view[0], &taps_view[0, 0]
+            with nogil:
+                rc = llama_forward(&self.model, self.kern, self.pool, &req)
+            if rc != 0:
+                raise MemoryError("LlamaModel.forward: no memory for the step's scratch")
+        finally:
+            free(segs)
+
+
+cdef object _first_outside(const int64_t[::1] values, long long lo, long long hi):
+    """The first value outside [lo, hi], or None (a typed loop: numpy's min/max cost more
+    than a decoding step's whole Python side)."""
+    cdef Py_ssize_t i
+    for i in range(values.shape[0]):
+        if values[i] < lo or values[i] > hi:
+            return values[i]
+    return None
+
+
+cdef object _int64s(object value, str field, str what):
+    arr = np.asarray(value)
+    if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.shape[0]):
+        raise RequestError(field, f"expected a 1-D sequence of integer {what}, got shape {arr.shape} {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _field(where, name):
+    return f"{where}.{name}" if where else name

@@ -1,0 +1,296 @@
+/* AVX2 + FMA + F16C llama kernels (Zen 3 and later, Haswell and later): int8 x 4/8-bit dot
+ * products with vpmaddubsw + vpmaddwd, one 8-lane vector per half tile. Only the table
+ * getter is visible. */
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+#include "llama_kernels.h"
+
+#define AI static inline __attribute__((always_inline))
+
+AI __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+AI __m256 load_half8(const void *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* R rows x the same half (8 columns) of C adjacent tiles, over all blocks. Q4 products of one
+ * block are summed in 16 bits (8 x 2 x 15 x 127 < 2^15); Q8 uses the sign trick (|w| times
+ * a * sign(w), each pair below 2^15), giving sum(w * a) = sum(u * a) - 128 sum(a) directly. */
+AI void half_kernel(const uint8_t *w0, size_t tile_bytes, size_t kb, const int fmt, int half,
+                    const llama_qact *a, size_t r0, const int R, const int C, float *out,
+                    size_t ldo) {
+    const size_t bb = llama_block_bytes(fmt), so = llama_scale_offset(fmt);
+    const __m256i nib = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    for (size_t b = 0; b < kb; b++) {
+        const int8_t *aq[4];
+        for (int r = 0; r < R; r++) aq[r] = a->q + (r0 + r) * a->k + b * LLAMA_QK;
+        for (int c = 0; c < C; c++) {
+            const uint8_t *blk = w0 + c * tile_bytes + b * bb + 32 * half;
+            __m256i isum[4];
+            if (fmt == LLAMA_Q8_0) {
+                const __m256i flip = _mm256_set1_epi8((char)0x80);
+                for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+                for (int g = 0; g < 8; g++) {
+                    const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 * g)), flip);
+                    const __m256i aw = _mm256_abs_epi8(ws);
+                    for (int r = 0; r < R; r++) {
+                        const __m256i sa = _mm256_sign_epi8(bcast4(aq[r] + 4 * g), ws);
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones));
+                    }
+                }
+            } else {
+                __m256i i16[4];
+                for (int r = 0; r < R; r++) i16[r] = _mm256_setzero_si256();
+                for (int l = 0; l < 4; l++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * l));
+                    const __m256i lo = _mm256_and_si256(v, nib);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                    for (int r = 0; r < R; r++) {
+                        i16[r] = _mm256_add_epi16(i16[r], _mm256_maddubs_epi16(lo, bcast4(aq[r] + 4 * l)));
+                        i16[r] = _mm256_add_epi16(i16[r], _mm256_maddubs_epi16(hi, bcast4(aq[r] + 16 + 4 * l)));
+                    }
+                }
+                for (int r = 0; r < R; r++) isum[r] = _mm256_madd_epi16(i16[r], ones);
+            }
+            const __m256 dw = load_half8(blk - 32 * half + so + 16 * half);
+            for (int r = 0; r < R; r++) {
+                const size_t ab = (r0 + r) * a->kb + b;
+                if (fmt == LLAMA_Q4_0) isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(8 * a->sum[ab]));
+                const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[ab]));
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r][c]);
+                if (fmt == LLAMA_Q4_1)
+                    acc[r][c] = _mm256_fmadd_ps(load_half8(blk - 32 * half + so + 32 + 16 * half),
+                                                _mm256_set1_ps(a->s[ab]), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            _mm256_storeu_ps(out + (r0 + r) * ldo + c * LLAMA_TILE + 8 * half, acc[r][c]);
+}
+
+AI int tiles_for_rows(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
+
+#define KERNEL_CASE(FMT, R)                                                                 \
+    case R:                                                                                 \
+        if (C == tiles_for_rows(R))                                                         \
+            half_kernel(w0, tb, kb, FMT, half, a, r0, R, tiles_for_rows(R), out, ldo);      \
+        else                                                                                \
+            half_kernel(w0, tb, kb, FMT, half, a, r0, R, 1, out, ldo);                      \
+        break;
+
+#define DEFINE_RUN(FMT, NAME)                                                               \
+    static void NAME(const uint8_t *w0, size_t tb, size_t kb, int half, const llama_qact *a, \
+                     size_t r0, int R, int C, float *out, size_t ldo) {                     \
+        switch (R) {                                                                        \
+            KERNEL_CASE(FMT, 1) KERNEL_CASE(FMT, 2) KERNEL_CASE(FMT, 3) KERNEL_CASE(FMT, 4) \
+        }                                                                                   \
+    }
+DEFINE_RUN(LLAMA_Q4_0, run_q4_0)
+DEFINE_RUN(LLAMA_Q4_1, run_q4_1)
+DEFINE_RUN(LLAMA_Q8_0, run_q8_0)
+
+static void matmul(const llama_matrix *w, size_t tile0, size_t tile1, const llama_qact *a,
+                   size_t rows, float *out, size_t ldo) {
+    const size_t kb = w->k / LLAMA_QK, tb = llama_tile_bytes(w);
+    void (*run)(const uint8_t *, size_t, size_t, int, const llama_qact *, size_t, int, int,
+                float *, size_t) = w->fmt == LLAMA_Q8_0 ? run_q8_0 : w->fmt == LLAMA_Q4_1 ? run_q4_1 : run_q4_0;
+    for (size_t t = tile0; t < tile1; t += 4) {
+        const size_t chunk = tile1 - t < 4 ? tile1 - t : 4;
+        for (size_t r0 = 0; r0 < rows; r0 += 4) {
+            const int R = rows - r0 < 4 ? (int)(rows - r0) : 4, C = tiles_for_rows(R);
+            for (int half = 0; half < 2; half++) {
+                size_t c = 0;
+                for (; c + C <= chunk; c += C)
+                    run(w->data + (t + c) * tb, tb, kb, half, a, r0, R, C, out + (t + c) * LLAMA_TILE, ldo);
+                for (; c < chunk; c++)
+                    run(w->data + (t + c) * tb, tb, kb, half, a, r0, R, 1, out + (t + c) * LLAMA_TILE, ldo);
+            }
+        }
+    }
+}
+
+AI float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static void quantize(const float *x, size_t ldx, size_t rows, llama_qact *a) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (size_t r = 0; r < rows; r++) {
+        for (size_t b = 0; b < a->kb; b++) {
+            const float *xb = x + r * ldx + b * LLAMA_QK;
+            __m256 v[4], m = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                m = _mm256_max_ps(m, _mm256_and_ps(v[i], absmask));
+            }
+            const float amax = hmax8(m);
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const __m256 vid = _mm256_set1_ps(id);
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
+            const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+            s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+            const int32_t sum = _mm_cvtsi128_si32(s);
+            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(a->q + r * a->k + b * LLAMA_QK),
+                                _mm256_permutevar8x32_epi32(packed, order));
+            a->d[r * a->kb + b] = d;
+            a->sum[r * a->kb + b] = sum;
+            a->s[r * a->kb + b] = d * (float)sum;
+        }
+    }
+}
+
+/* Mask of the first n (0..8) lanes for maskload/maskstore. */
+AI __m256i lanes(size_t n) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n > 8 ? 8 : n)), idx);
+}
+AI __m256 load_n(const float *p, size_t n) { return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes(n)); }
+AI void store_n(float *p, size_t n, __m256 v) {
+    if (n >= 8) _mm256_storeu_ps(p, v);
+    else _mm256_maskstore_ps(p, lanes(n), v);
+}
+
+/* lo holds lanes 0-7, hi lanes 8-15 of the canonical 16: fold i + i+8, +4, +2, +1. */
+AI float fold16(__m256 lo, __m256 hi) {
+    const __m256 a = _mm256_add_ps(lo, hi);
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    b = _mm_add_ss(b, _mm_movehdup_ps(b));
+    return _mm_cvtss_f32(b);
+}
+
+static float sum_squares(const float *x, size_t n) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (size_t i = 0; i < n; i += 16) {
+        const __m256 a = load_n(x + i, n - i);
+        lo = _mm256_fmadd_ps(a, a, lo);
+        if (i + 8 < n) {
+            const __m256 b = load_n(x + i + 8, n - i - 8);
+            hi = _mm256_fmadd_ps(b, b, hi);
+        }
+    }
+    return fold16(lo, hi);
+}
+
+#define VF __m256
+#define vset1 _mm256_set1_ps
+#define vmin _mm256_min_ps
+#define vmax _mm256_max_ps
+#define vmul _mm256_mul_ps
+#define vadd _mm256_add_ps
+#define vfmadd _mm256_fmadd_ps
+#define vround(v) _mm256_round_ps((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vexp2i(n) _mm256_castsi256_ps(_mm256_slli_epi32( \
+    _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
+#include "llama_exp.inc"
+
+static void swiglu(const float *gate, const float *up, size_t n, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (size_t i = 0; i < n; i += 8) {
+        const __m256 g = load_n(gate + i, n - i), u = load_n(up + i, n - i);
+        const __m256 e = exp_canonical(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        store_n(out + i, n - i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u));
+    }
+}
+
+AI void scores_nq(const float *const *q, const int NQ, size_t hd, const uint16_t *kt, size_t n,
+                  float *s, size_t ls) {
+    for (size_t j = 0; j < n; j += 16) {
+        const uint16_t *kb = kt + (j / 16) * hd * 16;
+        __m256 acc[4][2];
+        for (int h = 0; h < NQ; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+        for (size_t d = 0; d < hd; d++) {
+            const __m256 k0 = load_half8(kb + d * 16), k1 = load_half8(kb + d * 16 + 8);
+            for (int h = 0; h < NQ; h++) {
+                const __m256 qd = _mm256_set1_ps(q[h][d]);
+                acc[h][0] = _mm256_fmadd_ps(qd, k0, acc[h][0]);
+                acc[h][1] = _mm256_fmadd_ps(qd, k1, acc[h][1]);
+            }
+        }
+        for (int h = 0; h < NQ; h++) {
+            store_n(s + h * ls + j, n - j, acc[h][0]);
+            if (j + 8 < n) store_n(s + h * ls + j + 8, n - j - 8, acc[h][1]);
+        }
+    }
+}
+
+static void scores(const float *const *q, size_t nq, size_t hd, const uint16_t *kt, size_t n,
+                   float *s, size_t ls) {
+    for (size_t h = 0; h < nq; h += 4) {
+        switch (nq - h >= 4 ? 4 : nq - h) {
+        case 4: scores_nq(q + h, 4, hd, kt, n, s + h * ls, ls); break;
+        case 3: scores_nq(q + h, 3, hd, kt, n, s + h * ls, ls); break;
+        case 2: scores_nq(q + h, 2, hd, kt, n, s + h * ls, ls); break;
+        default: scores_nq(q + h, 1, hd, kt, n, s + h * ls, ls); break;
+        }
+    }
+}
+
+static float softmax(float *p, size_t n) {
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (size_t i = 0; i < n; i += 8) {
+        const __m256 v = load_n(p + i, n - i);
+        mx = _mm256_max_ps(mx, n - i >= 8 ? v : _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v,
+                                                                 _mm256_castsi256_ps(lanes(n - i))));
+    }
+    const __m256 top = _mm256_set1_ps(hmax8(mx));
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (size_t i = 0; i < n; i += 8) {
+        __m256 e = exp_canonical(_mm256_sub_ps(load_n(p + i, n - i), top));
+        if (n - i < 8) e = _mm256_and_ps(e, _mm256_castsi256_ps(lanes(n - i)));
+        store_n(p + i, n - i, e);
+        if ((i / 8) % 2 == 0) lo = _mm256_add_ps(lo, e);
+        else hi = _mm256_add_ps(hi, e);
+    }
+    return fold16(lo, hi);
+}
+
+/* NQ (<= 2) queries x 32 dims (4 vectors) starting at dim d0. */
+AI void values_block(const float *p, size_t lp, const int NQ, const float *scale, size_t hd,
+                     size_t d0, const uint16_t *v, const int32_t *idx, size_t n, float *out) {
+    __m256 acc[2][4];
+    for (int h = 0; h < NQ; h++)
+        for (int i = 0; i < 4; i++) acc[h][i] = _mm256_setzero_ps();
+    for (size_t c = 0; c < n; c++) {
+        const uint16_t *row = v + (size_t)idx[c] * hd + d0;
+        __m256 vv[4];
+        for (int i = 0; i < 4; i++) vv[i] = load_half8(row + 8 * i);
+        for (int h = 0; h < NQ; h++) {
+            const __m256 ph = _mm256_set1_ps(p[h * lp + c]);
+            for (int i = 0; i < 4; i++) acc[h][i] = _mm256_fmadd_ps(ph, vv[i], acc[h][i]);
+        }
+    }
+    for (int h = 0; h < NQ; h++)
+        for (int i = 0; i < 4; i++)
+            _mm256_storeu_ps(out + h * hd + d0 + 8 * i, _mm256_mul_ps(acc[h][i], _mm256_set1_ps(scale[h])));
+}
+
+static void values(const float *p, size_t lp, size_t nq, const float *scale, size_t hd,
+                   const uint16_t *v, const int32_t *idx, size_t n, float *out) {
+    for (size_t d0 = 0; d0 < hd; d0 += 32)
+        for (size_t h = 0; h < nq; h += 2) {
+            if (nq - h >= 2) values_block(p + h * lp, lp, 2, scale + h, hd, d0, v, idx, n, out + h * hd);
+            else values_block(p + h * lp, lp, 1, scale + h, hd, d0, v, idx, n, out + h * hd);
+        }
+}
+
+static const llama_kernels kernels = {
+    "avx2", matmul, quantize, sum_squares, swiglu, scores, softmax, values,
+};
+
+const llama_kernels *llama_kernels_avx2(void) { return &kernels; }

@@ -1,0 +1,71 @@
+/* The llama-architecture decoder step (RMSNorm, RoPE "norm" pairing (2i, 2i+1), grouped-query
+ * attention under an arbitrary mask, SwiGLU, a quantized head) over T new rows of one or more
+ * sequences, each with its own fp16 KV cache. Weights are packed GGUF blocks (llama_kernels.h).
+ * Arguments are validated by the caller (cython_ext/llama.pyx). */
+#ifndef DSPARK_LLAMA_FORWARD_H
+#define DSPARK_LLAMA_FORWARD_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "llama_kernels.h"
+
+typedef struct {
+    const float *attn_norm, *ffn_norm;  /* [hidden] */
+    llama_matrix qkv[3];                /* q, k, v projections of the normed input */
+    llama_matrix wo;
+    llama_matrix gate_up[2];            /* gate, up */
+    llama_matrix down;
+} llama_layer;
+
+typedef struct {
+    size_t n_layer, hidden, ffn, n_head, n_kv, head_dim, vocab;
+    float rms_eps;
+    double rope_base;
+    llama_matrix embed;     /* token embeddings as vocab columns x hidden inputs */
+    llama_matrix head;      /* output projection (the embeddings when tied) */
+    const float *out_norm;  /* [hidden] */
+    const llama_layer *layers;
+} llama_model;
+
+/* One sequence's new rows. Cache: k [n_layer][n_kv][cap / 16][head_dim][16] (keys of 16 slots
+ * transposed per block), v [n_layer][n_kv][cap][head_dim], both fp16; slots past `length`
+ * receive the t new rows. Row i sees slot j < length + t where mask[i * (length + t) + j]. */
+typedef struct {
+    uint16_t *k, *v;
+    size_t cap, length, t;
+    const int32_t *tokens;
+    const int64_t *positions;
+    const uint8_t *mask;
+} llama_segment;
+
+typedef struct {
+    const llama_segment *segs;
+    size_t n_segs;
+    const llama_matrix *head;   /* NULL: the model's head */
+    const int32_t *logit_rows;  /* rows (over all segments, in order) that get logits */
+    size_t n_logit_rows;
+    float *logits;              /* [n_logit_rows][head->n] */
+    const int32_t *tap_layers;  /* layers whose output rows are copied to taps */
+    size_t n_taps;
+    float *taps;                /* [rows][n_taps * hidden], or NULL */
+} llama_request;
+
+typedef struct llama_pool llama_pool;
+
+/* A pool of `threads` threads including the caller; runs one forward at a time. */
+llama_pool *llama_pool_new(int threads);
+void llama_pool_free(llama_pool *pool);
+int llama_pool_threads(const llama_pool *pool);
+
+/* Returns 0, or -1 when scratch memory could not be had. */
+int llama_forward(const llama_model *m, const llama_kernels *kern, llama_pool *pool,
+                  const llama_request *req);
+
+/* logits[rows][head->n] = head(RMSNorm(hidden)) (no norm when norm == 0); 0 or -1 (memory). */
+int llama_project(const llama_model *m, const llama_kernels *kern, llama_pool *pool,
+                  const float *hidden, size_t rows, const llama_matrix *head, int norm,
+                  float *logits);
+
+/* x[:hidden] = embedding of token (dequantized from the packed embedding matrix). */
+void llama_embed_row(const llama_model *m, int32_t token, float *x);
+#endif

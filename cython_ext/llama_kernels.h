@@ -1,0 +1,170 @@
+/* Per-instruction-set kernels of the llama-architecture decoder (llama_forward.c).
+ *
+ * Weights stay in their GGUF block formats (Q4_0, Q4_1, Q8_0), repacked once at load into
+ * column tiles of LLAMA_TILE output features: for each tile, its K/32 blocks in order, each
+ * block holding the quants of 16 columns x 32 inputs laid out as the int8 dot-product
+ * instructions read them (group g of 4 inputs: 16 columns x 4 bytes, 64 bytes), then the
+ * 16 fp16 scales d and, for Q4_1, the 16 fp16 offsets m. The bytes per weight are the
+ * GGUF's. Q8_0 quants are stored offset by +128 (unsigned), 4-bit quants as nibbles: byte
+ * (L, col, i) of the first 256 holds input 4L+i in its low and 16+4L+i in its high nibble,
+ * the same pairing as GGUF's own Q4 blocks.
+ *
+ * Activations are quantized per block of 32 to int8 (scale d = max|x|/127, q = rint(x/d)),
+ * as llama.cpp does for its Q4/Q8 dot products. A weight block's contribution to output
+ * column n of a row is then, with the integer I = sum(u * q) - zero * sum(q):
+ *     acc = fma((float)I, d_w * d_a, acc);  and for Q4_1: acc = fma(m_w, d_a * sum(q), acc)
+ * where zero is 8 (Q4_0), 0 (Q4_1) or 128 (Q8_0). Every path (scalar, AVX2, AVX-512)
+ * performs exactly these float operations in block order for each (row, column), whatever
+ * the number of rows computed together, so results are bitwise equal across row counts and
+ * across instruction sets; the integer part is exact. Reductions over a vector (RMSNorm's
+ * sum of squares, softmax's denominator) use one canonical order on every path: 16 partial
+ * sums (element i into lane i mod 16), folded lane i + lane i+8, then +4, +2, +1; exp() is
+ * one polynomial, the same operations on every path. */
+#ifndef DSPARK_LLAMA_KERNELS_H
+#define DSPARK_LLAMA_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define LLAMA_TILE 16   /* output columns per tile */
+#define LLAMA_QK 32     /* inputs per quant block */
+
+#define LLAMA_Q4_0 0
+#define LLAMA_Q4_1 1
+#define LLAMA_Q8_0 2
+
+/* Bytes of one packed block (16 columns x 32 inputs). */
+static inline size_t llama_block_bytes(int fmt) {
+    return fmt == LLAMA_Q8_0 ? 512 + 32 : fmt == LLAMA_Q4_1 ? 256 + 64 : 256 + 32;
+}
+/* Offset of the fp16 scales inside a block (the fp16 offsets m follow for Q4_1). */
+static inline size_t llama_scale_offset(int fmt) { return fmt == LLAMA_Q8_0 ? 512 : 256; }
+static inline int llama_zero_point(int fmt) {
+    return fmt == LLAMA_Q8_0 ? 128 : fmt == LLAMA_Q4_0 ? 8 : 0;
+}
+
+typedef struct {
+    int fmt;                /* LLAMA_Q4_0 / LLAMA_Q4_1 / LLAMA_Q8_0 */
+    size_t n, k;            /* output columns (multiple of 16), inputs (multiple of 32) */
+    const uint8_t *data;    /* n / 16 tiles of k / 32 blocks */
+} llama_matrix;
+
+static inline size_t llama_tile_bytes(const llama_matrix *w) {
+    return (w->k / LLAMA_QK) * llama_block_bytes(w->fmt);
+}
+
+/* Rows of activations quantized per block of 32: q [rows][k], and per [rows][k / 32] block
+ * the scale d, its integer sum and d * sum. */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+    int32_t *sum;
+    size_t k, kb;
+} llama_qact;
+
+typedef struct {
+    const char *name;
+    /* out[r * ldo + c] for the columns of tiles [tile0, tile1) of w and rows [0, rows). */
+    void (*matmul)(const llama_matrix *w, size_t tile0, size_t tile1, const llama_qact *a,
+                   size_t rows, float *out, size_t ldo);
+    /* Quantize x[r * ldx + :k] for rows [0, rows) into a (a->k == k). */
+    void (*quantize)(const float *x, size_t ldx, size_t rows, llama_qact *a);
+    /* Sum of squares of x[:n] in the canonical order. */
+    float (*sum_squares)(const float *x, size_t n);
+    /* out[i] = silu(gate[i]) * up[i]. */
+    void (*swiglu)(const float *gate, const float *up, size_t n, float *out);
+    /* s[h * ls + j] = sum_d q[h][d] * key[j][d] (fma in order of d) for h < nq, j < n;
+     * kt holds a head's fp16 keys in blocks of 16 slots, key[j][d] at
+     * ((j / 16) * hd + d) * 16 + j % 16 (the slots past n in the last block are read). */
+    void (*scores)(const float *const *q, size_t nq, size_t hd, const uint16_t *kt, size_t n,
+                   float *s, size_t ls);
+    /* p[i] = exp(p[i] - max p) in place for i < n; returns their sum (canonical order). */
+    float (*softmax)(float *p, size_t n);
+    /* out[h * hd + d] = scale[h] * sum_c p[h * lp + c] * v[idx[c] * hd + d] (fma in order of
+     * c) for h < nq; v is a head's fp16 values (slots x dims). */
+    void (*values)(const float *p, size_t lp, size_t nq, const float *scale, size_t hd,
+                   const uint16_t *v, const int32_t *idx, size_t n, float *out);
+} llama_kernels;
+
+/* The canonical exp: Cody-Waite reduction by ln 2 and a degree-6 polynomial, ~2 ulp; the
+ * vector paths apply the same operations lane-wise. */
+#define LLAMA_EXP_HI 88.3762626647949f
+#define LLAMA_EXP_LO -87.3365478515625f
+#define LLAMA_LOG2E 1.44269504088896341f
+#define LLAMA_LN2_HI 0.693359375f
+#define LLAMA_LN2_LO -2.12194440e-4f
+#define LLAMA_EXP_P0 1.9875691500e-4f
+#define LLAMA_EXP_P1 1.3981999507e-3f
+#define LLAMA_EXP_P2 8.3334519073e-3f
+#define LLAMA_EXP_P3 4.1665795894e-2f
+#define LLAMA_EXP_P4 1.6666665459e-1f
+#define LLAMA_EXP_P5 5.0000001201e-1f
+
+#define LLAMA_ISA_SCALAR 0
+#define LLAMA_ISA_AVX2 1
+#define LLAMA_ISA_AVX512 2
+#define LLAMA_ISA_COUNT 3
+
+#define LLAMA_HIDDEN __attribute__((visibility("hidden")))
+LLAMA_HIDDEN const llama_kernels *llama_kernels_scalar(void);
+#if defined(__x86_64__) || defined(__i386__)
+LLAMA_HIDDEN const llama_kernels *llama_kernels_avx2(void);
+LLAMA_HIDDEN const llama_kernels *llama_kernels_avx512(void);
+#define LLAMA_HAVE_X86_TUS 1
+#else
+#define LLAMA_HAVE_X86_TUS 0
+#endif
+
+/* Dispatch (llama_dispatch.c); names and the DSPARK_SIMD override as for the fused kernel. */
+const char *llama_isa_name(int isa);
+int llama_isa_compiled(int isa);
+int llama_isa_supported(int isa);   /* CPU and OS can run it (AVX-512 here needs BW, VL, VNNI) */
+int llama_isa_best(void);
+int llama_isa_by_name(const char *name, char *err, size_t err_len);  /* -1 + err if unusable */
+int llama_isa_select(char *err, size_t err_len);                     /* DSPARK_SIMD or best */
+const llama_kernels *llama_isa_kernels(int isa);
+
+/* IEEE half <-> float, round to nearest even (what F16C does), for the portable code. */
+static inline float llama_half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {  /* subnormal: normalise */
+            int e = -1;
+            do { mant <<= 1; e++; } while (!(mant & 0x400u));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((mant & 0x3ffu) << 13);
+        }
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    __builtin_memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t llama_float_to_half(float f) {
+    uint32_t x;
+    __builtin_memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, absx = x & 0x7fffffffu;
+    if (absx >= 0x7f800000u)  /* inf or nan */
+        return (uint16_t)(sign | 0x7c00u | (absx > 0x7f800000u ? 0x200u | ((absx >> 13) & 0x3ffu) : 0));
+    if (absx >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  /* rounds to >= 65520: inf */
+    if (absx < 0x38800000u) {  /* below the smallest normal half: subnormal or zero */
+        if (absx < 0x33000000u) return (uint16_t)sign;  /* < 2^-25 rounds to 0 */
+        uint32_t mant = (absx & 0x7fffffu) | 0x800000u;
+        int shift = 126 - (int)(absx >> 23);  /* value / 2^-24 = mant >> shift */
+        uint32_t half = mant >> shift, rem = mant & ((1u << shift) - 1u), mid = 1u << (shift - 1);
+        if (rem > mid || (rem == mid && (half & 1u))) half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t h = ((absx >> 13) - ((127 - 15) << 10));
+    uint32_t rem = absx & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+}
+
+#endif

@@ -1,0 +1,309 @@
+"""The target LLM on dspark's own C kernels (contract C1): a llama-architecture GGUF run
+straight from its 4/8-bit blocks by ``dspark._ext.llama`` (cython_ext/llama_*.c).
+
+Why it exists: speculative decoding on a CPU pays off only if verifying n draft rows costs
+little more than decoding one. The kernels stream each weight block once for all rows of a
+step (int8 activations against the 4-bit blocks, register-blocked over rows), so a step of
+4-16 rows stays close to the cost of one while decoding is memory-bound. docs/llm_kernels.md
+has the layout, the measurements and the commands behind them.
+
+Greedy identity by construction: a row's logits never depend on the other rows of the step,
+on how many rows run together, on masked cache slots or on the instruction set (every path
+rounds the same operations in the same order; tests/unit/test_llm_kernel.py checks it bit
+for bit). Plain decoding, chain and tree verification therefore agree exactly.
+
+Taps (as llm-core's OnnxLlama): ``forward(..., want_taps=True)`` returns ``(logits, taps)``,
+taps [T, len(TAP_LAYERS) * hidden] float32, the residual stream after each block of
+``TAP_LAYERS``; nothing is kept between calls.
+
+Threads: ``threads`` (default 2) run each step; concurrent calls are serialized inside the
+extension, and ``forward_batch`` puts several requests' rows into one step instead.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from dspark._ext import llama as _llama
+from dspark.errors import RequestError
+from dspark.llm.gguf_model import BLOCK_MATRICES, GGUFModel, LlamaConfig
+from dspark.llm.taps import TAP_LAYERS
+
+DEFAULT_MAX_CONTEXT = 2048  # new_cache()'s default capacity, as OnnxLlama's
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the kernels' weight formats; others run as Q8_0
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF bytes per 32 weights
+
+
+def pack_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> "_llama.PackedMatrix":
+    """GGUF rows of ``fmt`` blocks (uint8 [n, k / 32 * block bytes]) -> the kernels' tiles.
+
+    Rows are padded with zero blocks to a multiple of 16 (zero scale: zero outputs)."""
+    kb, bs = k // 32, BLOCK_BYTES[fmt]
+    raw = np.asarray(raw, np.uint8).reshape(n, kb, bs)
+    pad = -n % 16
+    if pad:
+        raw = np.concatenate([raw, np.zeros((pad, kb, bs), np.uint8)])
+    nt = (n + pad) // 16
+
+    def per_column(field: np.ndarray, width: int) -> np.ndarray:
+        # [nt * 16, kb, width] -> [nt, kb, 16 * width]: the 16 columns side by side per block
+        return field.reshape(nt, 16, kb, width).transpose(0, 2, 1, 3).reshape(nt, kb, 16 * width)
+
+    if fmt == "Q8_0":
+        q = (raw[:, :, 2:] ^ 0x80).reshape(nt, 16, kb, 8, 4)  # stored unsigned: q + 128
+        quants = q.transpose(0, 2, 3, 1, 4).reshape(nt, kb, 512)
+        parts = [quants, per_column(raw[:, :, 0:2], 2)]
+    else:
+        off = 4 if fmt == "Q4_1" else 2
+        q = raw[:, :, off:off + 16].reshape(nt, 16, kb, 4, 4)  # byte j = input j | input j+16 << 4
+        quants = q.transpose(0, 2, 3, 1, 4).reshape(nt, kb, 256)
+        parts = [quants, per_column(raw[:, :, 0:2], 2)]
+        if fmt == "Q4_1":
+            parts.append(per_column(raw[:, :, 2:4], 2))
+    packed = np.ascontiguousarray(np.concatenate(parts, axis=2))
+    return _llama.PackedMatrix(packed, fmt, n + pad, k)
+
+
+@dataclass
+class KernelCache:
+    """One sequence's fp16 KV cache: ``length`` rows valid, room for ``capacity``.
+
+    keys [n_layer, n_kv, slots / 16, head_dim, 16] (blocks of 16 slots, transposed), values
+    [n_layer, n_kv, slots, head_dim], both fp16 bits in uint16; rows past ``length`` are stale
+    and never read."""
+    keys: np.ndarray
+    values: np.ndarray
+    positions: np.ndarray
+    length: int = 0
+    capacity: int = 0
+
+    def check_room(self, new_rows: int) -> None:
+        if self.length + new_rows > self.capacity:
+            raise RequestError("tokens", f"context full: {self.length} cached + {new_rows} new > "
+                                         f"{self.capacity}")
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back cache of length {self.length} to {length}")
+        self.length = length
+
+    def keep_rows(self, start: int, rows: np.ndarray) -> None:
+        """Keep cache slots ``start + rows`` (ascending) as slots ``start, start+1, ...``."""
+        rows = np.asarray(rows, np.int64)
+        n = len(rows)
+        if n and not np.array_equal(rows, np.arange(n)):
+            src, dst = start + rows, start + np.arange(n)
+            self.keys[:, :, dst // 16, :, dst % 16] = self.keys[:, :, src // 16, :, src % 16]
+            self.values[:, :, dst] = self.values[:, :, src]
+            self.positions[dst] = self.positions[src]
+        self.length = start + n
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes
+
+
+def pack_matrix(model: GGUFModel, name: str) -> "_llama.PackedMatrix":
+    """One GGUF matrix in the kernels' layout: Q4_0/Q4_1/Q8_0 blocks as stored; float matrices
+    (F32/F16/BF16) quantized to Q8_0 at load, so every product runs on the int8 kernels."""
+    kind = model.tensor_type(name)
+    if kind in PACKED_TYPES:
+        raw = model.raw(name)  # [n, k / 32 * block bytes]
+        return pack_blocks(raw, kind, raw.shape[0], raw.shape[1] // BLOCK_BYTES[kind] * 32)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    weights = model.dequantized(name)  # [n, k]
+    blocks = quantize(weights, GGMLQuantizationType.Q8_0)
+    return pack_blocks(blocks, "Q8_0", *weights.shape)
+
+
+def pack_weights(model: GGUFModel) -> dict:
+    """Every weight of the model, packed (matrices) or float32 (norms), by the names the
+    binding takes."""
+    weights = {"embed": pack_matrix(model, "token_embd.weight"),
+               "out_norm": np.array(model.raw("output_norm.weight"), np.float32)}
+    weights["head"] = weights["embed"] if model.config.tied_embeddings else pack_matrix(model, "output.weight")
+    for i in range(model.config.n_layer):
+        p = f"blk.{i}."
+        for norm in ("attn_norm", "ffn_norm"):
+            weights[p + norm] = np.array(model.raw(p + norm + ".weight"), np.float32)
+        for name in BLOCK_MATRICES:
+            weights[p + name] = pack_matrix(model, p + name + ".weight")
+    return weights
+
+
+@lru_cache(maxsize=64)
+def _causal(t: int) -> np.ndarray:
+    return np.tri(t, dtype=bool)
+
+
+def default_threads() -> int:
+    """2 (the kernels' design point), fewer on a 1-core machine."""
+    return max(1, min(2, len(os.sched_getaffinity(0))))
+
+
+class KernelRuntime:
+    """A llama GGUF on dspark's C kernels, with the C1 interface (config, new_cache, forward,
+    want_taps, logit_rows, forward_batch) plus ``project`` through the head or a vocabulary
+    subset of it (``head_subset``)."""
+
+    def __init__(self, model: GGUFModel | str | Path, threads: int | None = None,
+                 isa: str | None = None, max_context: int = DEFAULT_MAX_CONTEXT):
+        model = model if isinstance(model, GGUFModel) else GGUFModel(model)
+        self.config: LlamaConfig = replace(model.config, ctx=min(model.config.ctx, max_context))
+        weights = pack_weights(model)
+        c = self.config
+        self._model = _llama.LlamaModel(
+            {"n_layer": c.n_layer, "hidden": c.hidden, "ffn": c.ffn, "n_head": c.n_head,
+             "n_kv": c.n_kv_head, "head_dim": c.head_dim, "vocab": c.vocab, "rms_eps": c.rms_eps,
+             "rope_base": c.rope_base},
+            weights, threads or default_threads(), isa)
+        self.weights = weights  # the packed matrices (the extension holds them too)
+        self._head = weights["head"]
+        # the tapped layers this model has (a small test model may lack the deeper ones)
+        self.tap_layers = tuple(layer for layer in TAP_LAYERS if layer < c.n_layer)
+
+    @property
+    def isa(self) -> str:
+        return self._model.isa
+
+    @isa.setter
+    def isa(self, name: str) -> None:
+        self._model.isa = name
+
+    @property
+    def threads(self) -> int:
+        return self._model.threads
+
+    def new_cache(self, capacity: int | None = None) -> KernelCache:
+        capacity = int(capacity or self.config.ctx)
+        if not 0 < capacity <= self.config.ctx:
+            raise RequestError("capacity", f"{capacity}: expected 1..{self.config.ctx} rows (max_context)")
+        kshape, vshape = self._model.cache_shapes(capacity)
+        return KernelCache(np.zeros(kshape, np.uint16), np.zeros(vshape, np.uint16),
+                           np.zeros(vshape[2], np.int64), 0, capacity)
+
+    def _segment(self, where: str, cache, tokens, positions, tree_mask, past_visible):
+        if not isinstance(cache, KernelCache):
+            raise RequestError(where + "cache", f"expected a cache from new_cache(), got {type(cache).__name__}")
+        tokens = np.asarray(tokens)
+        t, length = (tokens.shape[0] if tokens.ndim == 1 else 0), cache.length
+        cache.check_room(t)
+        mask = np.empty((t, length + t), bool)
+        if past_visible is None:
+            mask[:, :length] = True
+        else:
+            past_visible = np.asarray(past_visible)
+            if past_visible.shape != (t, length):
+                raise RequestError(where + "past_visible", f"expected shape ({t}, {length}), got {past_visible.shape}")
+            mask[:, :length] = past_visible
+        if tree_mask is None:
+            mask[:, length:] = _causal(t)
+        else:
+            tree_mask = np.asarray(tree_mask)
+            if tree_mask.shape != (t, t):
+                raise RequestError(where + "tree_mask", f"expected shape ({t}, {t}), got {tree_mask.shape}")
+            if not np.all(np.diagonal(tree_mask)):
+                raise RequestError(where + "tree_mask", "every token must see itself (the diagonal must be True)")
+            mask[:, length:] = tree_mask
+        return (cache.keys, cache.values, length, tokens, positions, mask)
+
+    def _run(self, items: list, logit_rows: Sequence[int] | None, head) -> tuple[np.ndarray, np.ndarray]:
+        caches = [id(item[0]) for item in items]
+        if len(set(caches)) < len(caches):
+            dup = next(i for i, c in enumerate(caches) if c in caches[:i])
+            raise RequestError(f"items[{dup}].cache", "the same cache appears twice in one batch")
+        segs = [self._segment(f"items[{i}]." if len(items) > 1 else "", *item) for i, item in enumerate(items)]
+        rows = sum(len(s[3]) for s in segs)
+        lr = np.arange(rows) if logit_rows is None else np.asarray(logit_rows, np.int64)
+        head = head or self._head
+        logits = np.empty((len(lr), head.n), np.float32)
+        taps = np.empty((rows, len(self.tap_layers) * self.config.hidden), np.float32)
+        self._model.forward(segs, lr, logits, taps, self.tap_layers, head)
+        for (cache, _, positions, *_), seg in zip(items, segs):
+            t = len(seg[3])
+            cache.positions[cache.length:cache.length + t] = positions
+            cache.length += t
+        return logits, taps
+
+    def forward(self, cache: KernelCache, tokens, positions, tree_mask: np.ndarray | None = None,
+                past_visible: np.ndarray | None = None, want_taps: bool = False,
+                logit_rows: Sequence[int] | None = None):
+        """Run T new tokens against the cache; return logits [T, vocab] float32 (only the rows
+        in ``logit_rows``, in that order, when given: a prompt needs only its last row).
+
+        ``tree_mask`` (T x T, default causal) says which new tokens see which; ``past_visible``
+        (T x length, default all) which cached rows they see. The new rows are appended to the
+        cache. With ``want_taps`` the result is ``(logits, taps)``."""
+        if len(tokens) == 0:
+            empty = np.zeros((0, self.config.vocab), np.float32)
+            return (empty, np.zeros((0, len(self.tap_layers) * self.config.hidden), np.float32)) \
+                if want_taps else empty
+        logits, taps = self._run([(cache, tokens, positions, tree_mask, past_visible)], logit_rows, None)
+        logits = logits[:, :self.config.vocab]
+        return (logits, taps) if want_taps else logits
+
+    def forward_batch(self, items: Sequence[tuple], want_taps: bool = False) -> list:
+        """Several requests' new rows in one step: items of (cache, tokens, positions,
+        tree_mask[, past_visible]) with distinct caches; results in item order, as ``forward``
+        returns them (bitwise the same as separate calls)."""
+        if not items:
+            return []
+        full = [tuple(item) + (None,) * (5 - len(item)) for item in items]
+        logits, taps = self._run(full, None, None)
+        out, row = [], 0
+        for item in full:
+            t = len(np.asarray(item[1]))
+            part = logits[row:row + t, :self.config.vocab]
+            out.append((part, taps[row:row + t]) if want_taps else part)
+            row += t
+        return out
+
+    def head_subset(self, vocab_ids: Sequence[int]) -> "_llama.PackedMatrix":
+        """The head restricted to ``vocab_ids`` (e.g. a drafter's frequency-ranked vocabulary),
+        for ``project``; column j of its logits is vocabulary id vocab_ids[j]."""
+        ids = np.asarray(vocab_ids)
+        if ids.ndim != 1 or not len(ids) or ids.dtype.kind not in "iu" \
+                or ids.min() < 0 or ids.max() >= self.config.vocab:
+            raise RequestError("vocab_ids", f"expected a non-empty 1-D list of ids in [0, {self.config.vocab})")
+        return gather_columns(self._head, ids)
+
+    def project(self, hidden: np.ndarray, head: "_llama.PackedMatrix | None" = None,
+                norm: bool = True) -> np.ndarray:
+        """Logits [n, columns] of hidden states [n, hidden] through the final RMSNorm (unless
+        ``norm`` is False) and the head (or a ``head_subset``)."""
+        head = head or self._head
+        hidden = np.asarray(hidden)
+        if hidden.ndim != 2 or hidden.shape[1] != self.config.hidden or not len(hidden):
+            raise RequestError("hidden", f"expected [n, {self.config.hidden}] hidden states, got {hidden.shape}")
+        logits = np.empty((hidden.shape[0], head.n), np.float32)
+        self._model.project(np.ascontiguousarray(hidden, np.float32), logits, head, norm)
+        return logits[:, :self.config.vocab] if head is self._head else logits
+
+
+def gather_columns(matrix: "_llama.PackedMatrix", columns: np.ndarray) -> "_llama.PackedMatrix":
+    """A packed matrix of the given output columns of another (padded with zero columns)."""
+    fmt, n, k = matrix.fmt, matrix.n, matrix.k
+    kb, nt = k // 32, n // 16
+    qbytes = 512 if fmt == "Q8_0" else 256
+    data = matrix.data.reshape(nt, kb, -1)
+    halves = (data.shape[2] - qbytes) // 32  # fp16 fields per column: d, and m for Q4_1
+    tile, lane = columns // 16, columns % 16
+    quants = data[:, :, :qbytes].reshape(nt, kb, qbytes // 64, 16, 4)[tile, :, :, lane]
+    scales = data[:, :, qbytes:].reshape(nt, kb, halves, 16, 2)[tile, :, :, lane]
+    m = len(columns)
+    pad = -m % 16
+    quants = np.concatenate([quants, np.zeros((pad,) + quants.shape[1:], np.uint8)])
+    scales = np.concatenate([scales, np.zeros((pad,) + scales.shape[1:], np.uint8)])
+    mt = (m + pad) // 16
+    packed = np.concatenate(
+        [quants.reshape(mt, 16, kb, qbytes // 64, 4).transpose(0, 2, 3, 1, 4).reshape(mt, kb, qbytes),
+         scales.reshape(mt, 16, kb, halves, 2).transpose(0, 2, 3, 1, 4).reshape(mt, kb, 32 * halves)],
+        axis=2)
+    return _llama.PackedMatrix(np.ascontiguousarray(packed), fmt, m + pad, k)
