@@ -55,6 +55,8 @@ class _TritonMetrics(RouterMetrics):
         self.families = {
             "requests": fam("dspark_router_requests_total", "Requests dispatched to the target, by tier and version", fam.COUNTER),
             "rejections": fam("dspark_router_rejections_total", "Requests answered with an error, by tier and reason", fam.COUNTER),
+            "target_errors": fam("dspark_router_target_errors_total",
+                                 "Client requests the target answered with an error, by version", fam.COUNTER),
             "queue": fam("dspark_router_queue_seconds", "Time spent in the router's tier queue", fam.HISTOGRAM),
             "latency": fam("dspark_router_latency_seconds", "End-to-end latency through the router, by tier and version", fam.HISTOGRAM),
             "shadow": fam("dspark_router_shadow_total", "Shadow calls by outcome (agree, disagree, error, skipped)", fam.COUNTER),
@@ -82,6 +84,9 @@ class _TritonMetrics(RouterMetrics):
 
     def rejection(self, tier, reason):
         self._get("rejections", tier=tier, reason=reason).increment(1)
+
+    def target_error(self, version):
+        self._get("target_errors", version=str(version)).increment(1)
 
     def queue_time(self, tier, seconds):
         self._get("queue", True, tier=tier).observe(seconds)

@@ -16,12 +16,14 @@ from typing import Any, Mapping
 
 import yaml
 
-def router_parameters(params: Mapping[str, str], model_dir: Path) -> tuple[Path, set[int]]:
+def router_parameters(params: Mapping[str, str], model_dir: Path) -> tuple[Path, set[int] | None]:
     """The routing file (``routing_file``, relative to the router's model folder) and target
-    versions (``target_versions``, e.g. "1,2") a router model's config parameters name; a
-    version that is not a number raises ValueError."""
+    versions (``target_versions``, e.g. "1,2"; "*" for any version the target serves, as a
+    rollout adds new ones) a router model's config parameters name; a version that is not a
+    number raises ValueError."""
     routing = Path(params.get("routing_file", "routing.yaml"))
-    versions = {int(v) for v in params.get("target_versions", "1").split(",") if v.strip()}
+    listed = params.get("target_versions", "1").strip()
+    versions = None if listed == "*" else {int(v) for v in listed.split(",") if v.strip()}
     return (routing if routing.is_absolute() else model_dir / routing), versions
 
 

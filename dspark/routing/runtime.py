@@ -60,6 +60,7 @@ class RouterMetrics:
 
     def request(self, tier: str, version: int, count: int = 1) -> None: ...
     def rejection(self, tier: str, reason: str) -> None: ...
+    def target_error(self, version: int) -> None: ...  # per version: what a rollout's analysis reads
     def queue_time(self, tier: str, seconds: float) -> None: ...
     def latency(self, tier: str, version: int, seconds: float) -> None: ...
     def shadow(self, version: int, outcome: str, seconds: float | None) -> None: ...
@@ -213,6 +214,7 @@ class RouterCore:
             waiting = self.scheduler.has_queued()
         if failed:
             self.metrics.rejection(ticket.tier, "target_error")
+            self.metrics.target_error(ticket.version)
         else:
             self.metrics.latency(ticket.tier, ticket.version, elapsed)
         if waiting:
@@ -368,6 +370,7 @@ class RouterCore:
             outputs = await self.call_target(job.payload, routed.version)
         except Exception as exc:  # the target's failure goes back to this client only
             self.metrics.rejection(tier, "target_error")
+            self.metrics.target_error(routed.version)
             self._reply(job, None, RouteError(str(exc), "INTERNAL", "target_error"))
         else:
             self._reply(job, outputs, None)

@@ -1,0 +1,106 @@
+"""A small deployment to try rollouts on (tests, the benchmark, the docs' walk-through).
+
+``rollout_demo`` is a Python-backend model whose artifact is its ``model.py``: ``y = 2x`` after a
+service time, with knobs to make a version slow, failing or different, so a rollout has
+something real to catch. ``rollout_router`` is the QoS router in front of it, allowed to route
+to any version (``target_versions: "*"``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from dspark.repository import atomic
+from dspark.repository.modelspec import InstanceGroup, ModelSpec, TensorSpec, VersionRecord
+from dspark.routing.config import RoutingConfig, ShadowPolicy, TierPolicy
+
+MODEL = "rollout_demo"
+ROUTER = "rollout_router"
+
+MODEL_PY = '''"""rollout_demo {semver}: y = 2x + {offset} after {service_ms} ms{failing}."""
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+SERVICE_S = {service_ms} / 1000.0
+FAIL_AFTER = {fail_after}  # requests answered before every request fails (None: never)
+OFFSET = {offset}
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.version = int(args["model_version"])
+        self.served = 0
+        pb_utils.Logger.log_info(f"{{__doc__}} loaded as version {{self.version}}")
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            time.sleep(SERVICE_S)
+            self.served += 1
+            if FAIL_AFTER is not None and self.served > FAIL_AFTER:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    f"rollout_demo version {{self.version}}: injected failure")))
+                continue
+            x = pb_utils.get_input_tensor_by_name(request, "x").as_numpy()
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("y", (2 * x + OFFSET).astype(np.float32)),
+                pb_utils.Tensor("version", np.array([self.version], dtype=np.int32)),
+            ]))
+        return responses
+'''
+
+
+def model_artifact(path: Path, semver: str, service_ms: float = 5.0, fail_after: Optional[int] = None,
+                   offset: float = 0.0) -> Path:
+    """Write a ``model.py`` for one version of ``rollout_demo``: ``service_ms`` per request,
+    failing every request after ``fail_after`` answered ones, ``offset`` added to y."""
+    failing = f", failing after {fail_after} requests" if fail_after is not None else ""
+    path.write_text(MODEL_PY.format(semver=semver, service_ms=service_ms, fail_after=fail_after,
+                                    offset=offset, failing=failing))
+    return path
+
+
+def build_repository(root: Path, service_ms: float = 5.0, instances: int = 4,
+                     routing_file: Optional[Path] = None, deadline_ms: float = 1000.0) -> Path:
+    """A repository with ``rollout_demo`` 1.0.0 (folder 1) and ``rollout_router`` in front of it.
+
+    Tier deadlines are short (``deadline_ms``) so that a version drains quickly after traffic
+    leaves it. ``routing_file``: where the router reads its routing (default: next to it).
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    model_dir = root / MODEL
+    model_dir.mkdir(exist_ok=True)
+    spec = ModelSpec(
+        name=MODEL, framework="python",
+        versions=[VersionRecord(semver="1.0.0", folder=1, artifact="model.py")],
+        inputs=[TensorSpec("x", "FP32", [-1])],
+        outputs=[TensorSpec("y", "FP32", [-1]), TensorSpec("version", "INT32", [1])],
+        instance_groups=[InstanceGroup("CPU", instances)],
+        serve_versions=["1.0.0"],
+    )
+    (model_dir / "1").mkdir(exist_ok=True)
+    model_artifact(model_dir / "1" / "model.py", "1.0.0", service_ms)
+    spec.save(model_dir / "modelspec.yaml")
+    atomic.write_text(model_dir / "config.pbtxt", spec.config_text())
+
+    router_dir = root / ROUTER
+    (router_dir / "1").mkdir(parents=True, exist_ok=True)
+    config = mc.ModelConfig(name=ROUTER, backend="qos_router", max_batch_size=0)
+    config.input.add(name="x", data_type=mc.TYPE_FP32, dims=[-1])
+    config.output.add(name="y", data_type=mc.TYPE_FP32, dims=[-1])
+    config.output.add(name="version", data_type=mc.TYPE_INT32, dims=[1])
+    config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
+    routing_file = routing_file or router_dir / "routing.yaml"
+    for key, value in (("target_model", MODEL), ("target_versions", "*"), ("routing_file", str(routing_file))):
+        config.parameters[key].string_value = value
+    (router_dir / "config.pbtxt").write_text(text_format.MessageToString(config))
+    tiers = {name: TierPolicy(weight=w, deadline_ms=deadline_ms) for name, w in
+             (("diamond", 8), ("gold", 3), ("standard", 1))}
+    RoutingConfig(tiers=tiers, shares={1: 100.0}, max_inflight=instances + 1,
+                  shadow=ShadowPolicy(atol=1e-5, max_inflight=instances, ignore_outputs=("version",))
+                  ).validate().save(routing_file)
+    return root
