@@ -105,21 +105,15 @@ def recover(model, roll_back, state_path, api_key) -> None:
 
 def _drive(deployment, plan, state_path, api_key, action, state: Optional[StateStore] = None) -> None:
     state = state or _open_state(state_path)
-    lock = ModelLock(state.path, deployment.model)
-    try:
-        lock.acquire()
-    except DsparkError as error:
-        _fail(error)
     controller = None
     try:
         controller = Controller(deployment, plan, state, api_key, say=lambda line: click.echo(line))
-        outcome = action(controller)
+        outcome = action(controller)  # holds the model's lock while it runs
     except DsparkError as error:
         _fail(error)
     finally:
         if controller is not None:
             controller.close()
-        lock.release()
     if not outcome.promoted:
         click.echo(f"rolled back: {outcome.reason}", err=True)
         sys.exit(ROLLED_BACK_EXIT)

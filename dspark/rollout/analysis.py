@@ -6,8 +6,9 @@ Sources (labels ``model``, ``version``; summed over servers):
   larger of Triton's ``nv_inference_request_failure`` and what the router saw
   (``dspark_router_target_errors`` + ``dspark_router_shadow{outcome="error"}``): Triton counts
   an error *response* of a Python-based model (all of dspark's backends) as a success.
-- latency: ``mean`` = Δ``nv_inference_request_duration_us`` / Δ``nv_inference_request_success``
-  per version (Triton's own timing of the target: queue + compute); ``p99`` = the router's
+- latency: ``mean`` = Δ``nv_inference_compute_infer_duration_us`` / Δ``nv_inference_request_success``
+  per version: Triton's own timing of the model's execution, without the queue in front of it
+  (which depends on the share of traffic each version gets, not on the version); ``p99`` = the router's
   ``dspark_router_latency_seconds`` histogram per version (canary steps; a shadow step has no
   primary traffic on the new version and is judged on the mean).
 - disagreement: the router's ``dspark_router_shadow_total`` outcomes for the new version.
@@ -43,8 +44,13 @@ class Verdict:
     shadow_agree: float = 0.0
     shadow_disagree: float = 0.0
     shadow_error: float = 0.0
-    breach: Optional[str] = None
+    reasons: dict[str, str] = field(default_factory=dict)  # check (errors, latency, disagreement, ...) -> why
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def breach(self) -> Optional[str]:
+        """Why to roll back, or None."""
+        return "; ".join(self.reasons.values()) or None
 
     @property
     def disagreement(self) -> Optional[float]:
@@ -56,6 +62,7 @@ class Verdict:
         out["new"]["error_rate"] = self.new.error_rate
         out["current"]["error_rate"] = self.current.error_rate
         out["disagreement"] = self.disagreement
+        out["breach"] = self.breach
         return out
 
     def summary(self) -> str:
@@ -75,7 +82,7 @@ def version_stats(before: Optional[Snapshot], after: Snapshot, model: str, versi
     labels = {"model": model, "version": str(version)}
     success = delta(after, before, "nv_inference_request_success", **labels)
     failures = delta(after, before, "nv_inference_request_failure", **labels)
-    duration_us = delta(after, before, "nv_inference_request_duration_us", **labels)
+    duration_us = delta(after, before, "nv_inference_compute_infer_duration_us", **labels)
     requests = success + failures
     if router:  # errors the router saw; hidden among Triton's successes when Triton counted no failure
         seen = (delta(after, before, "dspark_router_target_errors", model=router, version=str(version))
@@ -99,27 +106,26 @@ def judge(before: Optional[Snapshot], after: Snapshot, *, model: str, router: Op
         for outcome in ("agree", "disagree", "error"):
             setattr(verdict, f"shadow_{outcome}",
                     delta(after, before, "dspark_router_shadow", model=router, version=str(new), outcome=outcome))
-    reasons = []
+    reasons = verdict.reasons
     fresh, old = verdict.new, verdict.current
     if fresh.requests >= rules.min_requests:
         rate = fresh.error_rate
         if rate > rules.max_error_rate:
-            reasons.append(f"error rate {100 * rate:.1f}% on version {new} ({fresh.failures:.0f} of "
-                           f"{fresh.requests:.0f} requests) > {100 * rules.max_error_rate:g}%")
+            reasons["errors"] = (f"error rate {100 * rate:.1f}% on version {new} ({fresh.failures:.0f} of "
+                                 f"{fresh.requests:.0f} requests) > {100 * rules.max_error_rate:g}%")
         key = "p99_ms" if with_p99 else "mean_ms"
         ours, theirs = getattr(fresh, key), getattr(old, key)
         if ours is not None and theirs and ours >= rules.latency_floor_ms:
             ratio = ours / theirs
             if ratio > rules.max_latency_ratio:
                 label = "p99" if with_p99 else "mean"
-                reasons.append(f"{label} latency {ours:.1f} ms on version {new} vs {theirs:.1f} ms on version "
-                               f"{current} ({ratio:.2f}x > {rules.max_latency_ratio:g}x)")
+                reasons["latency"] = (f"{label} latency {ours:.1f} ms on version {new} vs {theirs:.1f} ms "
+                                      f"on version {current} ({ratio:.2f}x > {rules.max_latency_ratio:g}x)")
     else:
         verdict.notes.append(f"{fresh.requests:.0f} requests to version {new} (< min_requests {rules.min_requests}): "
                              "rates and latency not judged")
     compared = verdict.shadow_agree + verdict.shadow_disagree
     if compared >= rules.min_requests and verdict.disagreement > rules.max_disagreement:
-        reasons.append(f"shadow disagreement {100 * verdict.disagreement:.1f}% on version {new} "
-                       f"({verdict.shadow_disagree:.0f} of {compared:.0f}) > {100 * rules.max_disagreement:g}%")
-    verdict.breach = "; ".join(reasons) or None
+        reasons["disagreement"] = (f"shadow disagreement {100 * verdict.disagreement:.1f}% on version {new} "
+                                   f"({verdict.shadow_disagree:.0f} of {compared:.0f}) > {100 * rules.max_disagreement:g}%")
     return verdict

@@ -30,7 +30,7 @@ from dspark.rollout.analysis import Verdict, judge
 from dspark.rollout.fleet import Endpoint, Server, connect
 from dspark.rollout.metrics import PrometheusSource, ScrapeSource, Snapshot, delta, read
 from dspark.rollout.plan import Plan, Step
-from dspark.rollout.state import Rollout, StateStore
+from dspark.rollout.state import ModelLock, Rollout, StateStore
 from dspark.rollout.store import open_store
 from dspark.routing.config import RoutingConfig, ShadowPolicy, router_parameters
 
@@ -98,6 +98,15 @@ class Controller:
     # ------------------------------------------------------------------ public entry points
     def start(self, artifact: Path, semver: str) -> Outcome:
         """Publish ``artifact`` as version ``semver`` and run the plan to its end."""
+        with ModelLock(self.state.path, self.deployment.model):
+            return self._start(artifact, semver)
+
+    def recover(self, rollback: bool = False) -> Outcome:
+        """Finish the interrupted rollout of this model (or roll it back)."""
+        with ModelLock(self.state.path, self.deployment.model):
+            return self._recover(rollback)
+
+    def _start(self, artifact: Path, semver: str) -> Outcome:
         model = self.deployment.model
         active = self.state.active(model)
         if active is not None:
@@ -115,6 +124,9 @@ class Controller:
         current = self._current_folder(spec)
         self._check_fleet(current)
         new = spec.next_folder()
+        for server in self.servers:  # a rolled-back version of this number may still be stopping
+            if not server.wait_unloaded(model, new, self.plan.drain_timeout_s):
+                raise RolloutError(f"{server.name}: an earlier version {new} of '{model}' is still unloading")
         if self.deployment.router:
             self._check_routing(current, new)
         settings = {"deployment": self.deployment.to_settings(), "plan": self.plan.to_dict(),
@@ -126,8 +138,7 @@ class Controller:
         self._stage(spec, artifact, semver, current, new)
         return self._drive(self._phase("loading"))
 
-    def recover(self, rollback: bool = False) -> Outcome:
-        """Finish the interrupted rollout of this model (or roll it back)."""
+    def _recover(self, rollback: bool) -> Outcome:
         rollout = self.state.active(self.deployment.model)
         if rollout is None:
             raise RolloutError(f"no interrupted rollout of '{self.deployment.model}' to recover")
@@ -184,7 +195,7 @@ class Controller:
             self._event("stage", f"removed {leftover}, left by an interrupted staging")
         record = VersionRecord(semver=semver, folder=new, artifact=spec.artifact_name, source=str(artifact.resolve()),
                                added=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
-        if self.store.exists(f"{model}/{new}"):  # left by an earlier rollout that was killed: not served
+        if self.store.exists(f"{model}/{new}"):  # left by an interrupted rollout: not served
             self.store.remove_folder(f"{model}/{new}")
         self.store.install_folder(f"{model}/{new}", artifact, spec.artifact_name)
         current_semver = next(r.semver for r in spec.versions if r.folder == current)
@@ -234,7 +245,7 @@ class Controller:
         started = time.monotonic()
         served = 0.0
         breaches = 0
-        previous = read(self.metrics)
+        previous = step_start = read(self.metrics)
         while True:
             command = self._wait(rules.interval_s)
             rollout = self.state.get(rollout.id)
@@ -244,12 +255,16 @@ class Controller:
             snapshot = read(self.metrics)
             verdict = judge(previous, snapshot, model=rollout.model, router=rollout.router, current=cur, new=new,
                             phase=step.kind, rules=rules)
+            if "latency" in verdict.reasons:  # one slow interval (a busy host) is not a slow version
+                overall = judge(step_start, snapshot, model=rollout.model, router=rollout.router, current=cur,
+                                new=new, phase=step.kind, rules=rules)
+                if "latency" not in overall.reasons:
+                    verdict.notes.append(f"latency spike not seen over the whole step: {verdict.reasons.pop('latency')}")
             previous = snapshot
             verdicts.append(verdict)
             not_ready = [s.name for s in self.servers if not s.ready(rollout.model, new)]
             if not_ready:
-                verdict.breach = "; ".join(filter(None, [verdict.breach, f"version {new} not ready on "
-                                                         + ", ".join(not_ready)]))
+                verdict.reasons["ready"] = f"version {new} not ready on " + ", ".join(not_ready)
             self._event("analysis", f"{label}: {verdict.summary()}"
                                     + (f" -> BREACH: {verdict.breach}" if verdict.breach else ""), verdict.to_dict())
             if verdict.breach:
@@ -289,7 +304,7 @@ class Controller:
         self._write_spec(spec)
         self._on_all(lambda s: s.load(rollout.model), f"load {rollout.model}")
         for server in self.servers:
-            server.wait_unloaded(rollout.model, rollout.current_version, self.plan.drain_timeout_s)
+            server.wait_ready(rollout.model, rollout.current_version, False, self.plan.drain_timeout_s)
         self._event("retire", f"version {rollout.current_version} unloaded; {rollout.semver} "
                               f"(version {rollout.new_version}) serves alone")
 
@@ -306,12 +321,9 @@ class Controller:
         spec.serve_versions = [current_semver]
         self._write_spec(spec)
         self._on_all(lambda s: s.load(model), f"load {model}", tolerate=True)
-        gone = all(server.wait_unloaded(model, new, self.plan.drain_timeout_s) for server in self.servers)
-        if gone:
-            self.store.remove_folder(f"{model}/{new}")
-        else:
-            self._event("warning", f"version {new} still unloading after {self.plan.drain_timeout_s:g} s; "
-                                   f"its folder stays (not served: the config no longer names it)")
+        for server in self.servers:  # its instances may take seconds more to stop; they serve nothing
+            server.wait_ready(model, new, False, self.plan.drain_timeout_s)
+        self.store.remove_folder(f"{model}/{new}")
         rollout = self._finish("rolled_back", reason)
         self._event("done", f"rolled back: version {cur} serves alone; reason: {reason}")
         return Outcome(rollout, False, reason, verdicts or [])

@@ -64,7 +64,7 @@ def model_artifact(path: Path, semver: str, service_ms: float = 5.0, fail_after:
     return path
 
 
-def build_repository(root: Path, service_ms: float = 5.0, instances: int = 4,
+def build_repository(root: Path, service_ms: float = 5.0, instances: int = 2,
                      routing_file: Optional[Path] = None, deadline_ms: float = 1000.0) -> Path:
     """A repository with ``rollout_demo`` 1.0.0 (folder 1) and ``rollout_router`` in front of it.
 
@@ -104,3 +104,55 @@ def build_repository(root: Path, service_ms: float = 5.0, instances: int = 4,
                   shadow=ShadowPolicy(atol=1e-5, max_inflight=instances, ignore_outputs=("version",))
                   ).validate().save(routing_file)
     return root
+
+
+class LoadGenerator:
+    """Client threads calling the router on each server without pause (the load a rollout must
+    not disturb). Every answer or failure is recorded with its time, server and version."""
+
+    def __init__(self, urls: list[str], model: str = ROUTER, threads_per_server: int = 2):
+        import threading
+        self.urls, self.model = list(urls), model
+        self.threads_per_server = threads_per_server
+        self.results: list[tuple[float, str, object]] = []  # (time, url, version or error text)
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(url, i), daemon=True)
+                         for url in self.urls for i in range(threads_per_server)]
+
+    def _run(self, url: str, worker: int) -> None:
+        import time
+        import numpy as np
+        import tritonclient.http as httpclient
+        from tritonclient.utils import InferenceServerException
+
+        client = httpclient.InferenceServerClient(url, network_timeout=30)
+        tensor = httpclient.InferInput("x", [3], "FP32")
+        tensor.set_data_from_numpy(np.array([1.0, 2.0, 3.0], dtype=np.float32))
+        sent = 0
+        while not self._stop.is_set():
+            sent += 1
+            try:
+                result = client.infer(self.model, [tensor], parameters={"user_id": f"{url}-{worker}-{sent}"})
+                outcome: object = int(result.as_numpy("version")[0])
+            except InferenceServerException as error:
+                outcome = error.message()
+            except Exception as error:  # connection trouble counts as a failed request too
+                outcome = f"{type(error).__name__}: {error}"
+            self.results.append((time.monotonic(), url, outcome))
+        client.close()
+
+    def start(self) -> "LoadGenerator":
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(60)
+
+    def failures(self, since: float = 0.0) -> list[tuple[float, str, object]]:
+        return [r for r in self.results if r[0] >= since and isinstance(r[2], str)]
+
+    def versions(self, since: float = 0.0) -> set[int]:
+        return {r[2] for r in self.results if r[0] >= since and isinstance(r[2], int)}
