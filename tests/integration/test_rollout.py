@@ -124,6 +124,11 @@ def test_pause_resume_and_promote_by_hand_while_under_load(site):
     thread.start()
     state = StateStore(site.state_path)
     active = state.get(wait_for_canary(state, thread.is_alive))
+    # a second controller on the same model refuses to start
+    path, _ = artifact(site)
+    second = runner.invoke(rollout_cli, ["run", demo.MODEL, str(path), "--version", "9.0.0", "-r", str(site.repo),
+                                         "--router", demo.ROUTER, "--server", site.server.http_url, *base])
+    assert second.exit_code != 0 and "another controller" in second.output, second.output
     out = runner.invoke(rollout_cli, ["pause", demo.MODEL, *base])
     assert out.exit_code == 0 and "sent to the controller" in out.output, out.output
     time.sleep(1.0)
@@ -178,10 +183,6 @@ def _start_and_kill(site) -> tuple[StateStore, int]:
                    site.server.metrics_url, "--plan", str(plan))
     state = StateStore(site.state_path)
     rollout_id = wait_for_canary(state, lambda: process.poll() is None)
-    # a second controller on the same model refuses to start
-    second = _cli(site, "run", demo.MODEL, str(path), "--version", "9.0.0", "-r", str(site.repo),
-                  "--router", demo.ROUTER, "--server", site.server.http_url)
-    assert second.wait(30) != 0 and "another controller" in second.stdout.read()
     process.send_signal(signal.SIGKILL)
     process.wait()
     site.killed_output = process.stdout.read()
