@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 MODEL_BUILDERS := build_demo_models.py build_fused_transformer.py build_spec_models.py
 DEMO_ARGS ?=
 
-.PHONY: setup models demo test clean
+.PHONY: setup models demo test clean prometheus
 setup: $(VENV)/.installed models
 
 $(VENV)/.installed: requirements.txt setup.py pyproject.toml $(wildcard cython_ext/*)
@@ -22,7 +22,11 @@ models: $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/dspark demo $(DEMO_ARGS)
 
-test: setup
+# Debian's Prometheus, which the rollout tests start to scrape a fleet (CI runs as root on Debian).
+prometheus:
+	@command -v prometheus >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
+
+test: setup prometheus
 	$(PY) -m pytest tests -q
 
 clean:

@@ -21,6 +21,7 @@ MODEL = "rollout_demo"
 ROUTER = "rollout_router"
 
 MODEL_PY = '''"""rollout_demo {semver}: y = 2x + {offset} after {service_ms} ms{failing}."""
+import os
 import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -28,10 +29,13 @@ import triton_python_backend_utils as pb_utils
 SERVICE_S = {service_ms} / 1000.0
 FAIL_AFTER = {fail_after}  # requests answered before every request fails (None: never)
 OFFSET = {offset}
+BROKEN_WHERE = {broken_where!r}  # an environment variable: a server that has it cannot load this version
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        if BROKEN_WHERE and os.environ.get(BROKEN_WHERE):
+            raise RuntimeError(f"rollout_demo cannot load on this server ({{BROKEN_WHERE}} is set)")
         self.version = int(args["model_version"])
         self.served = 0
         pb_utils.Logger.log_info(f"{{__doc__}} loaded as version {{self.version}}")
@@ -55,12 +59,13 @@ class TritonPythonModel:
 
 
 def model_artifact(path: Path, semver: str, service_ms: float = 5.0, fail_after: Optional[int] = None,
-                   offset: float = 0.0) -> Path:
+                   offset: float = 0.0, broken_where: str = "") -> Path:
     """Write a ``model.py`` for one version of ``rollout_demo``: ``service_ms`` per request,
-    failing every request after ``fail_after`` answered ones, ``offset`` added to y."""
+    failing every request after ``fail_after`` answered ones, ``offset`` added to y, failing to
+    load on servers whose environment has the variable ``broken_where``."""
     failing = f", failing after {fail_after} requests" if fail_after is not None else ""
     path.write_text(MODEL_PY.format(semver=semver, service_ms=service_ms, fail_after=fail_after,
-                                    offset=offset, failing=failing))
+                                    offset=offset, failing=failing, broken_where=broken_where))
     return path
 
 
@@ -156,3 +161,67 @@ class LoadGenerator:
 
     def versions(self, since: float = 0.0) -> set[int]:
         return {r[2] for r in self.results if r[0] >= since and isinstance(r[2], int)}
+
+
+def serve_s3(port: int):
+    """A moto S3 server on loopback (tests and the benchmark): returns it started; ``.stop()`` it.
+    Sets the dummy AWS credentials boto3 and Triton's S3 client read from the environment."""
+    import os
+
+    from moto.server import ThreadedMotoServer
+
+    for key, value in (("AWS_ACCESS_KEY_ID", "dspark"), ("AWS_SECRET_ACCESS_KEY", "dspark"),
+                       ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_REGION", "us-east-1")):
+        os.environ.setdefault(key, value)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    return server
+
+
+def publish_to_s3(local_repository: Path, url: str, models: tuple[str, ...] = (MODEL,)) -> None:
+    """Copy models of a local repository to an S3 repository (creating the bucket)."""
+    from dspark.rollout.store import S3Store
+
+    store = S3Store(url)
+    try:
+        store.client.create_bucket(Bucket=store.bucket)
+    except store.client.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    for name in models:
+        store.install_folder(name, local_repository / name, "")
+
+
+def serve_prometheus(targets: list[str], workdir: Path, port: int, scrape_s: float = 0.5):
+    """Debian's ``prometheus`` scraping ``targets`` (host:port of each /metrics) every
+    ``scrape_s``, listening on loopback; returns (process, URL). The caller terminates it."""
+    import shutil
+    import subprocess
+    import time
+    import urllib.request
+
+    import yaml
+
+    binary = shutil.which("prometheus")
+    if binary is None:
+        raise FileNotFoundError("prometheus is not installed: `make prometheus` (apt-get install prometheus)")
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = {"global": {"scrape_interval": f"{int(scrape_s * 1000)}ms", "scrape_timeout": f"{int(scrape_s * 1000)}ms"},
+              "scrape_configs": [{"job_name": "triton", "static_configs": [{"targets": targets}]}]}
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+    process = subprocess.Popen(
+        [binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=open(workdir / "prometheus.log", "wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/-/ready", timeout=1) as response:
+                if response.status == 200:
+                    return process, url
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"prometheus did not start: see {workdir / 'prometheus.log'}")
+        time.sleep(0.2)
