@@ -70,27 +70,32 @@ def model_artifact(path: Path, semver: str, service_ms: float = 5.0, fail_after:
 
 
 def build_repository(root: Path, service_ms: float = 5.0, instances: int = 2,
-                     routing_file: Optional[Path] = None, deadline_ms: float = 1000.0) -> Path:
-    """A repository with ``rollout_demo`` 1.0.0 (folder 1) and ``rollout_router`` in front of it.
+                     routing_file: Optional[Path] = None, deadline_ms: float = 1000.0,
+                     model: str = MODEL, router: bool = True) -> Path:
+    """A repository with ``model`` (``rollout_demo``) 1.0.0 in folder 1 and ``rollout_router`` in
+    front of it. With a router the model serves the versions a rollout names; without one it
+    serves the "latest" version (hot reload by `dspark repo add` / `publish`).
 
     Tier deadlines are short (``deadline_ms``) so that a version drains quickly after traffic
     leaves it. ``routing_file``: where the router reads its routing (default: next to it).
     """
     root.mkdir(parents=True, exist_ok=True)
-    model_dir = root / MODEL
+    model_dir = root / model
     model_dir.mkdir(exist_ok=True)
     spec = ModelSpec(
-        name=MODEL, framework="python",
+        name=model, framework="python",
         versions=[VersionRecord(semver="1.0.0", folder=1, artifact="model.py")],
         inputs=[TensorSpec("x", "FP32", [-1])],
         outputs=[TensorSpec("y", "FP32", [-1]), TensorSpec("version", "INT32", [1])],
         instance_groups=[InstanceGroup("CPU", instances)],
-        serve_versions=["1.0.0"],
+        serve_versions=["1.0.0"] if router else "latest",
     )
     (model_dir / "1").mkdir(exist_ok=True)
     model_artifact(model_dir / "1" / "model.py", "1.0.0", service_ms)
     spec.save(model_dir / "modelspec.yaml")
     atomic.write_text(model_dir / "config.pbtxt", spec.config_text())
+    if not router:
+        return root
 
     router_dir = root / ROUTER
     (router_dir / "1").mkdir(parents=True, exist_ok=True)
