@@ -41,6 +41,8 @@ def _fleet_options(function):
                      help="Each server's metrics URL, in --server order (default: HTTP port + 2)."),
         click.option("--servers-file", type=click.Path(path_type=Path, exists=True), default=None,
                      help="A file of endpoints: one 'URL [METRICS_URL]' a line, or a YAML list (pod IPs)."),
+        click.option("--servers-dns", "servers_dns", multiple=True,
+                     help="HOST:PORT whose every address is a server, e.g. a headless Service's name."),
     ]):
         function = decorator(function)
     return function
@@ -67,7 +69,8 @@ def rollout() -> None:
               help="The repository the servers share: a folder or s3://[host:port/]bucket/path.")
 @click.option("--router", default=None, help="The QoS router in front of MODEL (shadow and canary need one).")
 @click.option("--routing-file", default=None,
-              help="The router's routing.yaml (default: REPOSITORY/ROUTER/routing.yaml).")
+              help="The router's routing.yaml: a path, or an s3:// object the fleet's pods sync "
+                   "(default: REPOSITORY/ROUTER/routing.yaml).")
 @_fleet_options
 @click.option("--prometheus", default=None, help="Read metrics from this Prometheus (http://host:9090) "
                                                  "instead of each server's /metrics.")
@@ -76,12 +79,12 @@ def rollout() -> None:
 @_state_option
 @_key_option
 def run(model, artifact, semver, repository, router, routing_file, servers, metrics_urls, servers_file,
-        prometheus, plan_path, state_path, api_key) -> None:
+        servers_dns, prometheus, plan_path, state_path, api_key) -> None:
     """Publish ARTIFACT as version SEMVER of MODEL and roll it out by the plan."""
     try:
         plan = Plan.load(plan_path)
-        deployment = Deployment(model, router, repository, read_endpoints(servers, metrics_urls, servers_file),
-                                routing_file, prometheus)
+        deployment = Deployment(model, router, repository,
+                                read_endpoints(servers, metrics_urls, servers_file, servers_dns), routing_file, prometheus)
     except DsparkError as error:
         _fail(error)
     _drive(deployment, plan, state_path, api_key, lambda c: c.start(artifact, semver))
@@ -163,11 +166,12 @@ _command("resume", "Let a paused rollout of MODEL go on.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @_state_option
 @_key_option
-def status(model, servers, metrics_urls, servers_file, window, as_json, state_path, api_key) -> None:
+def status(model, servers, metrics_urls, servers_file, servers_dns, window, as_json, state_path, api_key) -> None:
     """Versions per server, traffic shares, health, live metrics and the rollout in progress."""
     state = _open_state(state_path)
     try:
-        endpoints = read_endpoints(servers, metrics_urls, servers_file) if (servers or servers_file) else None
+        given = servers or servers_file or servers_dns
+        endpoints = read_endpoints(servers, metrics_urls, servers_file, servers_dns) if given else None
         report = status_report.collect(state, model, endpoints, api_key, window)
     except DsparkError as error:
         _fail(error)
@@ -192,3 +196,19 @@ def history(model, limit, event_id, as_json, state_path) -> None:
         return
     rows = status_report.history_rows(state.history(model, limit))
     click.echo(json.dumps(rows, indent=2) if as_json else status_report.render_history(rows))
+
+
+@rollout.command(name="sync-routing")
+@click.argument("source")
+@click.argument("destination", type=click.Path(path_type=Path))
+@click.option("--interval", "interval_s", default=1.0, show_default=True, help="Seconds between checks.")
+@click.option("--once", is_flag=True, help="Copy once and exit.")
+def sync_routing(source, destination, interval_s, once) -> None:
+    """Keep DESTINATION equal to the S3 object SOURCE (a pod's sidecar: the router there reads
+    the routing file a controller writes to S3 once for the whole fleet)."""
+    from dspark.rollout.store import sync_file
+
+    try:
+        sync_file(source, destination, interval_s, once)
+    except DsparkError as error:
+        _fail(error)

@@ -31,8 +31,8 @@ from dspark.rollout.fleet import Endpoint, Server, connect
 from dspark.rollout.metrics import PrometheusSource, ScrapeSource, Snapshot, delta, read
 from dspark.rollout.plan import Plan, Step
 from dspark.rollout.state import ModelLock, Rollout, StateStore
-from dspark.rollout.store import open_store
-from dspark.routing.config import RoutingConfig, ShadowPolicy, router_parameters
+from dspark.rollout.store import load_routing, open_store, save_routing
+from dspark.routing.config import router_parameters
 
 CONFIRM_TIMEOUT_S = 15.0
 
@@ -56,8 +56,8 @@ class Deployment:
     def __post_init__(self) -> None:
         if self.router and not self.routing_file:
             if str(self.repository).startswith("s3://"):
-                raise ConfigError("routing-file", "a router served from S3 reads a local routing file: "
-                                                  "give its path (the router's routing_file parameter)")
+                raise ConfigError("routing-file", "with an S3 repository, say where the routers read their routing: "
+                                                  "a shared path or an S3 object their pods sync (docs/rollout.md)")
             self.routing_file = str(Path(self.repository) / self.router / "routing.yaml")
 
     def to_settings(self) -> dict:
@@ -333,16 +333,15 @@ class Controller:
         """Write the routing file and wait until every reachable server's router applies it."""
         if not self.deployment.router:
             return
-        path = Path(self.deployment.routing_file)
-        config = RoutingConfig.load(path)
-        shadow = dataclasses.replace(config.shadow, version=rollout.new_version if shadow_percent else None,
+        config = load_routing(self.deployment.routing_file)
+        shadow = _changed(config.shadow, version=rollout.new_version if shadow_percent else None,
                                      percent=shadow_percent or 0.0)
-        wanted = dataclasses.replace(config, shares=shares, shadow=shadow)
+        wanted = _changed(config, shares=shares, shadow=shadow)
         if dict(config.shares) == shares and config.shadow == shadow:
             wanted = config  # already written (a recovery): only confirm it
         else:
-            wanted = dataclasses.replace(wanted, version=config.version + 1).validate()
-            wanted.save(path)
+            wanted = _changed(wanted, version=config.version + 1).validate()
+            save_routing(wanted, self.deployment.routing_file)
         self._confirm(wanted.version)
         split = ", ".join(f"v{v} {p:g}%" for v, p in shares.items())
         shadow_text = f", shadow {shadow_percent:g}% to v{rollout.new_version}" if shadow_percent else ""
@@ -378,7 +377,7 @@ class Controller:
         model = self.deployment.model
         started = time.monotonic()
         if self.deployment.router:
-            config = RoutingConfig.load(Path(self.deployment.routing_file))
+            config = load_routing(self.deployment.routing_file)
             longest = max(t.deadline_ms for t in config.tiers.values()) / 1000
             time.sleep(max(0.0, min(longest, self.plan.drain_timeout_s) - (time.monotonic() - started)))
         quiet = min(1.0, self.plan.analysis.interval_s)
@@ -437,7 +436,7 @@ class Controller:
 
     def _check_routing(self, current: int, new: int) -> None:
         router = self.deployment.router
-        config = RoutingConfig.load(Path(self.deployment.routing_file))
+        config = load_routing(self.deployment.routing_file)
         if {v for v, p in config.shares.items() if p > 0} != {current}:
             raise RolloutError(f"router '{router}' splits traffic {dict(config.shares)}; a rollout starts from "
                                f"version {current} at 100% (`dspark route set --share {current}=100`)")
@@ -506,6 +505,13 @@ class Controller:
     def close(self) -> None:
         for server in self.servers:
             server.close()
+
+
+def _changed(config, **changes):
+    """A copy of a routing config (a dataclass, or a pydantic model) with ``changes``."""
+    if dataclasses.is_dataclass(config):
+        return dataclasses.replace(config, **changes)
+    return config.model_copy(update=changes)
 
 
 class _Rollback(Exception):

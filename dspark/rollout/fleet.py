@@ -6,6 +6,7 @@ the ``dspark-api-key`` header (issue 9's restricted API); inference and health c
 from __future__ import annotations
 
 import re
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -53,17 +54,26 @@ class Endpoint:
 
 
 def read_endpoints(urls: Sequence[str] = (), metrics_urls: Sequence[str] = (),
-                   servers_file: Optional[Path] = None) -> list[Endpoint]:
-    """Endpoints from ``--server`` URLs (paired in order with ``--metrics-url``) and/or a file:
-    YAML (a list of URLs or of {url, metrics_url}) or plain text, one ``URL [METRICS_URL]`` a
-    line (``#`` comments), e.g. the pod IPs of a Kubernetes fleet."""
+                   servers_file: Optional[Path] = None, dns: Sequence[str] = ()) -> list[Endpoint]:
+    """Endpoints from ``--server`` URLs (paired in order with ``--metrics-url``), a file (YAML:
+    a list of URLs or of {url, metrics_url}; or plain text, one ``URL [METRICS_URL]`` a line,
+    ``#`` comments) and DNS names ``HOST:PORT`` whose every address is a server (a Kubernetes
+    headless Service lists the ready pods of a fleet that way)."""
     if metrics_urls and len(metrics_urls) != len(urls):
         raise ConfigError("metrics-url", f"give one per --server ({len(urls)}), or none for HTTP port + 2")
     endpoints = [Endpoint.parse(u, m) for u, m in zip(urls, metrics_urls or [None] * len(urls))]
     if servers_file is not None:
         endpoints += _endpoints_from_file(Path(servers_file))
+    for name in dns:
+        host, _, port = name.rpartition(":")
+        try:
+            addresses = sorted({info[4][0] for info in socket.getaddrinfo(host, int(port), socket.AF_INET,
+                                                                          socket.SOCK_STREAM)})
+        except (OSError, ValueError) as error:
+            raise ConfigError("servers-dns", f"cannot resolve {name!r} (HOST:PORT): {error}") from None
+        endpoints += [Endpoint.parse(f"http://{address}:{port}") for address in addresses]
     if not endpoints:
-        raise ConfigError("server", "no server given: pass --server URL (repeatable) or --servers-file")
+        raise ConfigError("server", "no server given: pass --server URL (repeatable), --servers-file or --servers-dns")
     return endpoints
 
 

@@ -13,7 +13,7 @@ from dspark.rollout.controller import Deployment
 from dspark.rollout.fleet import Endpoint, Server
 from dspark.rollout.metrics import ScrapeSource
 from dspark.rollout.state import Rollout, StateStore
-from dspark.routing.config import RoutingConfig
+from dspark.rollout.store import load_routing
 
 
 def collect(state: StateStore, model: Optional[str], endpoints: Optional[Sequence[Endpoint]],
@@ -49,8 +49,8 @@ def collect(state: StateStore, model: Optional[str], endpoints: Optional[Sequenc
                 entry["error"] = str(error)
         server.close()
         report["servers"].append(entry)
-    if deployment and deployment.routing_file and Path(deployment.routing_file).is_file():
-        routing = RoutingConfig.load(Path(deployment.routing_file))
+    if deployment and deployment.routing_file:
+        routing = load_routing(deployment.routing_file)
         report["shares"] = {str(v): p for v, p in routing.shares.items()}
         if routing.shadow.version is not None and routing.shadow.percent > 0:
             report["shadow"] = {"version": routing.shadow.version, "percent": routing.shadow.percent}

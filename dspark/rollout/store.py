@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
@@ -116,3 +117,53 @@ class S3Store:
 
 def open_store(location: Union[str, Path]) -> Union[LocalStore, S3Store]:
     return S3Store(str(location)) if str(location).startswith("s3://") else LocalStore(location)
+
+
+def load_routing(location: str):
+    """The routing config at a local path or an S3 URL (``s3://[host:port/]bucket/key``), read
+    with ``dspark.routing.config``'s own load (an S3 object goes through a temp file)."""
+    from dspark.routing.config import RoutingConfig
+
+    if not location.startswith("s3://"):
+        return RoutingConfig.load(Path(location))
+    store, key = _s3_object(location)
+    text = store.read_text(key)
+    if text is None:
+        raise ConfigError("routing-file", "no such object", location)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "routing.yaml"
+        path.write_text(text)
+        return RoutingConfig.load(path)
+
+
+def save_routing(config, location: str) -> None:
+    """Write a routing config atomically: a rename locally, one PUT on S3."""
+    if not location.startswith("s3://"):
+        config.save(Path(location))
+        return
+    store, key = _s3_object(location)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "routing.yaml"
+        config.save(path)
+        store.write_text(key, path.read_text())
+
+
+def _s3_object(url: str) -> tuple["S3Store", str]:
+    folder, _, key = url.rpartition("/")
+    return S3Store(folder), key
+
+
+def sync_file(source: str, destination: Path, interval_s: float = 1.0, once: bool = False) -> None:
+    """Keep ``destination`` (a local file) equal to the S3 object ``source``: the sidecar that
+    lets routers on many pods read one routing file the controller writes to S3."""
+    import time
+
+    store, key = _s3_object(source)
+    destination = Path(destination)
+    while True:
+        text = store.read_text(key)
+        if text is not None:
+            atomic.write_text(destination, text, only_if_changed=True)
+        if once:
+            return
+        time.sleep(interval_s)
