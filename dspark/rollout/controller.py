@@ -16,9 +16,9 @@ import concurrent.futures
 import dataclasses
 import datetime as _dt
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import numpy as np
 import yaml
@@ -26,10 +26,10 @@ import yaml
 from dspark.errors import ConfigError, DsparkError, UnavailableError
 from dspark.repository.modelspec import (
     CONFIG_FILENAME, SPEC_FILENAME, ModelSpec, SpecError, VersionRecord, semver_key)
-from dspark.rollout.analysis import Verdict, judge
+from dspark.rollout.analysis import judge
 from dspark.rollout.fleet import Endpoint, Server, connect
-from dspark.rollout.metrics import PrometheusSource, ScrapeSource, Snapshot, delta, read
-from dspark.rollout.plan import Plan, Step
+from dspark.rollout.metrics import PrometheusSource, ScrapeSource, delta, read
+from dspark.rollout.plan import Plan
 from dspark.rollout.state import ModelLock, Rollout, StateStore
 from dspark.rollout.store import load_routing, open_store, save_routing
 from dspark.routing.config import router_parameters
@@ -78,7 +78,6 @@ class Outcome:
     rollout: Rollout
     promoted: bool
     reason: Optional[str] = None
-    verdicts: list[Verdict] = field(default_factory=list)
 
 
 class Controller:
@@ -162,11 +161,10 @@ class Controller:
             if rollout.phase == "warmup":
                 self._warm_up(rollout)
                 rollout = self._phase("step", step=0)
-            verdicts: list[Verdict] = []
             if rollout.phase == "step":
                 for index in range(rollout.step, len(self.plan.steps)):
                     rollout = self._phase("step", step=index)
-                    outcome = self._run_step(rollout, index, verdicts)
+                    outcome = self._run_step(rollout, index)
                     if outcome == "promote":
                         break
                 rollout = self._phase("promoting")
@@ -181,9 +179,9 @@ class Controller:
             if rollout.phase == "retiring":
                 self._retire(rollout)
                 rollout = self._finish("promoted", None)
-            return Outcome(rollout, True, None, verdicts)
+            return Outcome(rollout, True, None)
         except _Rollback as signal:
-            return self._rollback(signal.reason, signal.verdicts)
+            return self._rollback(str(signal))
         except UnavailableError as error:
             if self._rollout.phase in ("retiring", "rolling_back"):
                 raise
@@ -232,7 +230,7 @@ class Controller:
                 raise _Rollback(f"accuracy {scores[new]:.3f} of version {new} on {accuracy.dataset.name} "
                                 f"< {accuracy.min:g}")
 
-    def _run_step(self, rollout: Rollout, index: int, verdicts: list[Verdict]) -> str:
+    def _run_step(self, rollout: Rollout, index: int) -> str:
         step = self.plan.steps[index]
         label = f"step {index + 1}/{len(self.plan.steps)} {step.kind} {step.percent:g}%"
         cur, new = rollout.current_version, rollout.new_version
@@ -261,7 +259,6 @@ class Controller:
                 if "latency" not in overall.reasons:
                     verdict.notes.append(f"latency spike not seen over the whole step: {verdict.reasons.pop('latency')}")
             previous = snapshot
-            verdicts.append(verdict)
             not_ready = [s.name for s in self.servers if not s.ready(rollout.model, new)]
             if not_ready:
                 verdict.reasons["ready"] = f"version {new} not ready on " + ", ".join(not_ready)
@@ -270,7 +267,7 @@ class Controller:
             if verdict.breach:
                 breaches += 1
                 if breaches >= rules.breaches_to_rollback:
-                    raise _Rollback(verdict.breach, verdicts)
+                    raise _Rollback(verdict.breach)
             else:
                 breaches = 0
             served += verdict.new.requests
@@ -308,7 +305,7 @@ class Controller:
         self._event("retire", f"version {rollout.current_version} unloaded; {rollout.semver} "
                               f"(version {rollout.new_version}) serves alone")
 
-    def _rollback(self, reason: str, verdicts: Optional[list[Verdict]] = None) -> Outcome:
+    def _rollback(self, reason: str) -> Outcome:
         rollout = self._phase("rolling_back", reason=reason)
         self._event("rollback", f"ROLLING BACK: {reason}")
         model, cur, new = rollout.model, rollout.current_version, rollout.new_version
@@ -326,7 +323,7 @@ class Controller:
         self.store.remove_folder(f"{model}/{new}")
         rollout = self._finish("rolled_back", reason)
         self._event("done", f"rolled back: version {cur} serves alone; reason: {reason}")
-        return Outcome(rollout, False, reason, verdicts or [])
+        return Outcome(rollout, False, reason)
 
     # ------------------------------------------------------------------ routing
     def _route(self, rollout: Rollout, shares: dict[int, float], shadow_percent: Optional[float], label: str) -> None:
@@ -428,8 +425,7 @@ class Controller:
                 problems.append(f"{server.name} is not live")
             elif not server.ready(model, current):
                 problems.append(f"{server.name} does not serve '{model}' version {current}")
-            elif self.deployment.router and not server.ready(self.deployment.router, 1) and \
-                    not server.client.is_model_ready(self.deployment.router):
+            elif self.deployment.router and not server.ready(self.deployment.router):
                 problems.append(f"{server.name} does not serve the router '{self.deployment.router}'")
         if problems:
             raise RolloutError("fleet not ready: " + "; ".join(problems))
@@ -515,11 +511,5 @@ def _changed(config, **changes):
 
 
 class _Rollback(Exception):
-    def __init__(self, reason: str, verdicts: Optional[list[Verdict]] = None):
-        super().__init__(reason)
-        self.reason, self.verdicts = reason, verdicts or []
+    """Raised inside a rollout to roll it back; the message is the reason."""
 
-
-def rollback_by_hand(state: StateStore, model: str, reason: Optional[str]) -> None:
-    """Ask the running controller of ``model`` to roll back (it takes the command within 0.1 s)."""
-    state.send(model, "rollback", reason)

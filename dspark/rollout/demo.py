@@ -20,7 +20,7 @@ from dspark.routing.config import RoutingConfig, ShadowPolicy, TierPolicy
 MODEL = "rollout_demo"
 ROUTER = "rollout_router"
 
-MODEL_PY = '''"""rollout_demo {semver}: y = 2x + {offset} after {service_ms} ms{failing}."""
+MODEL_PY = '''"""rollout_demo {semver}: y = {scale}x + {offset} after {service_ms} ms{failing}."""
 import os
 import time
 import numpy as np
@@ -29,6 +29,7 @@ import triton_python_backend_utils as pb_utils
 SERVICE_S = {service_ms} / 1000.0
 FAIL_AFTER = {fail_after}  # requests answered before every request fails (None: never)
 OFFSET = {offset}
+SCALE = {scale}
 BROKEN_WHERE = {broken_where!r}  # an environment variable: a server that has it cannot load this version
 
 
@@ -51,7 +52,7 @@ class TritonPythonModel:
                 continue
             x = pb_utils.get_input_tensor_by_name(request, "x").as_numpy()
             responses.append(pb_utils.InferenceResponse([
-                pb_utils.Tensor("y", (2 * x + OFFSET).astype(np.float32)),
+                pb_utils.Tensor("y", (SCALE * x + OFFSET).astype(np.float32)),
                 pb_utils.Tensor("version", np.array([self.version], dtype=np.int32)),
             ]))
         return responses
@@ -59,13 +60,13 @@ class TritonPythonModel:
 
 
 def model_artifact(path: Path, semver: str, service_ms: float = 5.0, fail_after: Optional[int] = None,
-                   offset: float = 0.0, broken_where: str = "") -> Path:
-    """Write a ``model.py`` for one version of ``rollout_demo``: ``service_ms`` per request,
-    failing every request after ``fail_after`` answered ones, ``offset`` added to y, failing to
-    load on servers whose environment has the variable ``broken_where``."""
+                   offset: float = 0.0, broken_where: str = "", scale: float = 2.0) -> Path:
+    """Write a ``model.py`` for one version of ``rollout_demo``: y = ``scale`` x + ``offset``
+    after ``service_ms`` per request, failing every request after ``fail_after`` answered ones,
+    failing to load on servers whose environment has the variable ``broken_where``."""
     failing = f", failing after {fail_after} requests" if fail_after is not None else ""
     path.write_text(MODEL_PY.format(semver=semver, service_ms=service_ms, fail_after=fail_after,
-                                    offset=offset, failing=failing, broken_where=broken_where))
+                                    offset=offset, failing=failing, broken_where=broken_where, scale=scale))
     return path
 
 

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import numpy as np
 import tritonclient.http as httpclient
 import yaml
-from tritonclient.utils import InferenceServerException, triton_to_np_dtype
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype, triton_to_np_dtype
 
 from dspark.errors import ConfigError, UnavailableError
 
@@ -145,9 +145,10 @@ class Server:
         except OSError as error:
             raise UnavailableError(f"{self.name}: unreachable while loading '{model}': {error}", "load") from None
 
-    def ready(self, model: str, version: int) -> bool:
+    def ready(self, model: str, version: Optional[int] = None) -> bool:
+        """Whether ``version`` of ``model`` (any version when None) is ready for inference."""
         try:
-            return bool(self.client.is_model_ready(model, str(version)))
+            return bool(self.client.is_model_ready(model, "" if version is None else str(version)))
         except (InferenceServerException, OSError):
             return False
 
@@ -199,7 +200,7 @@ class Server:
     def infer(self, model: str, version: int, arrays: dict) -> dict:
         tensors = []
         for name, array in arrays.items():
-            tensor = httpclient.InferInput(name, list(array.shape), _triton_dtype(array))
+            tensor = httpclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
             tensor.set_data_from_numpy(array)
             tensors.append(tensor)
         try:
@@ -218,11 +219,6 @@ class Server:
             dtype = triton_to_np_dtype(spec["data_type"].removeprefix("TYPE_"))
             arrays[spec["name"]] = np.zeros(shape, dtype=dtype)
         return arrays
-
-
-def _triton_dtype(array: np.ndarray) -> str:
-    from tritonclient.utils import np_to_triton_dtype
-    return np_to_triton_dtype(array.dtype)
 
 
 def connect(endpoints: Iterable[Endpoint], api_key: Optional[str], timeout_s: float = 120.0) -> list[Server]:

@@ -155,7 +155,8 @@ def histogram_quantile(q: float, after: Snapshot, before: Optional[Snapshot], na
     return bounds[-1]
 
 
-def read(source, retries: int = 0) -> Snapshot:
+def read(source) -> Snapshot:
+    """A snapshot from ``source``; none of its servers readable is an error (some is not)."""
     snapshot = source.snapshot()
     if snapshot.errors and not snapshot.values:
         raise UnavailableError(f"metrics: none readable from {source.describe()}: "

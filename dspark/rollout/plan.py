@@ -83,7 +83,6 @@ class Warmup(_Strict):
     """Requests sent straight to the new version before any traffic; one failure rolls back."""
 
     requests: int = Field(default=5, ge=0)
-    timeout_s: float = Field(default=30.0, gt=0)
 
 
 class Plan(_Strict):

@@ -99,10 +99,6 @@ class Rollout:
         data["paused"] = bool(data["paused"])
         return cls(**data)
 
-    @property
-    def active(self) -> bool:
-        return self.phase != "done"
-
 
 class StateStore:
     """Rollouts, events and commands in SQLite (WAL; each call is its own committed transaction)."""

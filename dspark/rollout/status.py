@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import time
-from pathlib import Path
 from typing import Optional, Sequence
 
 from dspark.errors import ConfigError, DsparkError
@@ -114,7 +113,8 @@ def render(report: dict) -> str:
     lines.append("")
     lines.append(f"{'version':<8} {'req/s':>8} {'errors':>8} {'mean ms':>8} {'p99 ms':>8}")
     for row in report["versions"]:
-        lines.append(f"v{row['version']:<7} {row['rps']:>8.1f} {_fmt(row['error_rate'] and 100 * row['error_rate'], '{:.1f}%') if row['error_rate'] is not None else '-':>8} "
+        errors = None if row["error_rate"] is None else 100 * row["error_rate"]
+        lines.append(f"v{row['version']:<7} {row['rps']:>8.1f} {_fmt(errors, '{:.1f}%'):>8} "
                      f"{_fmt(row['mean_ms'], '{:.1f}'):>8} {_fmt(row['p99_ms'], '{:.1f}'):>8}")
     return "\n".join(lines)
 

@@ -4,13 +4,13 @@ is recovered (finished or rolled back) — with zero failed client requests thro
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -112,6 +112,20 @@ def test_regression_rolls_back_within_two_intervals(site, behaviour, reason):
     assert (rollout.phase, rollout.outcome) == ("done", "rolled_back") and reason in rollout.reason
     assert served_versions(site) == before  # the new version is gone, the current one kept serving
     assert not (site.repo / demo.MODEL / str(rollout.new_version)).exists()
+    assert_consistent(site)
+
+
+def test_accuracy_on_a_labelled_set_gates_the_version_before_any_traffic(site):
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0.1, 1.0, size=(20, 3)).astype(np.float32)
+    np.savez(site.root / "labelled.npz", x=x, labels=np.argmax(x, axis=1))
+    plan = {**FAST_PLAN, "analysis": {**FAST_PLAN["analysis"], "accuracy": {
+        "dataset": str(site.root / "labelled.npz"), "output": "y", "min": 0.9}}}
+    outcome, state = run_rollout(site, plan, scale=-2.0)  # y = -2x: the arg-max is now the smallest x
+    assert not outcome.promoted and "accuracy 0.000 of version" in outcome.reason
+    scores = next(e for e in state.events(outcome.rollout.id, ("accuracy",)))["data"]
+    assert scores[str(outcome.rollout.current_version)] == 1.0
+    assert not state.events(outcome.rollout.id, ("route",))[:-1]  # judged before any traffic
     assert_consistent(site)
 
 

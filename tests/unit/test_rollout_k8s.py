@@ -4,7 +4,6 @@ controller together as dspark expects; the routing sidecar's sync against an S3 
 from __future__ import annotations
 
 import shlex
-from pathlib import Path
 
 import boto3
 import kubernetes_validate

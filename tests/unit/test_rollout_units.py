@@ -92,9 +92,9 @@ def test_histogram_quantile_interpolates_inside_a_bucket():
 
 
 # ---------------------------------------------------------------- analysis
-def interval(v2_success, v2_us, v2_errors=0, v1_success=200, v1_us=1_000_000, shadow=(0, 0, 0)):
+def interval_text(v2_success, v2_us, v2_errors=0, v1_success=200, v1_us=1_000_000, shadow=(0, 0, 0)) -> str:
     agree, disagree, error = shadow
-    text = f"""# TYPE nv_inference_request_success counter
+    return f"""# TYPE nv_inference_request_success counter
 nv_inference_request_success{{model="m",version="1"}} {v1_success}
 nv_inference_request_success{{model="m",version="2"}} {v2_success}
 # TYPE nv_inference_compute_infer_duration_us counter
@@ -107,7 +107,10 @@ dspark_router_shadow_total{{model="r",version="2",outcome="agree"}} {agree}
 dspark_router_shadow_total{{model="r",version="2",outcome="disagree"}} {disagree}
 dspark_router_shadow_total{{model="r",version="2",outcome="error"}} {error}
 """
-    return snapshot(text)
+
+
+def interval(*args, **kwargs) -> Snapshot:
+    return snapshot(interval_text(*args, **kwargs))
 
 
 RULES = Analysis(min_requests=20, max_error_rate=0.05, max_latency_ratio=1.5, max_disagreement=0.1)
@@ -140,6 +143,19 @@ def test_too_few_requests_are_not_judged():
 def test_shadow_disagreement_and_errors():
     result = verdict(interval(100, 500_000, shadow=(60, 30, 10)), phase="shadow")
     assert "shadow disagreement 33.3%" in result.breach and "error rate 10.0%" in result.breach
+
+
+def test_p99_from_the_routers_histograms_in_canary_steps():
+    text = interval_text(100, 500_000) + "# TYPE dspark_router_latency_seconds histogram\n"
+    for version, fast in (("1", 100), ("2", 10)):  # version 2: 90 of 100 requests over 10 ms
+        for bound, count in (("0.01", fast), ("0.1", 100), ("+Inf", 100)):
+            text += f'dspark_router_latency_seconds_bucket{{model="r",tier="gold",version="{version}",le="{bound}"}} {count}\n'
+    rules = Analysis(min_requests=20, latency="p99", max_latency_ratio=1.5)
+    canary = judge(None, snapshot(text), model="m", router="r", current=1, new=2, phase="canary", rules=rules)
+    assert canary.current.p99_ms == pytest.approx(9.9) and canary.new.p99_ms == pytest.approx(10 + 90 * 89 / 90)
+    assert "p99 latency 99.0 ms on version 2 vs 9.9 ms on version 1" in canary.breach
+    shadow = judge(None, snapshot(text), model="m", router="r", current=1, new=2, phase="shadow", rules=rules)
+    assert shadow.new.p99_ms is None and shadow.breach is None  # a shadow step is judged on the mean (equal here)
 
 
 # ---------------------------------------------------------------- state and lock
