@@ -1,4 +1,5 @@
 """Build of the dspark package and its compiled kernels in cython_ext/."""
+import os
 import platform
 from pathlib import Path
 
@@ -8,6 +9,10 @@ from Cython.Build import cythonize
 from setuptools import Extension, find_packages, setup
 
 HERE = Path(__file__).parent
+# DSPARK_SANITIZE=1: build with AddressSanitizer + UndefinedBehaviorSanitizer (`make sanitize`,
+# into its own build folder; the package's own build is never sanitized).
+SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g"] \
+    if os.environ.get("DSPARK_SANITIZE") == "1" else []
 
 
 def cython_extension(name: str, sources: list[str], **kwargs) -> Extension:
@@ -17,6 +22,8 @@ def cython_extension(name: str, sources: list[str], **kwargs) -> Extension:
         [f"cython_ext/{source}" for source in sources],
         include_dirs=["cython_ext", numpy.get_include(), *kwargs.pop("include_dirs", [])],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"), *kwargs.pop("define_macros", [])],
+        extra_compile_args=[*kwargs.pop("extra_compile_args", []), *SANITIZE],
+        extra_link_args=SANITIZE,
         **kwargs,
     )
 
@@ -32,7 +39,7 @@ SIMD_FLAGS = {
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 SIMD_LIBRARIES = [
     (f"dspark_simd_{isa}", {"sources": [f"cython_ext/simd_{isa}.c"], "include_dirs": ["cython_ext"],
-                            "cflags": ["-fPIC", "-fvisibility=hidden", *flags]})
+                            "cflags": ["-fPIC", "-fvisibility=hidden", *flags, *SANITIZE]})
     for isa, flags in SIMD_FLAGS.items() if X86 or isa == "scalar"
 ]
 # The GEMM: OpenBLAS from the scipy-openblas32 wheel (headers + .so), found at run time via rpath.
@@ -77,6 +84,7 @@ setup(
         "click>=8.1",
         "PyYAML>=6.0",
         "pydantic>=2.5",
+        "psutil>=5.9",
         "scipy-openblas32>=0.3.27",
         "scipy>=1.10",
         "threadpoolctl>=3.1",

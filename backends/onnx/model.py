@@ -1,9 +1,10 @@
 """Triton Python-based backend `onnx`: serve an ONNX model with ONNX Runtime.
 
-Config parameters (all optional): execution_providers (ordered preference, comma separated,
-CPUExecutionProvider always last), intra_op_threads (1), inter_op_threads (1), allow_spinning
-(false), graph_optimization_level (all|extended|basic|disable). The model file is
-`default_model_filename` or model.onnx in the version folder.
+Config parameters (all optional; dspark.triton.backend_parameters.OnnxParameters):
+execution_providers (ordered preference, comma separated, CPUExecutionProvider always last),
+intra_op_threads (1), inter_op_threads (1), allow_spinning (false), graph_optimization_level
+(all|extended|basic|disable). The model file is `default_model_filename` or model.onnx in the
+version folder.
 """
 import json
 from pathlib import Path
@@ -12,14 +13,8 @@ import triton_python_backend_utils as pb_utils
 
 from dspark.engines.onnx_session import OnnxRunner, batch_groups, read_graph_signature
 from dspark.errors import RequestError
-from dspark.triton.adapter import (
-    config_parameters,
-    parameter_bool,
-    parameter_int,
-    parameter_list,
-    stub_version_dir,
-    triton_error,
-)
+from dspark.triton.adapter import parse_parameters, stub_version_dir, triton_error
+from dspark.triton.backend_parameters import OnnxParameters
 from dspark.triton.tensors import TensorSpec, check_inputs
 
 DEFAULT_FILENAME = "model.onnx"
@@ -65,7 +60,7 @@ class TritonPythonModel:
 
     def initialize(self, args):
         self.model_config = json.loads(args["model_config"])
-        params = config_parameters(self.model_config)
+        params = parse_parameters(OnnxParameters, self.model_config)
         filename = self.model_config.get("default_model_filename") or DEFAULT_FILENAME
         model_path = Path(args["model_repository"]) / args["model_version"] / filename
         if not model_path.is_file():
@@ -75,14 +70,13 @@ class TritonPythonModel:
         self.batched = self.model_config["max_batch_size"] > 0
         self.inputs = [TensorSpec.from_config(entry) for entry in self.model_config["input"]]
         self.output_specs = [TensorSpec.from_config(entry) for entry in self.model_config["output"]]
-        spinning = parameter_bool(params, "allow_spinning", False)
         self.runner = OnnxRunner(
             model_path,
-            providers=parameter_list(params, "execution_providers", ("CPUExecutionProvider",)),
-            intra_op_threads=parameter_int(params, "intra_op_threads", 1),
-            inter_op_threads=parameter_int(params, "inter_op_threads", 1),
-            allow_spinning=spinning,
-            graph_optimization_level=params.get("graph_optimization_level") or "all",
+            providers=params.execution_providers,
+            intra_op_threads=params.intra_op_threads,
+            inter_op_threads=params.inter_op_threads,
+            allow_spinning=params.allow_spinning,
+            graph_optimization_level=params.graph_optimization_level,
         )
         logger = pb_utils.Logger
         for provider, reason in self.runner.choice.skipped.items():
@@ -90,7 +84,7 @@ class TritonPythonModel:
         logger.log_info(
             f"onnx backend: loaded {args['model_name']} version {args['model_version']} from {model_path} "
             f"on {self.runner.choice.chosen}, intra_op_threads={self.runner.session.get_session_options().intra_op_num_threads}, "
-            f"spinning={'on' if spinning else 'off'}"
+            f"spinning={'on' if params.allow_spinning else 'off'}"
         )
         labels = {"model": args["model_name"], "version": args["model_version"]}
         # Families must outlive their metrics, so both are kept on the instance.
@@ -108,7 +102,9 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             feeds[name] = None if tensor is None else tensor.as_numpy()
         check_inputs(self.inputs, feeds, self.batched)
-        return {name: array for name, array in feeds.items() if array is not None}
+        feeds = {name: array for name, array in feeds.items() if array is not None}
+        self.runner.check_feeds(feeds)
+        return feeds
 
     def execute(self, requests):
         responses = [None] * len(requests)

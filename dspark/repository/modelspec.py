@@ -26,6 +26,11 @@ SEMVER_PATTERN = r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:-([0-9A-Za-z.-]+)
 DataType = Literal["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
                    "FP16", "FP32", "FP64", "BF16", "STRING"]
 SemVer = Annotated[str, Field(pattern=SEMVER_PATTERN)]
+# A model name is a folder in the repository and a segment of Triton's URLs (/v2/models/<name>):
+# letters, digits, _ - and dots, not starting with a dot (so never '.', '..' or a hidden folder),
+# no path separators; at most 128 characters.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$"
+ModelName = Annotated[str, Field(pattern=MODEL_NAME_PATTERN)]
 STRICT = ConfigDict(extra="forbid")
 
 
@@ -100,7 +105,7 @@ class VersionRecord:
 @dataclass
 class ModelSpec:
     __pydantic_config__ = STRICT
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$")]
+    name: ModelName
     framework: str
     versions: list[VersionRecord] = field(default_factory=list)
     backend: str = ""
@@ -160,7 +165,7 @@ class ModelSpec:
     @classmethod
     def load(cls, path: Path) -> "ModelSpec":
         try:
-            data = yaml.safe_load(Path(path).read_text())
+            data = yaml.safe_load(read_text(path))
         except yaml.YAMLError as error:
             raise SpecError("", f"not valid YAML: {error}", path) from None
         if not isinstance(data, dict):
@@ -324,4 +329,22 @@ def parse_config_text(text: str, path: Optional[Path] = None) -> mc.ModelConfig:
 
 
 def load_config(path: Path) -> mc.ModelConfig:
-    return parse_config_text(Path(path).read_text(), path)
+    return parse_config_text(read_text(path), path)
+
+
+def read_text(path: Path) -> str:
+    """A repository file's text; SpecError naming the file and the first bad byte if it is not UTF-8."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise SpecError("", f"is not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}): "
+                            "save it as UTF-8", path) from None
+
+
+def check_model_name(name: str) -> str:
+    """The name, or SpecError saying which characters a model name may use."""
+    if not re.fullmatch(MODEL_NAME_PATTERN, name):
+        raise SpecError("name", f"{name!r} is not a valid model name: use letters, digits, '_', '-' and '.', "
+                                "not starting with '.', no '/' (at most 128 characters)")
+    return name

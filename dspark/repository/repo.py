@@ -22,6 +22,7 @@ from dspark.repository.modelspec import (
     SpecError,
     TensorSpec,
     VersionRecord,
+    check_model_name,
     load_config,
     semver_key,
 )
@@ -109,6 +110,7 @@ def _spec_for_new_model(name: str, artifact: Path, framework: str) -> ModelSpec:
 def add_version(repository: Path, name: str, artifact: Path, semver: str,
                 framework: Optional[str] = None) -> VersionRecord:
     """Copy an artifact into the next version folder and record its semantic version."""
+    check_model_name(name)
     artifact = Path(artifact)
     if not artifact.exists():
         raise SpecError("artifact", f"{artifact} does not exist")
