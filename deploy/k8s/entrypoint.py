@@ -17,17 +17,14 @@ from dspark.triton.server import (DEFAULT_HEADER_PATTERN, ServerPorts, TritonSer
 
 
 def main() -> None:
-    key = os.environ["DSPARK_API_KEY"]
-    restricted = f"model-repository:dspark-api-key={key}"
     server = TritonServer(
         repositories=[Path(os.environ.get("LOCAL_REPOSITORY", "/models/local"))],
         ports=ServerPorts(8000, 8001, 8002),
         model_control="explicit",
         load_models=[m for m in os.environ.get("LOAD_MODELS", "").split(",") if m],
+        host="0.0.0.0",  # a pod serves its cluster; the repository API stays behind the key
+        api_key=os.environ["DSPARK_API_KEY"],
         extra_args=[f"--model-repository={os.environ['MODEL_REPOSITORY']}",
-                    # a pod serves its cluster: every address, the repository API behind the key
-                    "--http-address=0.0.0.0", "--grpc-address=0.0.0.0", "--metrics-address=0.0.0.0",
-                    f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}",
                     *header_forward_args(DEFAULT_HEADER_PATTERN)],
     )
     install = find_server()

@@ -23,7 +23,7 @@ from dspark.rollout.controller import Controller, Deployment
 from dspark.rollout.fleet import Endpoint
 from dspark.rollout.plan import Plan
 from dspark.rollout.state import StateStore
-from dspark.triton.server import DEFAULT_HEADER_PATTERN, TritonServer, header_forward_args
+from dspark.triton.server import DEFAULT_HEADER_PATTERN, TritonServer, header_forward_args, new_api_key
 
 KINDS = {"good": {}, "slow": {"service_ms": 10.0}, "error": {"fail_after": 10}}
 PATTERN = ("good", "slow", "good", "error")
@@ -72,10 +72,11 @@ def run_benchmark(rollouts: int, servers: int, threads: int, interval_s: float, 
     repo = demo.build_repository(workdir / "repo")
     fleet = []
     load = None
+    key = new_api_key()
     try:
         for _ in range(servers):
             server = TritonServer([repo], model_control="explicit", load_models=[demo.MODEL, demo.ROUTER],
-                                  exit_timeout_s=2, extra_args=header_forward_args(DEFAULT_HEADER_PATTERN))
+                                  exit_timeout_s=2, api_key=key, extra_args=header_forward_args(DEFAULT_HEADER_PATTERN))
             server.start()
             fleet.append(server)
         load = demo.LoadGenerator([s.http_url for s in fleet], threads_per_server=threads).start()
@@ -87,7 +88,7 @@ def run_benchmark(rollouts: int, servers: int, threads: int, interval_s: float, 
         deployment = Deployment(demo.MODEL, demo.ROUTER, str(repo),
                                 [Endpoint.parse(s.http_url, s.metrics_url) for s in fleet])
         state = StateStore(workdir / "state.sqlite")
-        controller = Controller(deployment, plan, state, say=lambda line: None)
+        controller = Controller(deployment, plan, state, key, say=lambda line: None)
         rows = []
         time.sleep(1.0)
         for i in range(rollouts):

@@ -21,10 +21,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype, tri
 
 from dspark.errors import ConfigError, UnavailableError
 
-try:  # the constant lives with the server launcher (issue 9); same value until that lands
-    from dspark.triton.server import API_KEY_HEADER
-except ImportError:  # pragma: no cover
-    API_KEY_HEADER = "dspark-api-key"
+from dspark.triton.server import repository_headers
 
 
 @dataclass(frozen=True)
@@ -109,7 +106,7 @@ class Server:
 
     def __init__(self, endpoint: Endpoint, api_key: Optional[str] = None, timeout_s: float = 120.0):
         self.endpoint = endpoint
-        self.headers = {API_KEY_HEADER: api_key} if api_key else None
+        self.headers = repository_headers(api_key) or None
         self.timeout_s = timeout_s
         self._local = threading.local()
         self._clients: list[httpclient.InferenceServerClient] = []

@@ -71,7 +71,7 @@ def run_rollout(site, plan=FAST_PLAN, **behaviour):
     path, semver = artifact(site, **behaviour)
     deployment = Deployment(demo.MODEL, demo.ROUTER, str(site.repo), [site.endpoint])
     state = StateStore(site.state_path)
-    controller = Controller(deployment, Plan.from_dict(plan), state, say=lambda line: None)
+    controller = Controller(deployment, Plan.from_dict(plan), state, site.server.api_key, say=lambda line: None)
     try:
         return controller.start(path, semver), state
     finally:
@@ -79,7 +79,7 @@ def run_rollout(site, plan=FAST_PLAN, **behaviour):
 
 
 def served_versions(site) -> set[int]:
-    server = Server(site.endpoint)
+    server = Server(site.endpoint, site.server.api_key)
     versions = {int(i["version"]) for i in server.index() if i["name"] == demo.MODEL and i.get("state") == "READY"}
     server.close()
     return versions
@@ -131,7 +131,7 @@ def test_accuracy_on_a_labelled_set_gates_the_version_before_any_traffic(site):
 
 def test_pause_resume_and_promote_by_hand_while_under_load(site):
     runner = CliRunner()
-    base = ["--state", str(site.state_path)]
+    base = ["--state", str(site.state_path), "--api-key", site.server.api_key]
     result = {}
     import threading
     thread = threading.Thread(target=lambda: result.update(out=run_rollout(site, held_plan(60))))
@@ -172,7 +172,7 @@ def test_pause_resume_and_promote_by_hand_while_under_load(site):
 
 def _cli(site, *args) -> subprocess.Popen:
     command = [sys.executable, "-c", "from dspark.cli.main import main; main()", "rollout", *args,
-               "--state", str(site.state_path)]
+               "--state", str(site.state_path), "--api-key", site.server.api_key]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -18,7 +18,7 @@ from dspark.rollout.plan import Plan
 from dspark.rollout.state import StateStore
 from dspark.rollout.store import S3Store
 from dspark.routing.config import RoutingConfig
-from dspark.triton.server import DEFAULT_HEADER_PATTERN, TritonServer, header_forward_args
+from dspark.triton.server import DEFAULT_HEADER_PATTERN, TritonServer, header_forward_args, new_api_key
 
 pytestmark = pytest.mark.integration
 SERVERS = 3
@@ -46,13 +46,14 @@ def fleet(request, tmp_path_factory):
     demo.publish_to_s3(local, url)
     shutil.rmtree(local / demo.MODEL)  # the model lives in S3 only; the router stays local
     servers = []
+    key = new_api_key()  # one key for the fleet: the controller presents it to every server
     failed_before = request.session.testsfailed
     try:
         for i in range(SERVERS):
             if i == SERVERS - 1:
                 os.environ[BROKEN_ENV] = "1"  # the last server lacks what a broken version needs
             server = TritonServer([local], model_control="explicit", load_models=[demo.MODEL, demo.ROUTER],
-                                  exit_timeout_s=TEST_EXIT_TIMEOUT_S,
+                                  exit_timeout_s=TEST_EXIT_TIMEOUT_S, api_key=key,
                                   extra_args=[f"--model-repository={url}", *header_forward_args(DEFAULT_HEADER_PATTERN)])
             try:
                 server.start()
@@ -64,6 +65,7 @@ def fleet(request, tmp_path_factory):
         load = demo.LoadGenerator([s.http_url for s in servers], threads_per_server=1).start()
         site = type("Fleet", (), {})()
         site.root, site.url, site.local, site.servers, site.load = root, url, local, servers, load
+        site.key = key
         site.prometheus_url = prometheus_url
         site.endpoints = [Endpoint.parse(s.http_url, s.metrics_url) for s in servers]
         site.n = 0
@@ -86,7 +88,7 @@ def rollout(fleet, prometheus: bool = False, **behaviour):
                             routing_file=str(fleet.local / "routing.yaml"),
                             prometheus=fleet.prometheus_url if prometheus else None)
     state = StateStore(fleet.root / "state.sqlite")
-    controller = Controller(deployment, Plan.from_dict(PLAN), state, say=print)
+    controller = Controller(deployment, Plan.from_dict(PLAN), state, fleet.key, say=print)
     try:
         return controller.start(path, semver), state
     finally:
@@ -96,7 +98,7 @@ def rollout(fleet, prometheus: bool = False, **behaviour):
 def fleet_versions(fleet) -> list[set[int]]:
     out = []
     for endpoint in fleet.endpoints:
-        server = Server(endpoint)
+        server = Server(endpoint, fleet.key)
         out.append({int(i["version"]) for i in server.index() if i["name"] == demo.MODEL and i.get("state") == "READY"})
         server.close()
     return out

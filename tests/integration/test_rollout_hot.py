@@ -43,7 +43,7 @@ def test_new_version_goes_live_with_zero_failed_requests(served):
             out = runner.invoke(repo_cli, ["add", MODEL, str(artifact), "--version", semver, "-r", str(repo)])
         else:
             out = runner.invoke(repo_cli, ["publish", MODEL, str(artifact), "--version", semver, "-r", str(repo),
-                                           "--server", server.http_url])
+                                           "--server", server.http_url, "--api-key", server.api_key])
             assert f"{MODEL} {semver} (version {folder}) live" in out.output, out.output
         assert out.exit_code == 0, out.output
         deadline = time.monotonic() + 30  # poll mode: Triton looks every 2 s
