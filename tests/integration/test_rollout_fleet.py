@@ -4,9 +4,9 @@ Prometheus scraping the fleet; a server that cannot load the version rolls it ba
 (regressions are rolled back on the fleet by the benchmark, on one server by test_rollout.py). Zero failed client requests throughout."""
 from __future__ import annotations
 
-import os
 import shutil
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -31,6 +31,13 @@ PLAN = {
 }
 
 
+class BrokenServer(TritonServer):
+    """A server whose environment has BROKEN_ENV: versions built with broken_where=BROKEN_ENV fail to load."""
+
+    def environment(self, install):
+        return {**super().environment(install), BROKEN_ENV: "1"}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -49,17 +56,14 @@ def fleet(request, tmp_path_factory):
     key = new_api_key()  # one key for the fleet: the controller presents it to every server
     failed_before = request.session.testsfailed
     try:
-        for i in range(SERVERS):
-            if i == SERVERS - 1:
-                os.environ[BROKEN_ENV] = "1"  # the last server lacks what a broken version needs
-            server = TritonServer([local], model_control="explicit", load_models=[demo.MODEL, demo.ROUTER],
-                                  exit_timeout_s=TEST_EXIT_TIMEOUT_S, api_key=key,
-                                  extra_args=[f"--model-repository={url}", *header_forward_args(DEFAULT_HEADER_PATTERN)])
-            try:
-                server.start()
-            finally:
-                os.environ.pop(BROKEN_ENV, None)
-            servers.append(server)
+        # the last server lacks what a broken version needs
+        servers = [(BrokenServer if i == SERVERS - 1 else TritonServer)(
+            [local], model_control="explicit", load_models=[demo.MODEL, demo.ROUTER],
+            exit_timeout_s=TEST_EXIT_TIMEOUT_S, api_key=key,
+            extra_args=[f"--model-repository={url}", *header_forward_args(DEFAULT_HEADER_PATTERN)])
+            for i in range(SERVERS)]
+        with ThreadPoolExecutor(SERVERS) as pool:
+            list(pool.map(TritonServer.start, servers))
         prometheus, prometheus_url = demo.serve_prometheus(
             [s.metrics_url.split("//")[1].split("/")[0] for s in servers], root / "prometheus", free_port())
         load = demo.LoadGenerator([s.http_url for s in servers], threads_per_server=1).start()
@@ -76,7 +80,8 @@ def fleet(request, tmp_path_factory):
     finally:
         for server in servers:
             dump_log_on_failure(request, server, failed_before)
-            server.stop()
+        with ThreadPoolExecutor(SERVERS) as pool:
+            list(pool.map(TritonServer.stop, servers))
         s3.stop()
 
 
