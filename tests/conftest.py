@@ -26,10 +26,13 @@ def dump_log_on_failure(request: pytest.FixtureRequest, server: TritonServer, fa
 
 
 @contextmanager
-def serving(request: pytest.FixtureRequest, repositories: Sequence[Path]) -> Iterator[TritonServer]:
-    """A real server on free ports for a fixture: headers forwarded, log dumped if a test failed."""
+def serving(request: pytest.FixtureRequest, repositories: Sequence[Path], **options) -> Iterator[TritonServer]:
+    """A real server on free ports for a fixture: headers forwarded, log dumped if a test failed.
+
+    ``options`` go to TritonServer (e.g. model_control="explicit": then ``server.repository_headers``
+    carry the generated API key that load/unload calls need)."""
     server = TritonServer(repositories=repositories, exit_timeout_s=TEST_EXIT_TIMEOUT_S,
-                          extra_args=header_forward_args(DEFAULT_HEADER_PATTERN))
+                          extra_args=header_forward_args(DEFAULT_HEADER_PATTERN), **options)
     failed_before = request.session.testsfailed
     server.start()
     try:

@@ -17,6 +17,7 @@ directory, re-read on change). The target's instance count comes from its config
 same repository (``max_inflight: auto``).
 """
 
+import gc
 import json
 import logging
 import os
@@ -105,6 +106,13 @@ class _TritonMetrics(RouterMetrics):
     def fast_path(self, count):
         self._get("fast_path").increment(count)
 
+    def close(self):
+        """Remove this router's series from /metrics (a stub that exits leaves them there):
+        each metric first, then the families, as Triton requires."""
+        self._metrics.clear()
+        self.families.clear()
+        gc.collect()
+
 
 class _BlsTarget:
     """The target model through BLS. A payload is (input tensors, output names, the client's
@@ -166,7 +174,8 @@ class TritonPythonModel:
                         self.name, router_count)
         stages_dir = os.environ.get(STAGES_ENV)
         self.stages = StageTimes(Path(stages_dir) / f"{self.name}.json") if stages_dir else None
-        self.core = RouterCore(watcher, _BlsTarget(self.target), _TritonMetrics(self.name), name=self.name,
+        self.metrics = _TritonMetrics(self.name)
+        self.core = RouterCore(watcher, _BlsTarget(self.target), self.metrics, name=self.name,
                                target_name=self.target, target_instances=instances, stage_times=self.stages)
         self.core.start()
 
@@ -208,6 +217,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.core.stop()
+        self.metrics.close()
 
 
 def _copies(tensors):
