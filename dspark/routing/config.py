@@ -122,6 +122,10 @@ class RoutingConfig:
     # further calls in flight that only the top tier (highest weight) may use: a top-tier
     # request never waits behind lower-tier calls already queued at the target
     top_tier_headroom: NonNegativeInt = 1
+    # a further call may go out this long before a running call is expected to end (its average
+    # latency), so the instance gets its next request without waiting for the router's hand-off
+    # (~0.5-1 ms per call); 0 = never
+    handoff_lead_ms: NonNegative = 2.0
     fluctuation: FluctuationPolicy = field(default_factory=FluctuationPolicy)
     shares: dict[Annotated[int, Strict()], Percent] = field(default_factory=lambda: {1: 100.0})
     shadow: ShadowPolicy = field(default_factory=ShadowPolicy)
@@ -129,6 +133,9 @@ class RoutingConfig:
     # fast path: when nothing is queued and a slot is free, execute calls the target itself,
     # but only while the target's recent latency (EWMA) is at most this; 0 turns it off
     inline_max_ms: NonNegative = 5.0
+    # a request that waited at least this long in the queue is asked whether its client is still
+    # there before it is sent (an IPC round trip of ~0.2 ms, paid while the target waits for work)
+    cancel_check_ms: NonNegative = 1000.0
 
     def slots(self, target_instances: int | None) -> int:
         """Calls in flight that any tier may use (``max_inflight``, "auto" = the target's

@@ -166,8 +166,6 @@ class RouterCore:
     """One router: its queues, version split and shadow, served by lane threads.
 
     ``target_instances`` (from the target's config) sizes ``max_inflight: auto``.
-    ``cancel_check_s``: a queued request that waited at least this long is asked whether its
-    client is still there before it is dispatched (each check is an IPC round trip, ~0.15 ms).
     """
 
     def __init__(
@@ -180,7 +178,6 @@ class RouterCore:
         name: str = "router",
         target_name: str = "target",
         target_instances: int | None = None,
-        cancel_check_s: float = 0.05,
         stage_times: StageTimes | None = None,
     ):
         self.watcher = config if isinstance(config, ConfigWatcher) else None
@@ -191,7 +188,6 @@ class RouterCore:
         self.poll_interval_s = poll_interval_s
         self.name = name
         self.target_name = target_name
-        self.cancel_check_s = cancel_check_s
         self.stages = stage_times
         self.scheduler: TierScheduler[_Routed] = TierScheduler(self.config, clock(), target_instances)
         self.splitter = VersionSplitter(self.config.shares)
@@ -201,6 +197,8 @@ class RouterCore:
         self._wake_clock = threading.Condition(self._lock)
         self._clock_due = float("inf")  # when the clock thread wakes next
         self._calls: list[tuple[float, int, _Call]] = []  # heap of (timeout at, seq, call)
+        self._running: dict[int, float] = {}  # primary calls at the target: seq -> start
+        self._completed = 0  # primary calls that returned (the latency estimate exists)
         self._seq = itertools.count()
         self._counts: Counter[tuple[str, int]] = Counter()  # dispatches, exported per tick
         self._fast_path = 0
@@ -230,7 +228,7 @@ class RouterCore:
 
     def _add_lanes(self) -> None:
         """One lane per slot (lanes stuck in a hung call keep their slot, so this is enough)."""
-        while self._lanes < self.scheduler.capacity:
+        while self._lanes < self.scheduler.most_inflight:
             self._lanes += 1
             threading.Thread(target=self._lane_loop, name=f"{self.name}-lane{self._lanes}", daemon=True).start()
 
@@ -302,6 +300,7 @@ class RouterCore:
             except UnavailableError as exc:
                 error, label = exc, exc.reason
             else:
+                self._refresh_early(now)
                 if self.scheduler.may_dispatch(tier):
                     self._work.notify()
                 if pending.deadline_at < self._clock_due:
@@ -316,32 +315,34 @@ class RouterCore:
         return shadow.version is not None and shadow_sampled(key, shadow.percent)
 
     def _lane_loop(self) -> None:
-        pending = None
+        pending, previous_end = None, None
         while True:
             if pending is None:
                 with self._lock:
-                    while (pending := None if self._stopped else self.scheduler.pop_next(self.clock())) is None:
+                    while (pending := None if self._stopped else self._pop(self.clock())) is None:
                         if self._stopped:
                             return
                         self._work.wait()
+                previous_end = None
             try:
-                pending = self._serve(pending)
+                pending, previous_end = self._serve(pending, previous_end)
             except Exception:  # a bug here must not lose the lane (the request is answered by then)
                 log.exception("%s: lane failed", self.name)
                 pending = None
 
-    def _serve(self, pending: Pending[_Routed]) -> Pending[_Routed] | None:
+    def _serve(self, pending: Pending[_Routed], previous_end: float | None) -> tuple[Pending[_Routed] | None, float]:
         """Call the target for one request and answer it; returns the next request this lane
-        took (its slot is taken), or None."""
+        took (its slot is taken) or None, and when this call ended. ``previous_end``: when the
+        lane's previous call ended, if this request followed it at once."""
         routed, tier = pending.item, pending.tier
         job = routed.job
         started = self.clock()
         waited = started - pending.enqueued_at
         self.metrics.queue_time(tier, waited)
-        if self.stages is not None:
+        if self.stages is not None and previous_end is None:
             self.stages.add("queued: submit to lane", started - job.submitted_at)
         outputs, error, label = None, None, ""
-        if job.is_cancelled is not None and waited >= self.cancel_check_s and self._client_gone(job):
+        if job.is_cancelled is not None and 1000 * waited >= self.config.cancel_check_ms and self._client_gone(job):
             error, label = CancelledError(f"router '{self.name}': the client cancelled the request after "
                                           f"{1000 * waited:.0f} ms in the '{tier}' queue; not sent to the target"), "cancelled"
         else:
@@ -351,13 +352,15 @@ class RouterCore:
                 heapq.heappush(self._calls, (started + routed.timeout_s, next(self._seq), call))
                 if started + routed.timeout_s < self._clock_due:
                     self._wake_clock.notify()
+            if self.stages is not None and previous_end is not None:
+                self.stages.add("lane: a call's end to its next call", self.clock() - previous_end)
             outputs, error = self._call(job.payload, routed.version, routed.timeout_s)
             label = "target_error"
             call.done = True
         finished = self.clock()
         with self._lock:
             self.scheduler.release()
-            following = None if self._stopping else self.scheduler.pop_next(finished)
+            following = None if self._stopping else self._pop(finished)
             if self._stopping:
                 self._work.notify_all()  # stop() waits for the calls in flight
         shadow = (self._shadow_copies(job.payload, outputs)
@@ -368,7 +371,29 @@ class RouterCore:
             self._answer(job, tier, routed.version, outputs, error, label)
         if shadow is not None:
             self._shadow(*shadow)
-        return following
+        return following, finished
+
+    def _pop(self, now: float) -> Pending[_Routed] | None:
+        self._refresh_early(now)
+        return self.scheduler.pop_next(now)
+
+    def _lead_offset(self) -> float:
+        """How long after its start a running call frees its instance for an early call: its
+        expected latency less the hand-off lead (infinite when the lead is off)."""
+        lead = self.config.handoff_lead_ms / 1000
+        return self.target_ms / 1000 - lead if lead > 0 else float("inf")
+
+    def _refresh_early(self, now: float) -> None:
+        """Under the lock: how many running calls are about to end, i.e. within the lead of their
+        expected latency and not later than that by more than the lead (a slow or hung call
+        frees nothing): the scheduler may send that many further calls, which reach the target's
+        queue as its instances free up."""
+        offset, lead = self._lead_offset(), self.config.handoff_lead_ms / 1000
+        if not self._completed:
+            self.scheduler.early = 0  # no estimate of the target's latency yet
+            return
+        self.scheduler.early = sum(start + offset <= now <= start + offset + 2 * lead
+                                   for start in self._running.values())
 
     def _client_gone(self, job: Job) -> bool:
         try:
@@ -377,8 +402,14 @@ class RouterCore:
             return False
 
     def _call(self, payload: Any, version: int, timeout_s: float) -> tuple[Any, DsparkError | None]:
-        """A primary call, timed for the fast path's estimate; failures become DsparkErrors."""
+        """A primary call, timed for the fast path's estimate and the hand-off lead; failures
+        become DsparkErrors."""
         start = self.clock()
+        seq = next(self._seq)
+        with self._lock:
+            self._running[seq] = start
+            if start + self._lead_offset() < self._clock_due:
+                self._wake_clock.notify()
         try:
             outputs = self.target.call(payload, version, timeout_s)
         except DsparkError as exc:
@@ -387,7 +418,11 @@ class RouterCore:
             return None, DsparkError(f"target '{self.target_name}' version {version} failed: {exc}")
         finally:
             elapsed = self.clock() - start
-            self.target_ms += _EWMA_ALPHA * (1000 * elapsed - self.target_ms)
+            with self._lock:
+                # the first call sets the estimate; later ones move it by _EWMA_ALPHA
+                self.target_ms += (_EWMA_ALPHA if self._completed else 1.0) * (1000 * elapsed - self.target_ms)
+                del self._running[seq]
+                self._completed += 1
             if self.stages is not None:
                 self.stages.add("target call", elapsed)
         return outputs, None
@@ -436,8 +471,15 @@ class RouterCore:
                 now = self.clock()
                 expired = self.scheduler.expire(now)
                 overdue = self._overdue(now)
+                early = self.scheduler.early
+                self._refresh_early(now)
+                if self.scheduler.early > early and self.scheduler.has_queued():
+                    self._work.notify(self.scheduler.early - early)  # calls about to end: send the next ones
                 if not expired and not overdue and now < next_tick:
-                    heads = [t for t in (self.scheduler.next_deadline(), self._calls[0][0] if self._calls else None)
+                    offset = self._lead_offset()
+                    heads = [t for t in (self.scheduler.next_deadline(), self._calls[0][0] if self._calls else None,
+                                         min((start + offset for start in self._running.values()
+                                              if start + offset > now), default=None))
                              if t is not None]
                     self._clock_due = min([next_tick, *heads])
                     self._wake_clock.wait(max(0.0, self._clock_due - now))
@@ -527,6 +569,7 @@ class RouterCore:
                 tier = self.scheduler.resolve_tier(tier)
             except RequestError:
                 return None  # the queued path answers it with the error
+            self._refresh_early(now)
             if not self.scheduler.try_admit(tier, now):
                 return None
             key = routing_key(user_id, request_id)

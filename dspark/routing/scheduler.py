@@ -104,18 +104,20 @@ class _Tier:
 class TierScheduler(Generic[T]):
     """Picks which queued request goes to the target next.
 
-    Concurrency: any tier may have a call dispatched while fewer than ``limit`` calls are in
-    flight (``max_inflight``, "auto" = ``target_instances``); the top tier (highest base
-    weight) also while fewer than ``limit + headroom``. So the target's instances are kept
-    busy by whatever is queued, and a top-tier request finds a free slot (and at most the calls
-    already running ahead of it at the target) instead of waiting behind lower-tier calls that
-    Triton has queued for the target.
+    Concurrency: any tier may have a call dispatched while fewer than ``limit + early`` calls
+    are in flight (``max_inflight``, "auto" = ``target_instances``; ``early``, set by the
+    runtime, counts running calls expected to end within the hand-off lead, whose instance would
+    otherwise wait for the router); the top tier (highest base weight) also while fewer than
+    ``limit + early + headroom``. So the target's instances are kept busy by whatever is queued,
+    and a top-tier request finds a free slot (and at most the calls already running ahead of it
+    at the target) instead of waiting behind lower-tier calls that Triton has queued for it.
     """
 
     def __init__(self, config: RoutingConfig, now: float, target_instances: int | None = None):
         self.config = config
         self.target_instances = target_instances
         self.inflight = 0
+        self.early = 0  # extra calls any tier may send now (running calls about to end)
         self._tiers: dict[str, _Tier] = {}
         self._start = now
         self.reconfigure(config)
@@ -128,7 +130,8 @@ class TierScheduler(Generic[T]):
         self.config = config
         self.limit = config.slots(self.target_instances)
         self.top = config.top_tier
-        self.capacity = self.limit + config.top_tier_headroom  # calls in flight at most
+        self.headroom = config.top_tier_headroom
+        self.most_inflight = 2 * self.limit + self.headroom  # with every running call about to end
         for name, policy in config.tiers.items():
             if name in self._tiers:
                 self._tiers[name].policy = policy
@@ -179,14 +182,16 @@ class TierScheduler(Generic[T]):
 
     def may_dispatch(self, tier: str) -> bool:
         """Whether a call of ``tier`` fits in the concurrency limits now."""
-        return self.inflight < (self.capacity if tier == self.top else self.limit)
+        shared = self.limit + self.early
+        return self.inflight < (shared + self.headroom if tier == self.top else shared)
 
     def pop_next(self, now: float) -> Pending[T] | None:
         """Next request by smooth weighted round-robin over non-empty tiers, if a slot is free
-        (beyond ``limit`` only the top tier's)."""
-        if self.inflight >= self.capacity:
+        (beyond ``limit + early`` only the top tier's)."""
+        shared = self.limit + self.early
+        if self.inflight >= shared + self.headroom:
             return None
-        if self.inflight >= self.limit:
+        if self.inflight >= shared:
             top = self._tiers.get(self.top)
             eligible = [(self.top, top)] if top is not None and top.queue else []
         else:

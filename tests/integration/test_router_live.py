@@ -308,7 +308,7 @@ def test_queue_full_is_unavailable_end_to_end(live):
 
 def test_a_cancelled_grpc_request_is_not_sent_to_the_target(live):
     apply(live, shares={4: 100}, shadow=ShadowPolicy(), tiers=RoutingConfig().tiers, max_inflight=1,
-          top_tier_headroom=0, inline_max_ms=0)
+          top_tier_headroom=0, inline_max_ms=0, cancel_check_ms=100)
     time.sleep(1.1)  # counters of earlier tests exported
     sent_before = metric(live, "dspark_router_requests_total", version=4)
     cancelled_before = metric(live, "dspark_router_rejections_total", reason="cancelled")

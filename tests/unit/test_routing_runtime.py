@@ -114,6 +114,7 @@ def config(**kw):
         "standard": TierPolicy(weight=1, deadline_ms=2000),
     })
     kw.setdefault("top_tier_headroom", 0)
+    kw.setdefault("handoff_lead_ms", 0)
     return RoutingConfig(tiers=tiers, **kw).validate()
 
 
@@ -181,6 +182,29 @@ def test_top_tier_headroom_dispatches_diamond_past_a_full_target(run_core):
     client.wait()
     assert client.finished("d") - sent < 0.3
     assert target.most_running == 3
+
+
+def test_the_next_call_goes_out_just_before_a_running_call_ends(run_core):
+    """max_inflight 1 and a 30 ms hand-off lead: once the router knows the target takes ~100 ms,
+    each next call is sent ~70 ms into the running one (never earlier, never more than one)."""
+    target = FakeTarget(service_s=0.1)
+    core = run_core(config(max_inflight=1, handoff_lead_ms=30, inline_max_ms=0), target)
+    client = Client()
+    core.submit(client.job("warm-up"))
+    client.wait()
+    starts = []
+    original = target.call
+
+    def timed(payload, version, timeout_s):
+        starts.append(time.monotonic())
+        return original(payload, version, timeout_s)
+    target.call = timed
+    for i in range(4):
+        core.submit(client.job(f"r{i}"))
+    client.wait()
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert all(0.055 < gap < 0.095 for gap in gaps), gaps
+    assert target.most_running == 2
 
 
 def test_deadline_and_queue_full_give_explained_errors(run_core):
@@ -264,7 +288,7 @@ def test_a_hanging_target_times_out_with_unavailable_and_keeps_its_slot(run_core
 def test_cancelled_requests_are_not_sent_to_the_target(run_core):
     target = FakeTarget(service_s=0.1)
     metrics = Recorder()
-    core = run_core(config(max_inflight=1), target, metrics, cancel_check_s=0.0)
+    core = run_core(config(max_inflight=1, cancel_check_ms=0), target, metrics)
     client = Client()
     gone = threading.Event()
     core.submit(client.job("first"))
@@ -441,7 +465,7 @@ def test_fast_path_times_out_a_hanging_target_and_closes(run_core):
 def test_fast_path_shadow_runs_after_the_answer_and_errors_count(run_core):
     def broken(payload):
         raise RuntimeError("primary exploded")
-    target = FakeTarget(behaviour={3: broken})
+    target = FakeTarget(service_s=0.001, behaviour={3: broken})
     metrics = Recorder()
     core = run_core(config(shares={1: 100}, shadow=ShadowPolicy(version=2, percent=100, max_inflight=5)),
                     target, metrics)

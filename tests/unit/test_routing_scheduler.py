@@ -197,7 +197,7 @@ def test_try_admit_takes_a_slot_only_when_nothing_is_queued():
 def test_headroom_is_for_the_top_tier_only():
     cfg = RoutingConfig(max_inflight="auto", top_tier_headroom=1).validate()
     s = TierScheduler(cfg, 0.0, target_instances=2)
-    assert (s.limit, s.capacity, s.top) == (2, 3, "diamond")
+    assert (s.limit, s.headroom, s.top) == (2, 1, "diamond")
     for i in range(5):
         s.submit(("s", i), "standard", 0.0)
         s.submit(("g", i), "gold", 0.0)
