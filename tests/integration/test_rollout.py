@@ -191,7 +191,7 @@ def _start_and_kill(site) -> tuple[StateStore, int]:
     """Start `dspark rollout run` in a process and kill -9 it during its canary step."""
     path, semver = artifact(site)
     plan = site.root / "slow-plan.yaml"
-    plan.write_text(yaml.safe_dump(held_plan(4)))
+    plan.write_text(yaml.safe_dump(held_plan(2)))
     process = _cli(site, "run", demo.MODEL, str(path), "--version", semver, "-r", str(site.repo),
                    "--router", demo.ROUTER, "--server", site.server.http_url, "--metrics-url",
                    site.server.metrics_url, "--plan", str(plan))
