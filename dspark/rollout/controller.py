@@ -349,12 +349,17 @@ class Controller:
     def _confirm(self, version: int) -> None:
         deadline = time.monotonic() + CONFIRM_TIMEOUT_S
         router = self.deployment.router
+        down: set[str] = set()
         while True:
             snapshot = self.direct.snapshot()
             lagging = []
-            for endpoint in self.deployment.endpoints:
+            for server, endpoint in zip(self.servers, self.deployment.endpoints):
                 if endpoint.metrics_url in snapshot.errors:
-                    lagging.append(f"{endpoint.url} (metrics unreachable)")
+                    if endpoint.url not in down and not server.healthy():
+                        down.add(endpoint.url)  # a server that is down routes nothing
+                        self._event("warning", f"{endpoint.url} is down: routing version {version} not confirmed there")
+                    if endpoint.url not in down:
+                        lagging.append(f"{endpoint.url} (metrics unreachable)")
                     continue
                 seen = [v for _, v in snapshot.select("dspark_router_config_version", model=router,
                                                       instance=endpoint.metrics_url)]
