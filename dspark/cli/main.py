@@ -2,9 +2,8 @@
 import click
 
 from dspark import __version__
-from dspark.cli import bench, bench_router, info, repo, rollout, route, serve
+from dspark.cli import bench, bench_router, bench_rollout, info, repo, rollout, route, serve
 from dspark.cli import bench_spec, kernels  # noqa: F401  (add `bench spec`, `bench kernels`, `bench pool`)
-from dspark.rollout import bench as rollout_bench
 
 COMMANDS = [
     serve.serve,
@@ -16,7 +15,7 @@ COMMANDS = [
     rollout.rollout,
 ]
 bench.bench.add_command(bench_router.router)
-bench.bench.add_command(rollout_bench.rollout_bench)
+bench.bench.add_command(bench_rollout.rollout_bench)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -86,7 +86,7 @@ def run(model, artifact, semver, repository, router, routing_file, servers, metr
                                 read_endpoints(servers, metrics_urls, servers_file, servers_dns), routing_file, prometheus)
     except DsparkError as error:
         _fail(error)
-    _drive(deployment, plan, state_path, api_key, lambda c: c.start(artifact, semver))
+    _drive(deployment, plan, _open_state(state_path), api_key, lambda c: c.start(artifact, semver))
 
 
 @rollout.command()
@@ -96,17 +96,27 @@ def run(model, artifact, semver, repository, router, routing_file, servers, metr
 @_key_option
 def recover(model, roll_back, state_path, api_key) -> None:
     """Finish (or --rollback) a rollout whose controller was stopped or killed."""
+    state, active = _active(state_path, model)
+    _drive_recorded(active, state, api_key, roll_back)
+
+
+def _active(state_path: Optional[Path], model: str):
+    """The state file and the rollout of ``model`` in progress (an error when there is none)."""
     state = _open_state(state_path)
     active = state.active(model)
     if active is None:
-        _fail(click.ClickException(f"no interrupted rollout of '{model}'"))
+        _fail(click.ClickException(f"no rollout of '{model}' in progress"))
+    return state, active
+
+
+def _drive_recorded(active, state: StateStore, api_key, roll_back: bool) -> None:
+    """Recover a rollout with the deployment and plan it recorded when it started."""
     settings = active.settings
-    _drive(Deployment.from_settings(settings["deployment"]), Plan.from_dict(settings["plan"]), state_path,
-           api_key, lambda c: c.recover(roll_back), state)
+    _drive(Deployment.from_settings(settings["deployment"]), Plan.from_dict(settings["plan"]), state,
+           api_key, lambda c: c.recover(roll_back))
 
 
-def _drive(deployment, plan, state_path, api_key, action, state: Optional[StateStore] = None) -> None:
-    state = state or _open_state(state_path)
+def _drive(deployment, plan, state: StateStore, api_key, action) -> None:
     controller = None
     try:
         controller = Controller(deployment, plan, state, api_key, say=lambda line: click.echo(line))
@@ -129,10 +139,7 @@ def _command(name: str, help_text: str):
     @_state_option
     @_key_option
     def command(model, reason, state_path, api_key) -> None:
-        state = _open_state(state_path)
-        active = state.active(model)
-        if active is None:
-            _fail(click.ClickException(f"no rollout of '{model}' in progress"))
+        state, active = _active(state_path, model)
         running = ModelLock(state.path, model).held_by_other()
         if running:
             state.send(model, name, reason)
@@ -142,10 +149,8 @@ def _command(name: str, help_text: str):
             state.update(active.id, paused=name == "pause")
             click.echo(f"rollout #{active.id} {name}d (no controller runs: `dspark rollout recover {model}` goes on)")
         elif name == "rollback":
-            settings = active.settings
             state.update(active.id, reason=f"rolled back by hand{': ' + reason if reason else ''}")
-            _drive(Deployment.from_settings(settings["deployment"]), Plan.from_dict(settings["plan"]), state_path,
-                   api_key, lambda c: c.recover(rollback=True), state)
+            _drive_recorded(active, state, api_key, roll_back=True)
         else:
             _fail(click.ClickException(f"no controller is running rollout #{active.id}: "
                                        f"`dspark rollout recover {model}` goes on from phase '{active.phase}'"))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import platform
 import shutil
 import socket
 import statistics
@@ -18,6 +17,7 @@ from typing import Optional
 
 import click
 
+from dspark.cli.bench_router import cpu_model
 from dspark.rollout import demo
 from dspark.rollout.controller import Controller, Deployment
 from dspark.rollout.fleet import Endpoint
@@ -27,16 +27,6 @@ from dspark.triton.server import DEFAULT_HEADER_PATTERN, TritonServer, header_fo
 
 KINDS = {"good": {}, "slow": {"service_ms": 10.0}, "error": {"fail_after": 10}}
 PATTERN = ("good", "slow", "good", "error")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _free_port() -> int:
