@@ -37,10 +37,6 @@ from dspark.routing.config import router_parameters
 CONFIRM_TIMEOUT_S = 15.0
 
 
-class RolloutError(DsparkError):
-    """A rollout cannot start or go on; the message says why and what to do."""
-
-
 @dataclass
 class Deployment:
     """Where a rollout acts: the model, the router in front of it, the repository the servers
@@ -109,8 +105,8 @@ class Controller:
         model = self.deployment.model
         active = self.state.active(model)
         if active is not None:
-            raise RolloutError(f"rollout #{active.id} of '{model}' ({active.semver}) stopped in phase "
-                               f"'{active.phase}': run `dspark rollout recover {model}` first")
+            raise UnavailableError(f"rollout #{active.id} of '{model}' ({active.semver}) stopped in phase "
+                                   f"'{active.phase}': run `dspark rollout recover {model}` first", "interrupted")
         artifact = Path(artifact)
         if not artifact.exists():
             raise ConfigError("artifact", "does not exist", artifact)
@@ -125,7 +121,8 @@ class Controller:
         new = spec.next_folder()
         for server in self.servers:  # a rolled-back version of this number may still be stopping
             if not server.wait_unloaded(model, new, self.plan.drain_timeout_s):
-                raise RolloutError(f"{server.name}: an earlier version {new} of '{model}' is still unloading")
+                raise UnavailableError(f"{server.name}: an earlier version {new} of '{model}' is still unloading",
+                                       "unloading")
         if self.deployment.router:
             self._check_routing(current, new)
         settings = {"deployment": self.deployment.to_settings(), "plan": self.plan.to_dict(),
@@ -140,7 +137,7 @@ class Controller:
     def _recover(self, rollback: bool) -> Outcome:
         rollout = self.state.active(self.deployment.model)
         if rollout is None:
-            raise RolloutError(f"no interrupted rollout of '{self.deployment.model}' to recover")
+            raise UnavailableError(f"no interrupted rollout of '{self.deployment.model}' to recover", "none")
         self._rollout = rollout
         self._event("recover", f"recovering rollout #{rollout.id} from phase '{rollout.phase}'"
                                + (f" step {rollout.step + 1}" if rollout.phase == "step" else "")
@@ -428,27 +425,34 @@ class Controller:
         for server in self.servers:
             if not server.healthy():
                 problems.append(f"{server.name} is not live")
-            elif not server.ready(model, current):
+                continue
+            try:
+                server.index()  # the model-repository API answers (the key is right)
+            except UnavailableError as error:
+                problems.append(str(error))
+                continue
+            if not server.ready(model, current):
                 problems.append(f"{server.name} does not serve '{model}' version {current}")
             elif self.deployment.router and not server.ready(self.deployment.router):
                 problems.append(f"{server.name} does not serve the router '{self.deployment.router}'")
         if problems:
-            raise RolloutError("fleet not ready: " + "; ".join(problems))
+            raise UnavailableError("fleet not ready: " + "; ".join(problems), "fleet")
 
     def _check_routing(self, current: int, new: int) -> None:
         router = self.deployment.router
         config = load_routing(self.deployment.routing_file)
         if {v for v, p in config.shares.items() if p > 0} != {current}:
-            raise RolloutError(f"router '{router}' splits traffic {dict(config.shares)}; a rollout starts from "
-                               f"version {current} at 100% (`dspark route set --share {current}=100`)")
+            raise ConfigError("shares", f"router '{router}' splits traffic {dict(config.shares)}; a rollout starts "
+                                        f"from version {current} at 100% (`dspark route set --share {current}=100`)",
+                              self.deployment.routing_file)
         parameters = self.servers[0].client.get_model_config(router).get("parameters", {})
         flat = {k: v.get("string_value", "") for k, v in parameters.items()}
         if flat.get("target_model") != self.deployment.model:
-            raise RolloutError(f"router '{router}' fronts '{flat.get('target_model')}', not '{self.deployment.model}'")
+            raise ConfigError("router", f"'{router}' fronts '{flat.get('target_model')}', not '{self.deployment.model}'")
         _, allowed = router_parameters(flat, Path("."))
         if allowed is not None and new not in allowed:
-            raise RolloutError(f"router '{router}' may route only to versions {sorted(allowed)} (its config parameter "
-                               f"target_versions); set it to \"*\" so rollouts can add version {new}")
+            raise ConfigError("parameter 'target_versions'", f"router '{router}' may route only to versions "
+                                                             f"{sorted(allowed)}; set it to \"*\" so rollouts can add version {new}")
 
     def _accuracy(self, model: str, version: int) -> float:
         accuracy = self.plan.analysis.accuracy

@@ -168,12 +168,9 @@ class Server:
         as an unload starts, while the version's instances may still run for seconds."""
         deadline = time.monotonic() + timeout_s
         while True:
-            try:
-                states = [item.get("state") for item in self.index()
-                          if item.get("name") == model and item.get("version") == str(version)]
-            except UnavailableError:
-                states = ["?"]
-            if not any(state in ("READY", "LOADING", "UNLOADING", "?") for state in states):
+            states = [item.get("state") for item in self.index()
+                      if item.get("name") == model and item.get("version") == str(version)]
+            if not any(state in ("READY", "LOADING", "UNLOADING") for state in states):
                 return True
             if time.monotonic() > deadline:
                 return False

@@ -221,3 +221,33 @@ def test_killed_controller_is_recovered_consistently(site, command, exit_code, o
     assert_consistent(site)
     history = CliRunner().invoke(rollout_cli, ["history", demo.MODEL, "--state", str(site.state_path)])
     assert f"{rollout.semver}" in history.output and outcome in history.output
+
+
+def test_bad_starts_are_refused_naming_the_problem(site):
+    runner = CliRunner()
+    path, _ = artifact(site)
+    base = ["-r", str(site.repo), "--router", demo.ROUTER, "--server", site.server.http_url,
+            "--metrics-url", site.server.metrics_url, "--state", str(site.state_path), "--api-key", site.server.api_key]
+    routing = site.repo / demo.ROUTER / "routing.yaml"
+    before = (routing.read_text(), sorted(p.name for p in (site.repo / demo.MODEL).iterdir()))
+
+    out = runner.invoke(rollout_cli, ["run", demo.MODEL, str(path), "--version", "0.9.0", *base])
+    assert out.exit_code == 1 and "version: 0.9.0 is not newer than the recorded" in out.output, out.output
+    bad_plan = site.root / "bad-plan.yaml"
+    bad_plan.write_text("steps:\n  - {canary: 150, hold_s: 1}\n")
+    out = runner.invoke(rollout_cli, ["run", demo.MODEL, str(path), "--version", "9.0.0", *base, "--plan", str(bad_plan)])
+    assert out.exit_code == 1 and "steps[0].canary" in out.output and str(bad_plan) in out.output, out.output
+    config = RoutingConfig.load(routing)
+    current = next(iter(config.shares))
+    split = routing.read_text().replace(f"{current}: 100.0", f"{current}: 60.0\n  99: 40.0")
+    routing.write_text(split)
+    try:
+        out = runner.invoke(rollout_cli, ["run", demo.MODEL, str(path), "--version", "9.0.0", *base])
+        assert out.exit_code == 1 and "shares: router 'rollout_router' splits traffic" in out.output, out.output
+    finally:
+        routing.write_text(before[0])
+    out = runner.invoke(rollout_cli, ["run", demo.MODEL, str(path), "--version", "9.0.0", *base[:-2], "--api-key",
+                                      "wrong-key-0123456789"])
+    assert out.exit_code == 1 and "fleet not ready" in out.output and "dspark-api-key" in out.output, out.output
+    assert sorted(p.name for p in (site.repo / demo.MODEL).iterdir()) == before[1]  # nothing staged
+    assert StateStore(site.state_path).active(demo.MODEL) is None or pytest.fail("a refused start left a rollout")
