@@ -239,7 +239,7 @@ class Controller:
         rules = self.plan.analysis
         started = time.monotonic()
         served = 0.0
-        breaches = 0
+        breaches = slow_intervals = 0
         previous = step_start = read(self.metrics)
         while True:
             command = self._wait(rules.interval_s)
@@ -250,17 +250,22 @@ class Controller:
             snapshot = read(self.metrics)
             verdict = judge(previous, snapshot, model=rollout.model, router=rollout.router, current=cur, new=new,
                             phase=step.kind, rules=rules)
-            if "latency" in verdict.reasons:  # one slow interval (a busy host) is not a slow version
+            if "latency" in verdict.reasons:  # a slow interval or two (a busy host) is not a slow version
                 overall = judge(step_start, snapshot, model=rollout.model, router=rollout.router, current=cur,
                                 new=new, phase=step.kind, rules=rules)
-                if "latency" not in overall.reasons:
-                    verdict.notes.append(f"latency spike not seen over the whole step: {verdict.reasons.pop('latency')}")
+                slow_intervals = slow_intervals + 1 if "latency" in overall.reasons else 0
+                if slow_intervals < rules.latency_intervals:
+                    verdict.notes.append(f"latency watched ({slow_intervals} of {rules.latency_intervals} intervals, "
+                                         f"step so far included): {verdict.reasons.pop('latency')}")
+            else:
+                slow_intervals = 0
             previous = snapshot
             not_ready = [s.name for s in self.servers if not s.ready(rollout.model, new)]
             if not_ready:
                 verdict.reasons["ready"] = f"version {new} not ready on " + ", ".join(not_ready)
             self._event("analysis", f"{label}: {verdict.summary()}"
-                                    + (f" -> BREACH: {verdict.breach}" if verdict.breach else ""), verdict.to_dict())
+                                    + (f" -> BREACH: {verdict.breach}" if verdict.breach else "")
+                                    + "".join(f" [{note}]" for note in verdict.notes), verdict.to_dict())
             if verdict.breach:
                 breaches += 1
                 if breaches >= rules.breaches_to_rollback:

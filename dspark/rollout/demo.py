@@ -109,7 +109,9 @@ def build_repository(root: Path, service_ms: float = 5.0, instances: int = 2,
     for key, value in (("target_model", MODEL), ("target_versions", "*"), ("routing_file", str(routing_file))):
         config.parameters[key].string_value = value
     (router_dir / "config.pbtxt").write_text(text_format.MessageToString(config))
-    tiers = {name: TierPolicy(weight=w, deadline_ms=deadline_ms) for name, w in
+    # short queue deadlines (a version drains fast) but a generous call timeout: a reload on a
+    # busy host can hold a call for a second, which should make it slow, not failed
+    tiers = {name: TierPolicy(weight=w, deadline_ms=deadline_ms, timeout_ms=30_000) for name, w in
              (("diamond", 8), ("gold", 3), ("standard", 1))}
     RoutingConfig(tiers=tiers, shares={1: 100.0}, max_inflight=instances + 1,
                   shadow=ShadowPolicy(atol=1e-5, max_inflight=instances, ignore_outputs=("version",))
