@@ -25,7 +25,7 @@ from dspark.rollout.plan import Plan
 from dspark.rollout.state import StateStore
 from dspark.triton.server import DEFAULT_HEADER_PATTERN, TritonServer, header_forward_args, new_api_key
 
-KINDS = {"good": {}, "slow": {"service_ms": 10.0}, "error": {"fail_after": 10}}
+KINDS = {"good": {}, "slow": {"service_ms": 20.0}, "error": {"fail_after": 10}}  # 10 ms a request: 2x slower
 PATTERN = ("good", "slow", "good", "error")
 
 

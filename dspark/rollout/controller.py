@@ -239,7 +239,7 @@ class Controller:
         rules = self.plan.analysis
         started = time.monotonic()
         served = 0.0
-        breaches = slow_intervals = 0
+        breaches = judged = 0
         previous = step_start = read(self.metrics)
         while True:
             command = self._wait(rules.interval_s)
@@ -250,15 +250,15 @@ class Controller:
             snapshot = read(self.metrics)
             verdict = judge(previous, snapshot, model=rollout.model, router=rollout.router, current=cur, new=new,
                             phase=step.kind, rules=rules)
-            if "latency" in verdict.reasons:  # a slow interval or two (a busy host) is not a slow version
+            # latency is judged on the step so far, once it spans latency_intervals intervals: one
+            # slow interval (a busy host) is not a slow version, nor is one fast interval a fast one
+            judged += 1
+            verdict.reasons.pop("latency", None)
+            if judged >= rules.latency_intervals:
                 overall = judge(step_start, snapshot, model=rollout.model, router=rollout.router, current=cur,
                                 new=new, phase=step.kind, rules=rules)
-                slow_intervals = slow_intervals + 1 if "latency" in overall.reasons else 0
-                if slow_intervals < rules.latency_intervals:
-                    verdict.notes.append(f"latency watched ({slow_intervals} of {rules.latency_intervals} intervals, "
-                                         f"step so far included): {verdict.reasons.pop('latency')}")
-            else:
-                slow_intervals = 0
+                if "latency" in overall.reasons:
+                    verdict.reasons["latency"] = overall.reasons["latency"] + f" over the step's {judged} intervals"
             previous = snapshot
             not_ready = [s.name for s in self.servers if not s.ready(rollout.model, new)]
             if not_ready:

@@ -59,7 +59,7 @@ class TritonPythonModel:
 '''
 
 
-def model_artifact(path: Path, semver: str, service_ms: float = 5.0, fail_after: Optional[int] = None,
+def model_artifact(path: Path, semver: str, service_ms: float = 10.0, fail_after: Optional[int] = None,
                    offset: float = 0.0, broken_where: str = "", scale: float = 2.0) -> Path:
     """Write a ``model.py`` for one version of ``rollout_demo``: y = ``scale`` x + ``offset``
     after ``service_ms`` per request, failing every request after ``fail_after`` answered ones,
@@ -70,7 +70,7 @@ def model_artifact(path: Path, semver: str, service_ms: float = 5.0, fail_after:
     return path
 
 
-def build_repository(root: Path, service_ms: float = 5.0, instances: int = 2,
+def build_repository(root: Path, service_ms: float = 10.0, instances: int = 2,
                      routing_file: Optional[Path] = None, deadline_ms: float = 1000.0,
                      model: str = MODEL, router: bool = True) -> Path:
     """A repository with ``model`` (``rollout_demo``) 1.0.0 in folder 1 and ``rollout_router`` in

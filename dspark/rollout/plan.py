@@ -72,8 +72,8 @@ class Analysis(_Strict):
     # new / current; "mean" from Triton's per-version counters, "p99" from the router's histograms
     latency: Literal["mean", "p99"] = "mean"
     max_latency_ratio: float = Field(default=1.5, gt=1)
-    # a latency breach counts once it lasts this many intervals in a row (latency is noisy on a
-    # busy host; errors and disagreement count at once)
+    # latency is judged on the step so far once it spans this many intervals (one interval's
+    # latency is noisy on a busy host; errors and disagreement count at once)
     latency_intervals: int = Field(default=2, ge=1)
     # below this (ms) on the new version, latency is not judged (noise of a sub-millisecond model)
     latency_floor_ms: float = Field(default=1.0, ge=0)

@@ -97,7 +97,7 @@ def assert_consistent(site):
 
 
 @pytest.mark.parametrize("behaviour, reason", [
-    ({"service_ms": 10}, "mean latency"),  # 2x slower than the 5 ms current version
+    ({"service_ms": 20}, "mean latency"),  # 2x slower than the 10 ms current version
     ({"fail_after": 10}, "error rate"),  # answers its warm-up, then fails every request
 ])
 def test_regression_rolls_back_within_two_intervals(site, behaviour, reason):
