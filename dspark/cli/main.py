@@ -2,7 +2,7 @@
 import click
 
 from dspark import __version__
-from dspark.cli import bench, bench_router, info, llm, quantize, repo, route, serve
+from dspark.cli import bench, bench_rollout, bench_router, info, llm, quantize, repo, rollout, route, serve
 from dspark.cli import bench_spec, kernels  # noqa: F401  (add `bench spec`, `bench kernels`, `bench pool`)
 from dspark.cli import accel  # noqa: F401  (adds `bench gemm`)
 
@@ -15,8 +15,10 @@ COMMANDS = [
     route.route,
     quantize.quantize,
     llm.llm,
+    rollout.rollout,
 ]
 bench.bench.add_command(bench_router.router)
+bench.bench.add_command(bench_rollout.rollout_bench)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -97,3 +97,41 @@ def sync(names, repository: Path) -> None:
         raise click.ClickException(str(error)) from None
     for path in written:
         click.echo(f"wrote {path}")
+
+
+@repo.command()
+@click.argument("name")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--version", "semver", required=True, help="Semantic version of this artifact, e.g. 1.2.0.")
+@click.option("--repository", "-r", type=click.Path(path_type=Path), default=Path("model_repository"),
+              show_default=True)
+@click.option("--server", "-s", "servers", multiple=True, required=True,
+              help="HTTP endpoint of a server with explicit model control (repeat for a fleet).")
+@click.option("--api-key", envvar="DSPARK_API_KEY", default=None,
+              help="Key for the servers' model-repository API (header dspark-api-key); default $DSPARK_API_KEY.")
+@click.option("--timeout", "timeout_s", default=120.0, show_default=True, help="Seconds to wait for the load.")
+def publish(name: str, artifact: Path, semver: str, repository: Path, servers, api_key, timeout_s: float) -> None:
+    """Add ARTIFACT as a new version of NAME and make it live on running servers, no controller:
+    each server loads it beside the current version and, once it is ready, drops the old one
+    (a model served as "latest"). For shadow, canary and rollback use `dspark rollout run`."""
+    from dspark.errors import DsparkError
+    from dspark.rollout.fleet import Endpoint, Server
+
+    try:
+        endpoints = [Endpoint.parse(url) for url in servers]
+        record = repository_ops.add_version(repository, name, artifact, semver)
+    except (SpecError, DsparkError) as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(f"{name} {record.semver} -> {repository / name / str(record.folder)}")
+    for endpoint in endpoints:
+        server = Server(endpoint, api_key, timeout_s)
+        try:
+            server.load(name)
+            if not server.wait_ready(name, record.folder, True, timeout_s):
+                raise click.ClickException(f"{endpoint.url}: version {record.folder} of {name} is not ready "
+                                           f"(its version policy may not serve it: see {repository / name / 'modelspec.yaml'})")
+        except DsparkError as error:
+            raise click.ClickException(str(error)) from None
+        finally:
+            server.close()
+        click.echo(f"{endpoint.url}: {name} {record.semver} (version {record.folder}) live")

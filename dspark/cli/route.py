@@ -17,7 +17,8 @@ from pathlib import Path
 
 import click
 from dspark.repository.modelspec import load_config
-from dspark.routing.config import ConfigError, RoutingConfig, router_parameters
+from dspark.errors import ConfigError
+from dspark.routing.config import RoutingConfig, load_routing, router_parameters, update_routing
 
 _SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -31,8 +32,10 @@ def router_files(repository: Path, model: str) -> tuple[Path, set[int] | None]:
     config = load_config(config_path)
     if config.backend != "qos_router":
         raise click.ClickException(f"--model: '{model}' uses backend '{config.backend}', not qos_router")
-    return router_parameters({k: v.string_value for k, v in config.parameters.items()},
-                             repository / model)
+    try:
+        return router_parameters({k: v.string_value for k, v in config.parameters.items()}, repository / model)
+    except ConfigError as exc:
+        raise click.ClickException(f"{config_path}: {exc}") from None
 
 
 def read_metrics(url: str, model: str) -> list[tuple[str, dict[str, str], float]]:
@@ -63,6 +66,13 @@ def _pairs(option: str, values: tuple[str, ...], key_type=str) -> dict:
     return out
 
 
+def _number(option: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise click.BadParameter(f"'{text}': expected 'auto' or a whole number", param_hint=option) from None
+
+
 def _common(function):
     function = click.option("--metrics-url", default=None,
                             help="Server's metrics URL (e.g. http://127.0.0.1:8002/metrics) to show live state.")(function)
@@ -84,7 +94,7 @@ def show(repository: Path, model: str, metrics_url: str | None) -> None:
     """Print the routing file and, with --metrics-url, what the running router reports."""
     path, versions = router_files(repository, model)
     try:
-        config = RoutingConfig.load(path, versions)
+        config = load_routing(path, versions)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"{path} (version {config.version}; routable target versions {sorted(versions)})")
@@ -92,11 +102,13 @@ def show(repository: Path, model: str, metrics_url: str | None) -> None:
     sh = config.shadow
     click.echo("shadow:  " + (f"v{sh.version} {sh.percent:g}% (atol {sh.atol:g}, rtol {sh.rtol:g})"
                                 if sh.version is not None and sh.percent > 0 else "off"))
-    click.echo(f"max_inflight {config.max_inflight}, default tier {config.default_tier}, "
+    click.echo(f"max_inflight {config.max_inflight} (+{config.top_tier_headroom} for {config.top_tier}), "
+               f"default tier {config.default_tier}, "
                f"fast path while the target answers within {config.inline_max_ms:g} ms")
-    click.echo(f"{'tier':<10} {'base':>6} {'deadline_ms':>12} {'max_queue':>10}")
+    click.echo(f"{'tier':<10} {'base':>6} {'deadline_ms':>12} {'timeout_ms':>11} {'max_queue':>10}")
     for name, tier in config.tiers.items():
-        click.echo(f"{name:<10} {tier.weight:>6g} {tier.deadline_ms:>12g} {tier.max_queue:>10}")
+        click.echo(f"{name:<10} {tier.weight:>6g} {tier.deadline_ms:>12g} {1000 * tier.call_timeout_s:>11g} "
+                   f"{tier.max_queue:>10}")
     if metrics_url:
         samples = read_metrics(metrics_url, model)
         live = [int(v) for n, _, v in samples if n == "dspark_router_config_version"]
@@ -120,20 +132,25 @@ def show(repository: Path, model: str, metrics_url: str | None) -> None:
 @click.option("--shadow-rtol", type=float, default=None, help="Relative tolerance of the shadow comparison.")
 @click.option("--weight", "weights", multiple=True, metavar="TIER=WEIGHT", help="Base weight of a tier (repeat).")
 @click.option("--deadline-ms", "deadlines", multiple=True, metavar="TIER=MS", help="Queue deadline of a tier (repeat).")
-@click.option("--max-inflight", type=int, default=None, help="Concurrent calls to the target.")
+@click.option("--max-inflight", default=None, metavar="auto|N",
+              help="Concurrent calls to the target for every tier ('auto': the target's instance count).")
+@click.option("--top-tier-headroom", type=int, default=None,
+              help="Further concurrent calls only the top tier may use.")
 @click.option("--inline-max-ms", type=float, default=None,
               help="Fast path (idle router forwards from execute) while the target answers within this; 0 = off.")
 @click.option("--wait-s", type=float, default=10.0, show_default=True,
               help="With --metrics-url: how long to wait for the router to report the new version.")
 def set_(repository: Path, model: str, metrics_url: str | None, shares, shadow_version, shadow_percent,
-         shadow_atol, shadow_rtol, weights, deadlines, max_inflight, inline_max_ms, wait_s) -> None:
+         shadow_atol, shadow_rtol, weights, deadlines, max_inflight, top_tier_headroom, inline_max_ms,
+         wait_s) -> None:
     """Change routing; the running router applies it within about half a second."""
     path, versions = router_files(repository, model)
     try:
-        config = RoutingConfig.load(path, versions) if path.exists() else RoutingConfig()
+        config = load_routing(path, versions) if path.exists() else RoutingConfig()
+        changes = {}
         new_shares = _pairs("--share", shares, int)
         if new_shares:
-            config = replace(config, shares=new_shares)
+            changes["shares"] = new_shares
         shadow = config.shadow
         for field, value in (("version", shadow_version), ("percent", shadow_percent),
                              ("atol", shadow_atol), ("rtol", shadow_rtol)):
@@ -145,13 +162,14 @@ def set_(repository: Path, model: str, metrics_url: str | None, shares, shadow_v
                 if tier not in tiers:
                     raise click.BadParameter(f"unknown tier '{tier}' (tiers: {', '.join(tiers)})", param_hint=option)
                 tiers[tier] = replace(tiers[tier], **{field: value})
-        config = replace(config, shadow=shadow, tiers=tiers, version=config.version + 1,
-                         max_inflight=max_inflight if max_inflight is not None else config.max_inflight,
-                         inline_max_ms=inline_max_ms if inline_max_ms is not None else config.inline_max_ms)
-        config.validate(versions)
+        if max_inflight is not None:
+            changes["max_inflight"] = max_inflight if max_inflight == "auto" else _number("--max-inflight", max_inflight)
+        for key, value in (("top_tier_headroom", top_tier_headroom), ("inline_max_ms", inline_max_ms)):
+            if value is not None:
+                changes[key] = value
+        config = update_routing(path, versions, shadow=shadow, tiers=tiers, **changes)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
-    config.save(path)
     click.echo(f"wrote {path} (version {config.version})")
     if not metrics_url:
         return

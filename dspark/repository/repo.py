@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import datetime as _dt
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+import yaml
 from tritonclient.grpc import model_config_pb2 as mc
+
+from dspark.repository import atomic
 
 from dspark.repository.modelspec import (
     CONFIG_FILENAME,
@@ -134,15 +138,21 @@ def add_version(repository: Path, name: str, artifact: Path, semver: str,
     record = VersionRecord(semver=semver, folder=spec.next_folder(), artifact=spec.artifact_name,
                            source=source or str(artifact.resolve()),
                            added=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
-    target = directory / str(record.folder) / spec.artifact_name
-    target.parent.mkdir(parents=True, exist_ok=True)
+    # the folder appears complete in one rename and an unchanged config.pbtxt keeps its time
+    # stamp: a server polling the repository never loads half a version (docs/rollout.md)
+    directory.mkdir(parents=True, exist_ok=True)
     if artifact.is_dir():
-        shutil.copytree(artifact, target)
+        staged = Path(tempfile.mkdtemp(prefix=".staging-", dir=directory))
+        try:
+            shutil.copytree(artifact, staged / spec.artifact_name)
+            atomic.install_folder(staged, directory / str(record.folder))
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
     else:
-        shutil.copy2(artifact, target)
+        atomic.install_folder(artifact, directory / str(record.folder), spec.artifact_name)
     spec.versions.append(record)
-    spec.save(spec_path)
-    (directory / CONFIG_FILENAME).write_text(spec.config_text())
+    atomic.write_text(spec_path, yaml.safe_dump(spec.to_dict(), sort_keys=False))
+    atomic.write_text(directory / CONFIG_FILENAME, spec.config_text(), only_if_changed=True)
     return record
 
 

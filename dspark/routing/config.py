@@ -1,8 +1,24 @@
-"""The routing configuration: tiers, fluctuation factor, canary shares and shadow.
+"""The routing configuration: tiers, concurrency, fluctuation factor, canary shares and shadow.
 
 It lives in a YAML file next to the router model (``routing.yaml``) so that it can change
 while the server runs: the router re-reads the file when its modification time or size
-changes, and keeps the last valid configuration if the new file is invalid.
+changes, and keeps the last valid configuration if the new file is invalid (any file: not
+UTF-8, not YAML, a list or a scalar, keys of mixed types, a bad value).
+
+Parsing is pydantic's: the dataclasses below carry their constraints as type annotations and
+``parse_routing`` validates a mapping against them, so every error names its field path
+(``tiers.gold.weight: Input should be greater than 0 (got 0)``) as a ``dspark.errors.ConfigError``.
+
+Stable function API (``dspark route`` and the rollout controller use it; keep it):
+
+- ``load_routing(path, allowed_versions=None) -> RoutingConfig``: read and validate a file.
+- ``save_routing(config, path)``: validate and write atomically (a reader never sees half a file).
+- ``update_routing(path, allowed_versions=None, **changes) -> RoutingConfig``: load (or start
+  from the defaults), replace fields (``shares={1: 90, 2: 10}``, ``shadow=ShadowPolicy(...)``),
+  bump ``version``, validate, save; returns the new config. The running router applies it
+  within about half a second and reports ``dspark_router_config_version``.
+- ``RoutingConfig`` with ``shares`` (percent per target version, summing to 100) and ``shadow``
+  (``ShadowPolicy``), ``dataclasses.replace`` to change fields, ``.validate(versions)``.
 """
 
 from __future__ import annotations
@@ -10,255 +26,314 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 import yaml
+from pydantic import ConfigDict, Field, PlainValidator, Strict, TypeAdapter, ValidationError
 
-def router_parameters(params: Mapping[str, str], model_dir: Path) -> tuple[Path, set[int]]:
+from dspark.errors import ConfigError, field_path, from_validation_error
+
+# YAML gives numbers their own types: strict types keep `2.7` from becoming 2 and `true` from 1.0
+Positive = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
+NonNegative = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
+Percent = Annotated[float, Strict(), Field(ge=0, le=100, allow_inf_nan=False)]
+Count = Annotated[int, Strict(), Field(gt=0)]
+NonNegativeInt = Annotated[int, Strict(), Field(ge=0)]
+_FIELDS = ConfigDict(extra="forbid")
+
+
+def _auto_or_count(value: Any) -> Union[str, int]:
+    if value == "auto" or (type(value) is int and value > 0):
+        return value
+    raise ValueError("must be 'auto' (the target's instance count) or a whole number >= 1")
+
+
+MaxInflight = Annotated[Union[Literal["auto"], int], PlainValidator(_auto_or_count)]
+
+
+def router_parameters(params: Mapping[str, str], model_dir: Path) -> tuple[Path, set[int] | None]:
     """The routing file (``routing_file``, relative to the router's model folder) and target
-    versions (``target_versions``, e.g. "1,2") a router model's config parameters name; a
-    version that is not a number raises ValueError."""
+    versions (``target_versions``, e.g. "1,2"; "*" for any version the target serves, as a
+    rollout adds new ones) a router model's config parameters name."""
     routing = Path(params.get("routing_file", "routing.yaml"))
-    versions = {int(v) for v in params.get("target_versions", "1").split(",") if v.strip()}
+    raw = params.get("target_versions", "1").strip()
+    if raw == "*":
+        return (routing if routing.is_absolute() else model_dir / routing), None
+    try:
+        versions = {int(v) for v in raw.split(",") if v.strip()}
+    except ValueError:
+        raise ConfigError("parameter 'target_versions'",
+                          f"must list version numbers, e.g. \"1,2\", or \"*\" for any; got {raw!r}") from None
     return (routing if routing.is_absolute() else model_dir / routing), versions
-
-
-class ConfigError(ValueError):
-    """An invalid routing configuration; the message names the field."""
 
 
 @dataclass(frozen=True)
 class TierPolicy:
-    weight: float
-    deadline_ms: float
-    max_queue: int = 1000
+    __pydantic_config__ = _FIELDS
+    weight: Positive
+    deadline_ms: Positive  # the longest a request waits in the router's queue
+    max_queue: Count = 1000
+    # the longest a target call may take before the client gets UNAVAILABLE (default deadline_ms)
+    timeout_ms: Optional[Positive] = None
+
+    @property
+    def call_timeout_s(self) -> float:
+        return (self.timeout_ms if self.timeout_ms is not None else self.deadline_ms) / 1000.0
 
 
 @dataclass(frozen=True)
 class FluctuationPolicy:
     """Parameters of the QPS fluctuation factor f (see docs/router.md)."""
 
-    window_s: float = 10.0
-    short_window_s: float = 1.0
-    min: float = -0.5
-    max: float = 1.0
-    min_qps: float = 1.0
+    __pydantic_config__ = _FIELDS
+    window_s: Positive = 10.0
+    short_window_s: Positive = 1.0
+    min: Annotated[float, Strict(), Field(gt=-1, le=0)] = -0.5  # > -1 so weights stay positive
+    max: NonNegative = 1.0
+    min_qps: Positive = 1.0
 
 
 @dataclass(frozen=True)
 class ShadowPolicy:
-    version: int | None = None
-    percent: float = 0.0
-    atol: float = 0.0
-    rtol: float = 0.0
-    max_inflight: int = 2
+    __pydantic_config__ = _FIELDS
+    version: Optional[Annotated[int, Strict()]] = None
+    percent: Percent = 0.0
+    atol: NonNegative = 0.0
+    rtol: NonNegative = 0.0
+    max_inflight: Count = 2
     ignore_outputs: tuple[str, ...] = ()  # outputs left out of the comparison (e.g. a version tag)
+
+
+def _default_tiers() -> dict[str, TierPolicy]:
+    return {
+        "diamond": TierPolicy(weight=8, deadline_ms=2000),
+        "gold": TierPolicy(weight=3, deadline_ms=3000),
+        "standard": TierPolicy(weight=1, deadline_ms=5000),
+    }
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    tiers: Mapping[str, TierPolicy] = field(
-        default_factory=lambda: {
-            "diamond": TierPolicy(weight=8, deadline_ms=2000),
-            "gold": TierPolicy(weight=3, deadline_ms=3000),
-            "standard": TierPolicy(weight=1, deadline_ms=5000),
-        }
-    )
+    __pydantic_config__ = _FIELDS
+    tiers: dict[str, TierPolicy] = field(default_factory=_default_tiers)
     default_tier: str = "standard"
-    max_inflight: int = 4
+    # target calls in flight for every tier: "auto" = the target's instance count (its
+    # config.pbtxt), so no instance waits for work while the router holds the queue
+    max_inflight: MaxInflight = "auto"
+    # further calls in flight that only the top tier (highest weight) may use: a top-tier
+    # request never waits behind lower-tier calls already queued at the target
+    top_tier_headroom: NonNegativeInt = 1
+    # a further call may go out this long before a running call is expected to end (its average
+    # latency), so the instance gets its next request without waiting for the router's hand-off
+    # (~0.5-1 ms per call); 0 = never
+    handoff_lead_ms: NonNegative = 2.0
     fluctuation: FluctuationPolicy = field(default_factory=FluctuationPolicy)
-    shares: Mapping[int, float] = field(default_factory=lambda: {1: 100.0})
+    shares: dict[Annotated[int, Strict()], Percent] = field(default_factory=lambda: {1: 100.0})
     shadow: ShadowPolicy = field(default_factory=ShadowPolicy)
-    version: int = 0  # bumped by `dspark route set`; exported as a metric to confirm a reload
+    version: NonNegativeInt = 0  # bumped by `dspark route set`; exported as a metric to confirm a reload
     # fast path: when nothing is queued and a slot is free, execute calls the target itself,
     # but only while the target's recent latency (EWMA) is at most this; 0 turns it off
-    inline_max_ms: float = 5.0
+    inline_max_ms: NonNegative = 5.0
+    # a request that waited at least this long in the queue is asked whether its client is still
+    # there before it is sent (an IPC round trip of ~0.2 ms, paid while the target waits for work)
+    cancel_check_ms: NonNegative = 1000.0
+
+    def slots(self, target_instances: int | None) -> int:
+        """Calls in flight that any tier may use (``max_inflight``, "auto" = the target's
+        instances; 1 when they are unknown)."""
+        if self.max_inflight == "auto":
+            return max(1, target_instances or 1)
+        return self.max_inflight
+
+    @property
+    def top_tier(self) -> str:
+        """The tier with the highest base weight (the first listed among equals)."""
+        return max(self.tiers, key=lambda name: self.tiers[name].weight)
 
     def validate(self, allowed_versions: set[int] | None = None) -> "RoutingConfig":
-        """Check every field; raise ConfigError naming the first bad one."""
-        if not self.tiers:
-            raise ConfigError("tiers: at least one tier is required")
-        for name, tier in self.tiers.items():
-            _positive(f"tiers.{name}.weight", tier.weight)
-            _positive(f"tiers.{name}.deadline_ms", tier.deadline_ms)
-            _positive(f"tiers.{name}.max_queue", tier.max_queue)
-        if self.default_tier not in self.tiers:
-            raise ConfigError(
-                f"default_tier: '{self.default_tier}' is not one of the tiers ({', '.join(self.tiers)})"
-            )
-        _positive("max_inflight", self.max_inflight)
-        if not isinstance(self.inline_max_ms, (int, float)) or not self.inline_max_ms >= 0:
-            raise ConfigError(f"inline_max_ms: must be a number >= 0 (0 turns the fast path off), got {self.inline_max_ms!r}")
-        fl = self.fluctuation
-        _positive("fluctuation.window_s", fl.window_s)
-        _positive("fluctuation.short_window_s", fl.short_window_s)
-        if fl.short_window_s > fl.window_s:
-            raise ConfigError("fluctuation.short_window_s: must not exceed fluctuation.window_s")
-        if not -1.0 < fl.min <= 0.0:
-            raise ConfigError(f"fluctuation.min: must be in (-1, 0] so weights stay positive, got {fl.min}")
-        if not 0.0 <= fl.max:
-            raise ConfigError(f"fluctuation.max: must be >= 0, got {fl.max}")
-        _positive("fluctuation.min_qps", fl.min_qps)
-        if not self.shares:
-            raise ConfigError("shares: at least one version needs a share")
-        for version, share in self.shares.items():
+        """Check every field, then the relations between them; raise ConfigError naming the
+        first bad one. Returns the config, re-built from its fields (so a ``replace`` with a bad
+        value is caught here too)."""
+        checked = parse_routing(asdict(self))
+        if not checked.tiers:
+            raise ConfigError("tiers", "at least one tier is required")
+        if checked.default_tier not in checked.tiers:
+            raise ConfigError("default_tier", f"'{checked.default_tier}' is not one of the tiers "
+                                              f"({', '.join(checked.tiers)})")
+        if checked.fluctuation.short_window_s > checked.fluctuation.window_s:
+            raise ConfigError("fluctuation.short_window_s", "must not exceed fluctuation.window_s")
+        if not checked.shares:
+            raise ConfigError("shares", "at least one version needs a share")
+        for version in checked.shares:
             if allowed_versions is not None and version not in allowed_versions:
-                raise ConfigError(
-                    f"shares: version {version} is not a routable version of the target "
-                    f"(allowed: {sorted(allowed_versions)})"
-                )
-            if not (isinstance(share, (int, float)) and 0.0 <= share <= 100.0):
-                raise ConfigError(f"shares.{version}: must be a percentage in [0, 100], got {share!r}")
-        total = sum(self.shares.values())
+                raise ConfigError("shares", f"version {version} is not a routable version of the target "
+                                            f"(allowed: {sorted(allowed_versions)})")
+        total = sum(checked.shares.values())
         if not math.isclose(total, 100.0, abs_tol=1e-6):
-            raise ConfigError(f"shares: percentages must sum to 100, got {total:g}")
-        sh = self.shadow
-        if not 0.0 <= sh.percent <= 100.0:
-            raise ConfigError(f"shadow.percent: must be in [0, 100], got {sh.percent}")
-        if sh.percent > 0 and sh.version is None:
-            raise ConfigError("shadow.version: required when shadow.percent > 0")
-        if sh.version is not None and allowed_versions is not None and sh.version not in allowed_versions:
-            raise ConfigError(
-                f"shadow.version: version {sh.version} is not a routable version of the target "
-                f"(allowed: {sorted(allowed_versions)})"
-            )
-        if sh.atol < 0 or sh.rtol < 0:
-            raise ConfigError("shadow.atol/shadow.rtol: tolerances must be >= 0")
-        _positive("shadow.max_inflight", sh.max_inflight)
-        return self
+            raise ConfigError("shares", f"percentages must sum to 100, got {total:g}")
+        shadow = checked.shadow
+        if shadow.percent > 0 and shadow.version is None:
+            raise ConfigError("shadow.version", "required when shadow.percent > 0")
+        if shadow.version is not None and allowed_versions is not None and shadow.version not in allowed_versions:
+            raise ConfigError("shadow.version", f"version {shadow.version} is not a routable version of the "
+                                                f"target (allowed: {sorted(allowed_versions)})")
+        return checked
 
     # --- file format -------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> "RoutingConfig":
-        data = dict(data or {})
-        known = set(cls.__dataclass_fields__)
-        unknown = set(data) - known
-        if unknown:
-            raise ConfigError(f"{sorted(unknown)[0]}: unknown field (known: {', '.join(sorted(known))})")
-        kwargs: dict[str, Any] = {}
-        if "tiers" in data:
-            tiers = _mapping("tiers", data["tiers"])
-            kwargs["tiers"] = {
-                str(name): _build(TierPolicy, f"tiers.{name}", spec) for name, spec in tiers.items()
-            }
-        for key, kind in (("default_tier", str), ("max_inflight", int), ("version", int), ("inline_max_ms", float)):
-            if key in data:
-                kwargs[key] = _typed(key, data[key], kind)
-        if "fluctuation" in data:
-            kwargs["fluctuation"] = _build(FluctuationPolicy, "fluctuation", data["fluctuation"])
-        if "shares" in data:
-            shares = _mapping("shares", data["shares"])
-            kwargs["shares"] = {
-                _typed("shares (version key)", k, int): _typed(f"shares.{k}", v, float) for k, v in shares.items()
-            }
-        if "shadow" in data:
-            kwargs["shadow"] = _build(ShadowPolicy, "shadow", data["shadow"])
-        return cls(**kwargs)
+    def from_dict(cls, data: Any) -> "RoutingConfig":
+        return parse_routing(data)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out["shares"] = {int(v): float(s) for v, s in self.shares.items()}
+        for tier in out["tiers"].values():
+            if tier["timeout_ms"] is None:
+                del tier["timeout_ms"]
         out["shadow"]["ignore_outputs"] = list(self.shadow.ignore_outputs)
         return out
 
     @classmethod
     def load(cls, path: Path, allowed_versions: set[int] | None = None) -> "RoutingConfig":
-        try:
-            data = yaml.safe_load(Path(path).read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-        try:
-            return cls.from_dict(data).validate(allowed_versions)
-        except ConfigError as exc:
-            raise ConfigError(f"{path}: {exc}") from None
+        return load_routing(path, allowed_versions)
 
     def save(self, path: Path) -> None:
-        """Write atomically (temp file + rename) so a reader never sees half a file."""
-        path = Path(path)
-        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
-        fd, tmp = tempfile.mkstemp(prefix=".routing-", suffix=".yaml", dir=path.parent)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
+        save_routing(self, path)
+
+
+_ADAPTER = TypeAdapter(RoutingConfig)
+_SECTIONS: dict[str, type] = {"tiers": TierPolicy, "fluctuation": FluctuationPolicy, "shadow": ShadowPolicy}
+
+
+def _known_fields(loc: tuple) -> str:
+    """The field names allowed where an unknown one was found (top level, a tier, a section)."""
+    kind = TierPolicy if loc[:1] == ("tiers",) and len(loc) == 3 else _SECTIONS.get(loc[0]) if len(loc) == 2 else RoutingConfig
+    return ", ".join(name for name in kind.__dataclass_fields__ if not name.startswith("__"))
+
+
+def parse_routing(data: Any) -> RoutingConfig:
+    """A mapping (parsed YAML) as a RoutingConfig, field by field; an empty file means the
+    defaults. Raises ConfigError naming the field path."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError("", f"the routing file must be a mapping of fields ({_known_fields(())}), "
+                              f"got {type(data).__name__} {data!r:.60}")
+    try:
+        return _ADAPTER.validate_python(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = tuple(part for part in first["loc"] if part != "[key]")
+        if first["type"] in ("unexpected_keyword_argument", "extra_forbidden", "invalid_key"):
+            name = ".".join(str(part) for part in loc)
+            raise ConfigError(name, f"unknown field (known: {_known_fields(loc)})") from None
+        if first["loc"][-1:] == ("[key]",):
+            raise ConfigError(field_path(loc[:-1]), f"key {loc[-1]!r}: {first['msg']}") from None
+        if first["type"] == "value_error":  # our own validators' messages, without pydantic's prefix
+            reason = first["msg"].removeprefix("Value error, ")
+            raise ConfigError(field_path(loc), f"{reason}, got {first['input']!r}") from None
+        raise from_validation_error(exc, ConfigError) from None
+
+
+def load_routing(path: Path, allowed_versions: set[int] | None = None) -> RoutingConfig:
+    """Read and validate a routing file; ConfigError names the file and the field."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError("", f"cannot read: {exc.strerror or exc}", path) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError("", f"not UTF-8 text (byte {exc.start}: {raw[exc.start:exc.start + 1]!r}); "
+                              "save the file as UTF-8", path) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("", f"not valid YAML: {exc}", path) from None
+    try:
+        return parse_routing(data).validate(allowed_versions)
+    except ConfigError as exc:
+        raise ConfigError(exc.field, exc.reason, path) from None
+
+
+def save_routing(config: RoutingConfig, path: Path) -> None:
+    """Validate, then write atomically (temp file + rename) so a reader never sees half a file."""
+    path = Path(path)
+    text = yaml.safe_dump(config.validate().to_dict(), sort_keys=False)
+    fd, tmp = tempfile.mkstemp(prefix=".routing-", suffix=".yaml", dir=path.parent)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def update_routing(path: Path, allowed_versions: set[int] | None = None, **changes: Any) -> RoutingConfig:
+    """Load ``path`` (the defaults if it does not exist), replace ``changes``, bump the version,
+    validate against ``allowed_versions`` and save. Raises ConfigError (nothing written)."""
+    path = Path(path)
+    current = load_routing(path, allowed_versions) if path.exists() else RoutingConfig()
+    try:
+        new = replace(current, version=current.version + 1, **changes)
+    except TypeError as exc:  # a field name that does not exist
+        raise ConfigError("", str(exc), path) from None
+    try:
+        new = new.validate(allowed_versions)
+    except ConfigError as exc:
+        raise ConfigError(exc.field, exc.reason, path) from None
+    save_routing(new, path)
+    return new
+
+
+def target_instances(repository: Path, target: str) -> int | None:
+    """How many instances the target model runs, from its config.pbtxt in ``repository`` (None
+    when it has none there or it cannot be read): ``max_inflight: auto`` keeps that many calls
+    in flight. Triton's defaults apply: a group without a count is one instance, per listed GPU."""
+    from dspark.repository.modelspec import load_config
+
+    try:
+        config = load_config(Path(repository) / target / "config.pbtxt")
+    except (OSError, ValueError):
+        return None
+    return sum(max(1, group.count) * max(1, len(group.gpus)) for group in config.instance_group) or 1
 
 
 class ConfigWatcher:
-    """Re-reads a routing file when it changes; keeps the last good config on errors."""
+    """Re-reads a routing file when it changes; keeps the last good config on any error."""
 
     def __init__(self, path: Path, allowed_versions: set[int] | None = None):
         self.path = Path(path)
         self.allowed_versions = allowed_versions
         self._stamp: tuple[int, int] | None = None
-        self.config = RoutingConfig().validate(None) if not self.path.exists() else self._read()
         self.last_error: str | None = None
+        self.config = RoutingConfig().validate(None) if not self.path.exists() else self._read()
 
     def _file_stamp(self) -> tuple[int, int] | None:
         try:
             st = self.path.stat()
-        except FileNotFoundError:
+        except OSError:
             return None
         return (st.st_mtime_ns, st.st_size)
 
     def _read(self) -> RoutingConfig:
         self._stamp = self._file_stamp()
-        return RoutingConfig.load(self.path, self.allowed_versions)
+        return load_routing(self.path, self.allowed_versions)
 
     def poll(self) -> RoutingConfig | None:
         """Return the new config if the file changed and is valid, else None.
 
-        An invalid new file leaves the current config in place and sets ``last_error``.
+        Never raises: an invalid new file (or any failure reading it) leaves the current config
+        in place and sets ``last_error``; the next change is read again.
         """
         stamp = self._file_stamp()
         if stamp is None or stamp == self._stamp:
             return None
         try:
             new = self._read()
-        except (ConfigError, OSError) as exc:
-            self.last_error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - whatever is in the file, the watcher goes on
+            self.last_error = str(exc) or type(exc).__name__
             return None
         self.last_error = None
         self.config = new
         return new
-
-
-def _positive(name: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ConfigError(f"{name}: must be a positive number, got {value!r}")
-
-
-def _mapping(name: str, value: Any) -> Mapping:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{name}: must be a mapping, got {type(value).__name__}")
-    return value
-
-
-def _typed(name: str, value: Any, kind: type) -> Any:
-    if isinstance(value, bool) and kind is not str:
-        raise ConfigError(f"{name}: must be a {kind.__name__}, got {value!r}")
-    try:
-        return kind(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}: must be a {kind.__name__}, got {value!r}") from None
-
-
-def _build(cls: type, name: str, spec: Any) -> Any:
-    spec = _mapping(name, spec)
-    fields = cls.__dataclass_fields__
-    kwargs = {}
-    for key, value in spec.items():
-        if key not in fields:
-            raise ConfigError(f"{name}.{key}: unknown field (known: {', '.join(fields)})")
-        kind = {"int": int, "float": float, "int | None": int}.get(str(fields[key].type), float)
-        if str(fields[key].type).startswith("tuple[str"):
-            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-                raise ConfigError(f"{name}.{key}: must be a list of names, got {value!r}")
-            kwargs[key] = tuple(value)
-        else:
-            kwargs[key] = None if value is None else _typed(f"{name}.{key}", value, kind)
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:
-        raise ConfigError(f"{name}: {exc}") from None

@@ -1,58 +1,75 @@
-"""The router's event loop: admits requests, schedules them by tier, calls the target, shadows.
+"""The router's runtime: admits requests, schedules them by tier, calls the target, shadows.
 
-``RouterCore`` runs an asyncio loop in a background thread. The Triton adapter (``execute``)
-hands each request over with ``submit`` and returns at once; the loop answers every request
-exactly once through the job's ``respond`` callback: the target's outputs, or a ``RouteError``
-(queue deadline passed, queue full, unknown tier, target failure, shutdown). Nothing here
-imports pb_utils: the target call and the answer are callables, so tests drive it directly.
+Threads, no event loop (each thread hop costs ~0.05-0.2 ms in a Python backend stub, and the
+loop took three per request):
 
-Fast path: when nothing is queued, a slot is free and the target has recently answered within
-``inline_max_ms``, ``try_inline`` lets the caller (``execute``) call the target on its own
-thread and return the answer itself (``finish_inline``): no thread hop, no response sender.
-The scheduler's state is shared with that thread under ``_lock``.
+- ``submit`` runs on the caller's thread (the Triton ``execute``): it resolves the tier, picks
+  the version and queues the request, then wakes a lane.
+- **lanes** (one per concurrency slot): a lane pops the next request by tier, calls the target
+  (blocking), and answers. When more work is queued it takes the next request at once and hands
+  its answer to the **sender** thread, so the target never waits for a response to be sent.
+- the **clock** thread answers requests whose queue deadline passed and calls that overran
+  their tier's timeout (the call keeps its slot until it returns: a hung target cannot be
+  oversubscribed), re-reads the routing file and exports counters every ``poll_interval_s``.
+- the **fast path**: when nothing is queued, a slot is free and the target recently answered
+  within ``inline_max_ms``, the caller (``execute``) runs the call on a pool thread and waits
+  for it with the tier's timeout (``run_inline``), then returns the answer itself: no response
+  sender, which costs ~0.3-0.5 ms per request in the Python backend.
+
+Every request is answered exactly once through its job's ``respond(outputs, error)``: the
+target's outputs, or a ``dspark.errors`` error (RequestError: unknown tier; UnavailableError:
+queue full, deadline, target timeout, shutdown; CancelledError; DsparkError: target failed).
+Nothing here imports pb_utils: the target is an object with ``call``/``detach``/``arrays``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
+import heapq
+import itertools
+import json
 import logging
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping
+from pathlib import Path
+from statistics import median
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 import numpy as np
 
+from dspark.errors import CancelledError, DsparkError, RequestError, UnavailableError
 from dspark.routing.config import ConfigWatcher, RoutingConfig, ShadowPolicy
 from dspark.routing.graying import VersionSplitter, outputs_agree, routing_key, shadow_sampled
-from dspark.routing.scheduler import Pending, QueueFull, TierScheduler, UnknownTier
+from dspark.routing.scheduler import Pending, TierScheduler
 
-Outputs = Mapping[str, np.ndarray]
 log = logging.getLogger("dspark.routing")
+_EWMA_ALPHA = 0.2  # weight of the newest target latency in the fast path's estimate
 
 
-class RouteError(Exception):
-    """A request the router answers with an error. ``code`` is a Triton error code name,
-    ``reason`` the metric label (deadline, queue_full, unknown_tier, target_error, shutdown)."""
+class Target(Protocol):
+    """What the router calls. ``call`` blocks and returns the outputs (opaque to the core) or
+    raises; ``detach`` copies a payload so it outlives the client's request (shadow calls run
+    after the answer); ``arrays`` gives outputs as numpy arrays by name (shadow comparison)."""
 
-    def __init__(self, message: str, code: str = "UNAVAILABLE", reason: str = "target_error"):
-        super().__init__(message)
-        self.code = code
-        self.reason = reason
+    def call(self, payload: Any, version: int, timeout_s: float) -> Any: ...
+    def detach(self, payload: Any) -> Any: ...
+    def arrays(self, outputs: Any) -> Mapping[str, np.ndarray]: ...
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     payload: Any
-    respond: Callable[[Outputs | None, RouteError | None], None]
+    respond: Callable[[Any, Optional[DsparkError]], None]
     tier: str | None = None
     user_id: str | None = None
     request_id: str | None = None
-    arrived_at: float = field(default_factory=time.monotonic)
+    is_cancelled: Callable[[], bool] | None = None  # the client went away (checked before dispatch)
+    submitted_at: float = 0.0
+    answered: bool = False  # under RouterCore._lock
 
 
 class RouterMetrics:
@@ -60,6 +77,7 @@ class RouterMetrics:
 
     def request(self, tier: str, version: int, count: int = 1) -> None: ...
     def rejection(self, tier: str, reason: str) -> None: ...
+    def target_error(self, version: int) -> None: ...  # failed or timed-out call, per version (rollout analysis)
     def queue_time(self, tier: str, seconds: float) -> None: ...
     def latency(self, tier: str, version: int, seconds: float) -> None: ...
     def shadow(self, version: int, outcome: str, seconds: float | None) -> None: ...
@@ -69,8 +87,8 @@ class RouterMetrics:
 
 
 class _DeferredMetrics:
-    """Hands metric calls to a background thread, off the request's path and off the event
-    loop (each pb_utils metric update is a round trip to the Triton process)."""
+    """Hands metric calls to a background thread, off the request's path (each pb_utils metric
+    update is a round trip to the Triton process)."""
 
     def __init__(self, target: RouterMetrics):
         self._target = target
@@ -96,179 +114,425 @@ class _DeferredMetrics:
         self._thread.join(timeout_s)
 
 
-@dataclass
+class StageTimes:
+    """Per-stage durations of recent requests (for the overhead breakdown in docs/router.md);
+    written as JSON medians to ``path`` at every tick. Off unless the adapter asks for it."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._stages: dict[str, deque] = {}
+
+    def add(self, stage: str, seconds: float) -> None:
+        self._stages.setdefault(stage, deque(maxlen=20_000)).append(seconds)
+
+    def dump(self) -> None:
+        summary = {stage: {"p50_ms": 1000 * median(values), "n": len(values)}
+                   for stage, values in list(self._stages.items()) if values}
+        self.path.write_text(json.dumps(summary, indent=1))
+
+
+@dataclass(eq=False)
 class _Routed:
     job: Job
     version: int
     key: str
+    shadow: bool
+    timeout_s: float
+
+
+@dataclass(eq=False)
+class _Call:
+    """A target call in flight, watched for its timeout."""
+
+    job: Job
+    tier: str
+    version: int
+    timeout_s: float
+    done: bool = False
 
 
 @dataclass
 class Inline:
-    """A request admitted to the fast path: the caller calls the target version itself."""
+    """A request admitted to the fast path: the caller runs it with ``run_inline``."""
 
     tier: str
     version: int
     key: str
-    shadow: bool  # the caller must keep a copy of the inputs and outputs for the shadow call
+    shadow: bool
+    timeout_s: float
     started: float
 
 
-_EWMA_ALPHA = 0.2  # weight of the newest target latency in the fast path's estimate
-_PRIMARY_CALL = contextvars.ContextVar("dspark_router_primary_call", default=True)
-
-
-def is_primary_call() -> bool:
-    """Inside ``call_target``: True for a client's request, False for a shadow copy (whose
-    latency must not steer the fast path)."""
-    return _PRIMARY_CALL.get()
-
-
 class RouterCore:
-    """One router: its queues, version split and shadow, driven by an event loop thread.
+    """One router: its queues, version split and shadow, served by lane threads.
 
-    ``call_target(payload, version)`` is awaited for each dispatched request (and for shadow
-    copies) and returns the output tensors by name; with a ``ConfigWatcher`` the routing file is
-    re-read every ``poll_interval_s``.
+    ``target_instances`` (from the target's config) sizes ``max_inflight: auto``.
     """
 
     def __init__(
         self,
         config: RoutingConfig | ConfigWatcher,
-        call_target: Callable[[Any, int], Awaitable[Outputs]],
+        target: Target,
         metrics: RouterMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         poll_interval_s: float = 0.5,
         name: str = "router",
+        target_name: str = "target",
+        target_instances: int | None = None,
+        stage_times: StageTimes | None = None,
     ):
         self.watcher = config if isinstance(config, ConfigWatcher) else None
         self.config = self.watcher.config if self.watcher else config
-        self.call_target = call_target
-        self.loop = asyncio.new_event_loop()
+        self.target = target
         self.metrics = _DeferredMetrics(metrics or RouterMetrics())
         self.clock = clock
         self.poll_interval_s = poll_interval_s
         self.name = name
-        self.scheduler: TierScheduler[_Routed] = TierScheduler(self.config, clock())
+        self.target_name = target_name
+        self.stages = stage_times
+        self.scheduler: TierScheduler[_Routed] = TierScheduler(self.config, clock(), target_instances)
         self.splitter = VersionSplitter(self.config.shares)
-        self.shadow_inflight = 0
-        self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
-        self._tasks: set[asyncio.Task] = set()
-        self._stopping = False
-        self._shadow_logged_at = float("-inf")
-        self._lock = threading.Lock()  # scheduler state, shared by the loop and the fast path
-        self._handoffs = 0  # submitted requests the loop has not queued yet
         self.target_ms = 0.0  # EWMA of primary target call latency; gates the fast path
-        self._inline_requests: Counter[tuple[str, int]] = Counter()  # exported per tick, not per request
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # lanes wait here for queued requests
+        self._wake_clock = threading.Condition(self._lock)
+        self._clock_due = float("inf")  # when the clock thread wakes next
+        self._calls: list[tuple[float, int, _Call]] = []  # heap of (timeout at, seq, call)
+        self._running: dict[int, float] = {}  # primary calls at the target: seq -> start
+        self._completed = 0  # primary calls that returned (the latency estimate exists)
+        self._seq = itertools.count()
+        self._counts: Counter[tuple[str, int]] = Counter()  # dispatches, exported per tick
+        self._fast_path = 0
+        self._shadow_inflight = 0
+        self._shadow_logged_at = float("-inf")
+        self._stopping = False  # no new work; queued requests answered
+        self._stopped = False  # threads exit
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # answers the sender thread sends
+        self._threads: list[threading.Thread] = []
+        self._lanes = 0
+        self._inline_pool = ThreadPoolExecutor(thread_name_prefix=f"{name}-inline")
+        self._shadow_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{name}-shadow")
 
-    # --- called from other threads -----------------------------------------------------
+    # --- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
-
-    def submit(self, job: Job) -> None:
-        """Hand a request to the router (thread-safe, returns at once)."""
+        for target, label in ((self._clock_loop, "clock"), (self._sender_loop, "sender")):
+            self._spawn(target, label)
         with self._lock:
-            self._handoffs += 1
-        self.loop.call_soon_threadsafe(self._accept, job)
+            self._add_lanes()
+        self.metrics.config_version(self.config.version)
 
-    def try_inline(self, tier: str | None, user_id: str | None, request_id: str | None) -> Inline | None:
-        """Admit a request to the fast path, or None (then ``submit`` it).
+    def _spawn(self, target: Callable[[], None], label: str) -> None:
+        thread = threading.Thread(target=target, name=f"{self.name}-{label}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
-        Admitted only when that cannot overtake or delay anyone much: nothing queued or being
-        handed over, a concurrency slot free, and the target's recent latency at most
-        ``inline_max_ms`` (the caller blocks for the call, and requests arriving meanwhile wait
-        in Triton's queue in front of the router). The caller must call ``finish_inline``.
-        """
-        config = self.config
-        if self._stopping or config.inline_max_ms <= 0 or self.target_ms > config.inline_max_ms:
-            return None
-        now = self.clock()
-        with self._lock:
-            if self._handoffs:
-                return None
-            try:
-                tier = self.scheduler.resolve_tier(tier)
-            except UnknownTier:
-                return None  # the loop answers it with the error
-            if not self.scheduler.try_admit(tier, now):
-                return None
-        key = routing_key(user_id, request_id)
-        version = self.splitter.version_for(key)
-        shadow = config.shadow.version is not None and shadow_sampled(key, config.shadow.percent)
-        with self._lock:
-            self._inline_requests[(tier, version)] += 1
-        return Inline(tier, version, key, shadow, now)
-
-    def finish_inline(self, ticket: Inline, payload: Any = None, outputs: Outputs | None = None,
-                      failed: bool = False) -> None:
-        """The fast-path call is done (the caller answers the client): free the slot, record it,
-        and start the shadow call if the ticket asked for one (``payload`` and ``outputs``)."""
-        elapsed = self.clock() - ticket.started
-        self.observe_target(elapsed)
-        with self._lock:
-            self.scheduler.release()
-            waiting = self.scheduler.has_queued()
-        if failed:
-            self.metrics.rejection(ticket.tier, "target_error")
-        else:
-            self.metrics.latency(ticket.tier, ticket.version, elapsed)
-        if waiting:
-            self.loop.call_soon_threadsafe(self._pump)
-        if ticket.shadow and not failed and payload is not None and outputs is not None:
-            self.loop.call_soon_threadsafe(self._maybe_shadow, ticket.key, payload, outputs)
-
-    def observe_target(self, seconds: float) -> None:
-        """Report how long a target call took, thread hops excluded (the adapter times its
-        blocking call); the fast path is open while the running average is <= inline_max_ms."""
-        self.target_ms += _EWMA_ALPHA * (1000 * seconds - self.target_ms)
+    def _add_lanes(self) -> None:
+        """One lane per slot (lanes stuck in a hung call keep their slot, so this is enough)."""
+        while self._lanes < self.scheduler.most_inflight:
+            self._lanes += 1
+            threading.Thread(target=self._lane_loop, name=f"{self.name}-lane{self._lanes}", daemon=True).start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Answer queued requests with an error, let in-flight ones finish, stop the loop."""
-        if not self._thread.is_alive():
-            return
-        fut = asyncio.run_coroutine_threadsafe(self._shutdown(timeout_s), self.loop)
-        try:
-            fut.result(timeout_s + 1)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout_s)
-            self.metrics.close()
+        """Answer queued requests (shutdown), let calls in flight finish for up to ``timeout_s``,
+        answer the rest (shutdown), stop the threads. Every request is answered when this returns."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            drained = self.scheduler.drain()
+            self._work.notify_all()
+        for pending in drained:
+            self._reject(pending.item.job, pending.tier, self._shutdown_error(), "shutdown")
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self.scheduler.inflight > 0 and time.monotonic() < deadline:
+                self._work.wait(0.05)
+            hung = [call for _, _, call in self._calls if not call.done]
+            self._stopped = True
+            self._work.notify_all()
+            self._wake_clock.notify_all()
+        for call in hung:
+            self._reject(call.job, call.tier, self._shutdown_error(), "shutdown")
+        self._outbox.put(None)
+        for thread in self._threads:
+            thread.join(timeout_s)
+        self._export_counts()
+        self.metrics.close()
+        self._inline_pool.shutdown(wait=False)
+        self._shadow_pool.shutdown(wait=False)
+
+    def _shutdown_error(self) -> UnavailableError:
+        return UnavailableError(f"router '{self.name}' is shutting down", reason="shutdown")
 
     def apply(self, config: RoutingConfig) -> None:
         """Apply a new config (thread-safe); queued and in-flight requests are unaffected."""
-        self.loop.call_soon_threadsafe(self._apply, config)
-
-    # --- loop thread ---------------------------------------------------------------------
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        # the adapter runs the blocking BLS call in the loop's default executor, whose
-        # default size (cores + 4) would cap the calls in flight; threads start only when needed.
-        self.loop.set_default_executor(ThreadPoolExecutor(max_workers=128, thread_name_prefix=f"{self.name}-bls"))
-        self.loop.call_soon(self._apply, self.config)
-        self.loop.call_soon(self._tick)
-        self.loop.run_forever()
-
-    def _apply(self, config: RoutingConfig) -> None:
         with self._lock:
             self.config = config
             self.scheduler.reconfigure(config)
-        self.splitter = VersionSplitter(config.shares)
+            self.splitter = VersionSplitter(config.shares)
+            if not self._stopping:
+                self._add_lanes()
+            self._work.notify_all()
         self.metrics.config_version(config.version)
-        log.info("%s: routing config version %d applied (shares %s, shadow %s %.3g%%)",
-                 self.name, config.version, dict(config.shares), config.shadow.version, config.shadow.percent)
-        self._pump()
+        log.info("%s: routing config version %d applied (shares %s, shadow %s %.3g%%, %d calls in flight "
+                 "+ %d for %s)", self.name, config.version, dict(config.shares), config.shadow.version,
+                 config.shadow.percent, self.scheduler.limit, config.top_tier_headroom, self.scheduler.top)
+
+    # --- the queued path ---------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        """Queue a request (thread-safe, returns at once); its answer comes from another thread,
+        or at once for an unknown tier, a full queue or a router that is shutting down."""
+        now = self.clock()
+        job.submitted_at = now
+        key = routing_key(job.user_id, job.request_id)
+        error, label, tier = None, "", job.tier or "unknown"
+        with self._lock:
+            try:
+                if self._stopping:
+                    raise self._shutdown_error()
+                tier = self.scheduler.resolve_tier(job.tier)
+                policy = self.config.tiers[tier]
+                routed = _Routed(job, self.splitter.version_for(key), key, self._sampled(key), policy.call_timeout_s)
+                pending = self.scheduler.submit(routed, tier, now)
+            except RequestError as exc:
+                error, label, tier = exc, "unknown_tier", "unknown"  # not the client's string: bounded labels
+            except UnavailableError as exc:
+                error, label = exc, exc.reason
+            else:
+                self._refresh_early(now)
+                if self.scheduler.may_dispatch(tier):
+                    self._work.notify()
+                if pending.deadline_at < self._clock_due:
+                    self._wake_clock.notify()
+        if error is not None:
+            if label == "queue_full":
+                error = UnavailableError(f"router '{self.name}': {error}", label)
+            self._reject(job, tier, error, label)
+
+    def _sampled(self, key: str) -> bool:
+        shadow = self.config.shadow
+        return shadow.version is not None and shadow_sampled(key, shadow.percent)
+
+    def _lane_loop(self) -> None:
+        pending, previous_end = None, None
+        while True:
+            if pending is None:
+                with self._lock:
+                    while (pending := None if self._stopped else self._pop(self.clock())) is None:
+                        if self._stopped:
+                            return
+                        self._work.wait()
+                previous_end = None
+            try:
+                pending, previous_end = self._serve(pending, previous_end)
+            except Exception:  # a bug here must not lose the lane (the request is answered by then)
+                log.exception("%s: lane failed", self.name)
+                pending = None
+
+    def _serve(self, pending: Pending[_Routed], previous_end: float | None) -> tuple[Pending[_Routed] | None, float]:
+        """Call the target for one request and answer it; returns the next request this lane
+        took (its slot is taken) or None, and when this call ended. ``previous_end``: when the
+        lane's previous call ended, if this request followed it at once."""
+        routed, tier = pending.item, pending.tier
+        job = routed.job
+        started = self.clock()
+        waited = started - pending.enqueued_at
+        self.metrics.queue_time(tier, waited)
+        if self.stages is not None and previous_end is None:
+            self.stages.add("queued: submit to lane", started - job.submitted_at)
+        outputs, error, label = None, None, ""
+        if job.is_cancelled is not None and 1000 * waited >= self.config.cancel_check_ms and self._client_gone(job):
+            error, label = CancelledError(f"router '{self.name}': the client cancelled the request after "
+                                          f"{1000 * waited:.0f} ms in the '{tier}' queue; not sent to the target"), "cancelled"
+        else:
+            call = _Call(job, tier, routed.version, routed.timeout_s)
+            with self._lock:
+                self._counts[(tier, routed.version)] += 1
+                heapq.heappush(self._calls, (started + routed.timeout_s, next(self._seq), call))
+                if started + routed.timeout_s < self._clock_due:
+                    self._wake_clock.notify()
+            if self.stages is not None and previous_end is not None:
+                self.stages.add("lane: a call's end to its next call", self.clock() - previous_end)
+            outputs, error = self._call(job.payload, routed.version, routed.timeout_s)
+            label = "target_error"
+            call.done = True
+        finished = self.clock()
+        with self._lock:
+            self.scheduler.release()
+            following = None if self._stopping else self._pop(finished)
+            if self._stopping:
+                self._work.notify_all()  # stop() waits for the calls in flight
+        shadow = (self._shadow_copies(job.payload, outputs)
+                  if routed.shadow and error is None and not job.answered else None)
+        if following is not None:
+            self._outbox.put((job, tier, routed.version, outputs, error, label))
+        else:
+            self._answer(job, tier, routed.version, outputs, error, label)
+        if shadow is not None:
+            self._shadow(*shadow)
+        return following, finished
+
+    def _pop(self, now: float) -> Pending[_Routed] | None:
+        self._refresh_early(now)
+        return self.scheduler.pop_next(now)
+
+    def _lead_offset(self) -> float:
+        """How long after its start a running call frees its instance for an early call: its
+        expected latency less the hand-off lead (infinite when the lead is off)."""
+        lead = self.config.handoff_lead_ms / 1000
+        return self.target_ms / 1000 - lead if lead > 0 else float("inf")
+
+    def _refresh_early(self, now: float) -> None:
+        """Under the lock: how many running calls are about to end, i.e. within the lead of their
+        expected latency and not later than that by more than the lead (a slow or hung call
+        frees nothing): the scheduler may send that many further calls, which reach the target's
+        queue as its instances free up."""
+        offset, lead = self._lead_offset(), self.config.handoff_lead_ms / 1000
+        if not self._completed:
+            self.scheduler.early = 0  # no estimate of the target's latency yet
+            return
+        self.scheduler.early = sum(start + offset <= now <= start + offset + 2 * lead
+                                   for start in self._running.values())
+
+    def _client_gone(self, job: Job) -> bool:
+        try:
+            return bool(job.is_cancelled())
+        except Exception:
+            return False
+
+    def _call(self, payload: Any, version: int, timeout_s: float) -> tuple[Any, DsparkError | None]:
+        """A primary call, timed for the fast path's estimate and the hand-off lead; failures
+        become DsparkErrors."""
+        start = self.clock()
+        seq = next(self._seq)
+        with self._lock:
+            self._running[seq] = start
+            if start + self._lead_offset() < self._clock_due:
+                self._wake_clock.notify()
+        try:
+            outputs = self.target.call(payload, version, timeout_s)
+        except DsparkError as exc:
+            return None, exc
+        except Exception as exc:
+            return None, DsparkError(f"target '{self.target_name}' version {version} failed: {exc}")
+        finally:
+            elapsed = self.clock() - start
+            with self._lock:
+                # the first call sets the estimate; later ones move it by _EWMA_ALPHA
+                self.target_ms += (_EWMA_ALPHA if self._completed else 1.0) * (1000 * elapsed - self.target_ms)
+                del self._running[seq]
+                self._completed += 1
+            if self.stages is not None:
+                self.stages.add("target call", elapsed)
+        return outputs, None
+
+    def _answer(self, job: Job, tier: str, version: int, outputs: Any, error: DsparkError | None,
+                label: str) -> None:
+        start = self.clock()
+        if error is not None:
+            if self._reject(job, tier, error, label) and label == "target_error":
+                self.metrics.target_error(version)
+        elif self._respond(job, outputs, None):
+            self.metrics.latency(tier, version, self.clock() - job.submitted_at)
+        if self.stages is not None:
+            self.stages.add("answer (response sender)", self.clock() - start)
+
+    def _reject(self, job: Job, tier: str, error: DsparkError, label: str) -> bool:
+        if self._respond(job, None, error):
+            self.metrics.rejection(tier, label)
+            return True
+        return False
+
+    def _respond(self, job: Job, outputs: Any, error: DsparkError | None) -> bool:
+        """Answer a job unless it was answered already (a timed-out call that returned later)."""
+        with self._lock:
+            if job.answered:
+                return False
+            job.answered = True
+        try:
+            job.respond(outputs, error)
+        except Exception:  # a broken client connection must not stop the router
+            log.exception("%s: sending a response failed", self.name)
+        return True
+
+    def _sender_loop(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            try:
+                self._answer(*item)
+            except Exception:
+                log.exception("%s: sender failed", self.name)
+
+    # --- the clock: deadlines, call timeouts, routing file, counters ----------------------
+
+    def _clock_loop(self) -> None:
+        next_tick = self.clock()
+        while True:
+            with self._lock:
+                if self._stopped:
+                    return
+                now = self.clock()
+                expired = self.scheduler.expire(now)
+                overdue = self._overdue(now)
+                early = self.scheduler.early
+                self._refresh_early(now)
+                if self.scheduler.early > early and self.scheduler.has_queued():
+                    self._work.notify(self.scheduler.early - early)  # calls about to end: send the next ones
+                if not expired and not overdue and now < next_tick:
+                    offset = self._lead_offset()
+                    heads = [t for t in (self.scheduler.next_deadline(), self._calls[0][0] if self._calls else None,
+                                         min((start + offset for start in self._running.values()
+                                              if start + offset > now), default=None))
+                             if t is not None]
+                    self._clock_due = min([next_tick, *heads])
+                    self._wake_clock.wait(max(0.0, self._clock_due - now))
+                    self._clock_due = float("-inf")  # awake: no need to be woken
+                    continue
+            try:
+                for pending in expired:
+                    self._expire(pending, now)
+                for call in overdue:
+                    self._time_out(call)
+                if now >= next_tick:
+                    next_tick = now + self.poll_interval_s
+                    self._tick()
+            except Exception:  # the clock must outlive any bug: deadlines depend on it
+                log.exception("%s: clock tick failed", self.name)
+
+    def _overdue(self, now: float) -> list[_Call]:
+        overdue = []
+        while self._calls and (self._calls[0][2].done or self._calls[0][0] <= now):
+            _, _, call = heapq.heappop(self._calls)
+            if not call.done:
+                overdue.append(call)
+        return overdue
+
+    def _expire(self, pending: Pending[_Routed], now: float) -> None:
+        deadline_ms = (pending.deadline_at - pending.enqueued_at) * 1000
+        waited_ms = (now - pending.enqueued_at) * 1000
+        self._reject(pending.item.job, pending.tier, UnavailableError(
+            f"router '{self.name}': request waited {waited_ms:.0f} ms in the '{pending.tier}' queue, "
+            f"past the tier's queue deadline of {deadline_ms:.0f} ms", reason="deadline"), "deadline")
+
+    def _time_out(self, call: _Call) -> None:
+        """A call overran its tier's timeout: answer the client now; the call keeps its slot
+        until the target returns, and the fast path closes."""
+        self.target_ms = max(self.target_ms, 1000 * call.timeout_s)
+        if self._reject(call.job, call.tier, self._timeout_error(call.tier, call.version, call.timeout_s),
+                        "target_timeout"):
+            self.metrics.target_error(call.version)
+
+    def _timeout_error(self, tier: str, version: int, timeout_s: float) -> UnavailableError:
+        return UnavailableError(
+            f"router '{self.name}': target '{self.target_name}' version {version} did not answer within "
+            f"{1000 * timeout_s:.0f} ms (the '{tier}' tier's timeout)", reason="target_timeout")
 
     def _tick(self) -> None:
-        if self._stopping:
-            return
         if self.watcher is not None:
             new = self.watcher.poll()
             if new is not None:
-                self._apply(new)
+                self.apply(new)
             elif self.watcher.last_error:
                 log.error("%s: routing file rejected, keeping version %d: %s",
                           self.name, self.config.version, self.watcher.last_error)
@@ -277,130 +541,113 @@ class RouterCore:
             weights = self.scheduler.weights(self.clock())
         for tier, (weight, factor) in weights.items():
             self.metrics.weights(tier, weight, factor)
-        self._export_inline_counts()
-        self._pump()
-        self.loop.call_later(self.poll_interval_s, self._tick)
+        self._export_counts()
+        if self.stages is not None:
+            self.stages.dump()
 
-    def _export_inline_counts(self) -> None:
-        """Fast-path requests reach the counters once per tick: each metric update is an IPC
-        round trip that would otherwise compete with the next request (~0.1 ms each)."""
+    def _export_counts(self) -> None:
+        """Dispatch counters reach the metrics once per tick: each metric update is an IPC round
+        trip that would otherwise compete with the next request."""
         with self._lock:
-            counts, self._inline_requests = self._inline_requests, Counter()
-        total = sum(counts.values())
+            counts, self._counts = self._counts, Counter()
+            fast, self._fast_path = self._fast_path, 0
         for (tier, version), n in counts.items():
             self.metrics.request(tier, version, n)
-        if total:
-            self.metrics.fast_path(total)
+        if fast:
+            self.metrics.fast_path(fast)
 
-    def _accept(self, job: Job) -> None:
-        error = None
-        with self._lock:
-            self._handoffs -= 1
-            if self._stopping:
-                error = RouteError(f"router '{self.name}' is shutting down", reason="shutdown")
-            else:
-                try:
-                    tier = self.scheduler.resolve_tier(job.tier)
-                except UnknownTier as exc:
-                    self.metrics.rejection("unknown", "unknown_tier")  # not the client's string: bounded labels
-                    error = RouteError(f"parameter 'tier': {exc}", "INVALID_ARG", "unknown_tier")
-                else:
-                    key = routing_key(job.user_id, job.request_id)
-                    routed = _Routed(job, self.splitter.version_for(key), key)
-                    try:
-                        self.scheduler.submit(routed, tier, self.clock())
-                    except QueueFull as exc:
-                        self.metrics.rejection(tier, "queue_full")
-                        error = RouteError(f"router '{self.name}': {exc}", reason="queue_full")
-        if error is not None:
-            self._reply(job, None, error)
-            return
-        self._pump()
+    # --- the fast path -----------------------------------------------------------------
 
-    def _pump(self) -> None:
+    def try_inline(self, tier: str | None, user_id: str | None, request_id: str | None) -> Inline | None:
+        """Admit a request to the fast path, or None (then ``submit`` it).
+
+        Admitted only when that cannot overtake or delay anyone much: nothing queued, a slot
+        free, and the target's recent latency at most ``inline_max_ms`` (the caller waits for
+        the call, and requests arriving meanwhile wait in Triton's queue in front of the router).
+        """
+        config = self.config
+        if self._stopping or config.inline_max_ms <= 0 or self.target_ms > config.inline_max_ms:
+            return None
         now = self.clock()
-        ready = []
         with self._lock:
-            expired = self.scheduler.expire(now)
-            while (pending := self.scheduler.pop_next(now)) is not None:
-                ready.append(pending)
-            due = self.scheduler.next_deadline()
-        for pending in expired:
-            self._expire(pending, now)
-        for pending in ready:
-            self._spawn(self._dispatch(pending, now))
-        self._arm_timer(due)
+            try:
+                tier = self.scheduler.resolve_tier(tier)
+            except RequestError:
+                return None  # the queued path answers it with the error
+            self._refresh_early(now)
+            if not self.scheduler.try_admit(tier, now):
+                return None
+            key = routing_key(user_id, request_id)
+            version = self.splitter.version_for(key)
+            self._counts[(tier, version)] += 1
+            self._fast_path += 1
+            timeout_s = self.config.tiers[tier].call_timeout_s
+        return Inline(tier, version, key, self._sampled(key), timeout_s, now)
 
-    def _expire(self, pending: Pending[_Routed], now: float) -> None:
-        tier = pending.tier
-        deadline_ms = (pending.deadline_at - pending.enqueued_at) * 1000
-        waited_ms = (now - pending.enqueued_at) * 1000
-        self.metrics.rejection(tier, "deadline")
-        self._reply(pending.item.job, None, RouteError(
-            f"router '{self.name}': request waited {waited_ms:.0f} ms in the '{tier}' queue, "
-            f"past the tier's queue deadline of {deadline_ms:.0f} ms", reason="deadline"))
-
-    def _arm_timer(self, due: float | None) -> None:
-        if due is None or (self._timer is not None and self._timer_at <= due):
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer_at = due
-        self._timer = self.loop.call_later(max(0.0, due - self.clock()), self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
-        self._pump()
-
-    def _spawn(self, coro) -> None:
-        task = self.loop.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _dispatch(self, pending: Pending[_Routed], started: float) -> None:
-        routed, tier = pending.item, pending.tier
-        job = routed.job
-        self.metrics.queue_time(tier, started - pending.enqueued_at)
-        self.metrics.request(tier, routed.version)
-        outputs: Outputs | None = None
+    def run_inline(self, ticket: Inline, payload: Any) -> Any:
+        """Call the target for a fast-path ticket on a pool thread and wait for it up to the
+        tier's timeout; returns the outputs or raises a DsparkError (UnavailableError on
+        timeout: the caller answers at once, the call keeps its slot until it returns)."""
+        future = self._inline_pool.submit(self._inline_call, ticket, payload)
         try:
-            outputs = await self.call_target(job.payload, routed.version)
-        except Exception as exc:  # the target's failure goes back to this client only
-            self.metrics.rejection(tier, "target_error")
-            self._reply(job, None, RouteError(str(exc), "INTERNAL", "target_error"))
-        else:
-            self._reply(job, outputs, None)
-            self.metrics.latency(tier, routed.version, self.clock() - job.arrived_at)
+            outputs, error = future.result(timeout=ticket.timeout_s)
+        except FutureTimeout:
+            self.target_ms = max(self.target_ms, 1000 * ticket.timeout_s)
+            self.metrics.rejection(ticket.tier, "target_timeout")
+            self.metrics.target_error(ticket.version)
+            raise self._timeout_error(ticket.tier, ticket.version, ticket.timeout_s) from None
+        if error is not None:
+            self.metrics.rejection(ticket.tier, "target_error")
+            self.metrics.target_error(ticket.version)
+            raise error
+        self.metrics.latency(ticket.tier, ticket.version, self.clock() - ticket.started)
+        if ticket.shadow:
+            self._shadow(*self._shadow_copies(payload, outputs))
+        return outputs
+
+    def _inline_call(self, ticket: Inline, payload: Any) -> tuple[Any, DsparkError | None]:
+        if self.stages is not None:
+            self.stages.add("fast path: execute to pool thread", self.clock() - ticket.started)
+        try:
+            return self._call(payload, ticket.version, ticket.timeout_s)
         finally:
             with self._lock:
                 self.scheduler.release()
-            self._pump()
-        if outputs is not None:
-            self._maybe_shadow(routed.key, job.payload, outputs)
+                if self.scheduler.has_queued() or self._stopping:
+                    self._work.notify_all()
 
-    def _maybe_shadow(self, key: str, payload: Any, primary: Outputs) -> None:
-        shadow = self.config.shadow
-        if shadow.version is None or not shadow_sampled(key, shadow.percent):
-            return
-        if self.shadow_inflight >= shadow.max_inflight:
-            self.metrics.shadow(shadow.version, "skipped", None)
-            return
-        self.shadow_inflight += 1
-        self._spawn(self._shadow(payload, primary, shadow))
+    # --- shadow ------------------------------------------------------------------------
 
-    async def _shadow(self, payload: Any, primary: Outputs, policy: ShadowPolicy) -> None:
+    def _shadow_copies(self, payload: Any, outputs: Any) -> tuple[Any, Mapping[str, np.ndarray]]:
+        """What a shadow call needs after the answer is sent: its own copy of the inputs and the
+        primary outputs as arrays."""
+        return self.target.detach(payload), self.target.arrays(outputs)
+
+    def _shadow(self, payload: Any, primary: Mapping[str, np.ndarray]) -> None:
+        policy = self.config.shadow
+        if policy.version is None:
+            return
+        with self._lock:
+            full = self._shadow_inflight >= policy.max_inflight
+            if not full:
+                self._shadow_inflight += 1
+        if full:
+            self.metrics.shadow(policy.version, "skipped", None)
+            return
+        self._shadow_pool.submit(self._shadow_call, payload, primary, policy)
+
+    def _shadow_call(self, payload: Any, primary: Mapping[str, np.ndarray], policy: ShadowPolicy) -> None:
         version = policy.version
-        _PRIMARY_CALL.set(False)  # this task's own context
         start = self.clock()
         try:
-            outputs = await self.call_target(payload, version)
+            outputs = self.target.arrays(self.target.call(payload, version, 60.0))
         except Exception as exc:
             self.metrics.shadow(version, "error", self.clock() - start)
             self._log_shadow(logging.WARNING, "%s: shadow version %d failed: %s", self.name, version, exc)
             return
         finally:
-            self.shadow_inflight -= 1
+            with self._lock:
+                self._shadow_inflight -= 1
         agree, why = outputs_agree(primary, outputs, policy.atol, policy.rtol, policy.ignore_outputs)
         self.metrics.shadow(version, "agree" if agree else "disagree", self.clock() - start)
         if not agree:
@@ -412,21 +659,3 @@ class RouterCore:
         if now - self._shadow_logged_at >= 1.0:
             self._shadow_logged_at = now
             log.log(level, message, *args)
-
-    def _reply(self, job: Job, outputs: Outputs | None, error: RouteError | None) -> None:
-        try:
-            job.respond(outputs, error)
-        except Exception:  # a broken client connection must not stop the loop
-            log.exception("%s: sending a response failed", self.name)
-
-    async def _shutdown(self, timeout_s: float) -> None:
-        with self._lock:
-            self._stopping = True
-            drained = self.scheduler.drain()
-        self._export_inline_counts()
-        for pending in drained:
-            self.metrics.rejection(pending.tier, "shutdown")
-            self._reply(pending.item.job, None,
-                        RouteError(f"router '{self.name}' is shutting down", reason="shutdown"))
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout_s)

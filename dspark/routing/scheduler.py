@@ -13,17 +13,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from dspark.errors import RequestError, UnavailableError
 from dspark.routing.config import FluctuationPolicy, RoutingConfig, TierPolicy
 
 T = TypeVar("T")
-
-
-class QueueFull(Exception):
-    """The tier's queue holds ``max_queue`` requests already."""
-
-
-class UnknownTier(ValueError):
-    """A request named a tier the router does not have."""
 
 
 class RateWindow:
@@ -109,11 +102,22 @@ class _Tier:
 
 
 class TierScheduler(Generic[T]):
-    """Picks which queued request goes to the target next."""
+    """Picks which queued request goes to the target next.
 
-    def __init__(self, config: RoutingConfig, now: float):
+    Concurrency: any tier may have a call dispatched while fewer than ``limit + early`` calls
+    are in flight (``max_inflight``, "auto" = ``target_instances``; ``early``, set by the
+    runtime, counts running calls expected to end within the hand-off lead, whose instance would
+    otherwise wait for the router); the top tier (highest base weight) also while fewer than
+    ``limit + early + headroom``. So the target's instances are kept busy by whatever is queued,
+    and a top-tier request finds a free slot (and at most the calls already running ahead of it
+    at the target) instead of waiting behind lower-tier calls that Triton has queued for it.
+    """
+
+    def __init__(self, config: RoutingConfig, now: float, target_instances: int | None = None):
         self.config = config
+        self.target_instances = target_instances
         self.inflight = 0
+        self.early = 0  # extra calls any tier may send now (running calls about to end)
         self._tiers: dict[str, _Tier] = {}
         self._start = now
         self.reconfigure(config)
@@ -124,6 +128,10 @@ class TierScheduler(Generic[T]):
         A tier missing from the new config keeps draining its queue with the smallest weight.
         """
         self.config = config
+        self.limit = config.slots(self.target_instances)
+        self.top = config.top_tier
+        self.headroom = config.top_tier_headroom
+        self.most_inflight = 2 * self.limit + self.headroom  # with every running call about to end
         for name, policy in config.tiers.items():
             if name in self._tiers:
                 self._tiers[name].policy = policy
@@ -136,18 +144,21 @@ class TierScheduler(Generic[T]):
                 tier.policy = TierPolicy(weight=floor, deadline_ms=tier.policy.deadline_ms, max_queue=0)
 
     def resolve_tier(self, tier: str | None) -> str:
+        """The request's tier (the default tier when it names none); RequestError if unknown."""
         if tier is None or tier == "":
             return self.config.default_tier
         if tier not in self.config.tiers:
-            raise UnknownTier(f"unknown tier '{tier}'; expected one of {', '.join(self.config.tiers)}")
+            raise RequestError("parameter 'tier'",
+                               f"unknown tier '{tier}'; expected one of {', '.join(self.config.tiers)}")
         return tier
 
     def submit(self, item: T, tier: str, now: float) -> Pending[T]:
-        """Queue a request; raise QueueFull if its tier's queue is at ``max_queue``."""
+        """Queue a request; UnavailableError (reason queue_full) if its tier's queue is full."""
         state = self._tiers[tier]
         state.meter.record(now)
         if len(state.queue) >= state.policy.max_queue:
-            raise QueueFull(f"tier '{tier}' queue is full ({len(state.queue)} waiting, max_queue {state.policy.max_queue})")
+            raise UnavailableError(f"tier '{tier}' queue is full ({len(state.queue)} waiting, "
+                                   f"max_queue {state.policy.max_queue})", reason="queue_full")
         pending = Pending(item, tier, now, now + state.policy.deadline_ms / 1000.0)
         state.queue.append(pending)
         return pending
@@ -169,11 +180,22 @@ class TierScheduler(Generic[T]):
         """Per tier: (effective weight = base × (1 + f), f)."""
         return {name: state.weight(now) for name, state in self._tiers.items()}
 
+    def may_dispatch(self, tier: str) -> bool:
+        """Whether a call of ``tier`` fits in the concurrency limits now."""
+        shared = self.limit + self.early
+        return self.inflight < (shared + self.headroom if tier == self.top else shared)
+
     def pop_next(self, now: float) -> Pending[T] | None:
-        """Next request by smooth weighted round-robin over non-empty tiers, if a slot is free."""
-        if self.inflight >= self.config.max_inflight:
+        """Next request by smooth weighted round-robin over non-empty tiers, if a slot is free
+        (beyond ``limit + early`` only the top tier's)."""
+        shared = self.limit + self.early
+        if self.inflight >= shared + self.headroom:
             return None
-        eligible = [(name, s) for name, s in self._tiers.items() if s.queue]
+        if self.inflight >= shared:
+            top = self._tiers.get(self.top)
+            eligible = [(self.top, top)] if top is not None and top.queue else []
+        else:
+            eligible = [(name, s) for name, s in self._tiers.items() if s.queue]
         if not eligible:
             return None
         total = 0.0
@@ -198,7 +220,7 @@ class TierScheduler(Generic[T]):
         Only when that overtakes no one: nothing queued in any tier and a slot free. Counts the
         arrival for the fluctuation factor like ``submit``; the caller ``release``s the slot.
         """
-        if self.inflight >= self.config.max_inflight or self.has_queued():
+        if not self.may_dispatch(tier) or self.has_queued():
             return False
         self._tiers[tier].meter.record(now)
         self.inflight += 1

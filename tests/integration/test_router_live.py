@@ -7,8 +7,10 @@ import re
 import shutil
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,8 +29,10 @@ from dspark.routing.graying import VersionSplitter, routing_key
 
 pytestmark = pytest.mark.integration
 X = np.array([1.0, 2.0, 3.0], dtype=np.float32)
-# versions of the test target: 1 normal, 2 tiny offset, 3 fails, 4 sleeps 1 s, 5 sleeps 50 ms
-BEHAVIOUR = {2: "offset=0.000001", 3: "error", 4: "sleep_ms=1000", 5: "sleep_ms=50"}
+# versions of the test target: 1 normal, 2 tiny offset, 3 fails, 4 sleeps 1 s, 5 sleeps 50 ms,
+# 6 hangs (3 s: far past the 300 ms timeout the test gives it)
+BEHAVIOUR = {2: "offset=0.000001", 3: "error", 4: "sleep_ms=1000", 5: "sleep_ms=50", 6: "sleep_ms=3000"}
+MODELS = ["router_demo_target", "router_demo"]
 
 
 def set_parameter(model_dir, key, value):
@@ -48,7 +52,8 @@ def live(request, tmp_path_factory):
         (repo / "router_demo_target" / str(version)).mkdir(exist_ok=True)
         set_parameter(repo / "router_demo_target", f"version_{version}", behaviour)
     set_parameter(repo / "router_demo", "target_versions", ",".join(str(v) for v in [1, *BEHAVIOUR]))
-    with serving(request, [repo]) as server:
+    # explicit model control: the last test unloads and reloads the router
+    with serving(request, [repo], model_control="explicit", load_models=MODELS) as server:
         server.repo = repo
         yield server
 
@@ -260,3 +265,166 @@ def test_fast_path_serves_an_idle_router_and_closes_for_a_slow_target(live):
     assert latency["diamond"] < 1.6, f"diamond took {latency['diamond']:.2f} s behind a 1 s standard call"
     time.sleep(1.0)
     assert metric(live, "dspark_router_fast_path_total") == before
+
+
+def rejected_lines(server):
+    return server.log_text().count("routing file rejected")
+
+
+@pytest.mark.parametrize("garbage", [b"- 1\n- 2\n", b"just text\n", b"{1: 2, version: 3}\n", b"\xff\xfe\x00 binary",
+                                     b"tiers: {gold: {weight: .inf, deadline_ms: 5}}\n"])
+def test_a_garbage_routing_file_is_ignored_and_route_set_still_works(live, garbage):
+    good = apply(live, shares={1: 100}, shadow=ShadowPolicy(), tiers=RoutingConfig().tiers, max_inflight="auto")
+    path = live.repo / "router_demo" / "routing.yaml"
+    before = rejected_lines(live)
+    path.write_bytes(garbage)
+    deadline = time.monotonic() + 5
+    while rejected_lines(live) == before:
+        assert time.monotonic() < deadline, "the router never reported the bad file"
+        time.sleep(0.1)
+    assert metric(live, "dspark_router_config_version") == good.version, "the last good config stays"
+    assert int(infer(live).as_numpy("version")[0]) == 1
+    good.save(path)  # a valid file again: `route set` reads it and the router applies the change
+    out = CliRunner().invoke(route, ["set", "--repository", str(live.repo), "--model", "router_demo",
+                                     "--metrics-url", live.metrics_url, "--share", "2=100"])
+    assert out.exit_code == 0 and f"runs config version {good.version + 1}" in out.output, out.output
+    assert int(infer(live, parameters={"user_id": "u1"}).as_numpy("version")[0]) == 2
+
+
+def test_queue_full_is_unavailable_end_to_end(live):
+    tiers = {**RoutingConfig().tiers, "standard": TierPolicy(weight=1, deadline_ms=5000, max_queue=1)}
+    apply(live, shares={4: 100}, shadow=ShadowPolicy(), tiers=tiers, max_inflight=1, top_tier_headroom=0,
+          inline_max_ms=0)
+    start = time.monotonic()
+    results = many(live, [{"parameters": {"tier": "standard"}} for _ in range(5)], workers=5)
+    full = [r for r in results if isinstance(r, InferenceServerException)]
+    assert len(full) == 3 and len(results) - len(full) == 2  # one running, one queued
+    for exc in full:
+        assert exc.status() == "400" or exc.status() == "UNAVAILABLE" or "503" in str(exc.status())
+        assert "router 'router_demo': tier 'standard' queue is full (1 waiting, max_queue 1)" in exc.message()
+    assert time.monotonic() - start < 4.0
+    assert metric(live, "dspark_router_rejections_total", tier="standard", reason="queue_full") >= 3
+
+
+def test_a_cancelled_grpc_request_is_not_sent_to_the_target(live):
+    apply(live, shares={4: 100}, shadow=ShadowPolicy(), tiers=RoutingConfig().tiers, max_inflight=1,
+          top_tier_headroom=0, inline_max_ms=0, cancel_check_ms=100)
+    time.sleep(1.1)  # counters of earlier tests exported
+    sent_before = metric(live, "dspark_router_requests_total", version=4)
+    cancelled_before = metric(live, "dspark_router_rejections_total", reason="cancelled")
+    client = grpcclient.InferenceServerClient(live.grpc_url)
+    tensor = grpcclient.InferInput("x", [3], "FP32")
+    tensor.set_data_from_numpy(X)
+    done = {}
+    running = client.async_infer("router_demo", [tensor], callback=lambda result, error: done.setdefault("running", (result, error)))
+    time.sleep(0.2)
+    queued = client.async_infer("router_demo", [tensor], callback=lambda result, error: done.setdefault("queued", (result, error)))
+    time.sleep(0.2)
+    queued.cancel()
+    deadline = time.monotonic() + 5
+    while metric(live, "dspark_router_rejections_total", reason="cancelled") == cancelled_before:
+        assert time.monotonic() < deadline, "the router never noticed the cancelled request"
+        time.sleep(0.1)
+    assert done["running"][1] is None and done["running"][0].as_numpy("y").tolist() == (2 * X).tolist()
+    time.sleep(1.1)
+    assert metric(live, "dspark_router_requests_total", version=4) == sent_before + 1, "only the first was sent"
+    assert "cancelled" in str(done["queued"][1]).lower()
+
+
+def test_a_hanging_target_answers_unavailable_naming_the_timeout(live):
+    tiers = {**RoutingConfig().tiers, "standard": TierPolicy(weight=1, deadline_ms=5000, timeout_ms=300)}
+    apply(live, shares={6: 100}, shadow=ShadowPolicy(), tiers=tiers, max_inflight="auto", top_tier_headroom=1,
+          inline_max_ms=5)
+    for path in ("fast path", "queued path"):  # the first call finds the router idle, the second does not
+        start = time.monotonic()
+        with pytest.raises(InferenceServerException) as info:
+            infer(live, parameters={"tier": "standard"})
+        assert time.monotonic() - start < 2.0, path
+        assert ("router 'router_demo': target 'router_demo_target' version 6 did not answer within 300 ms "
+                "(the 'standard' tier's timeout)") in info.value.message(), path
+        assert "UNAVAILABLE" in str(info.value.status()) or info.value.status() == "503", info.value.status()
+    # both target instances are still busy with the hung calls: a diamond request uses the headroom
+    apply(live, shares={1: 100})
+    start = time.monotonic()
+    assert int(infer(live, parameters={"tier": "diamond"}).as_numpy("version")[0]) == 1
+    assert time.monotonic() - start < 1.5
+    assert metric(live, "dspark_router_rejections_total", tier="standard", reason="target_timeout") == 2
+    time.sleep(3.0)  # the hung calls return (and are dropped): the next test starts clean
+
+
+def router_stubs(server):
+    """Python backend stub processes of router_demo under this server."""
+    model = f"{server.repo}/router_demo/1/model.py".encode()
+    count = 0
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) > 1 and argv[0].endswith(b"triton_python_backend_stub") and argv[1] == model:
+            count += 1
+    return count
+
+
+def wait_for(condition, what, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_unload_load_reload_with_requests_in_flight(live):
+    apply(live, shares={5: 100}, shadow=ShadowPolicy(), tiers=RoutingConfig().tiers, max_inflight="auto",
+          top_tier_headroom=1, inline_max_ms=5)
+    headers = getattr(live, "repository_headers", {})
+    control = httpclient.InferenceServerClient(live.http_url)
+    stop = threading.Event()
+    outcomes = []  # (protocol, "ok" | what went wrong)
+
+    def load(worker):
+        protocol = "grpc" if worker % 2 else "http"
+        i = 0
+        while not stop.is_set():
+            try:
+                infer(live, protocol, parameters={"tier": ("diamond", "gold", "standard")[i % 3]},
+                      **({"client_timeout": 20} if protocol == "grpc" else {}))
+                outcomes.append((protocol, "ok"))
+            except InferenceServerException as exc:
+                outcomes.append((protocol, exc.message()))
+            except Exception as exc:  # a dropped connection or a timeout: what this test must not see
+                outcomes.append((protocol, f"{type(exc).__name__}: {exc}"))
+            i += 1
+
+    workers = [threading.Thread(target=load, args=(w,)) for w in range(4)]
+    for w in workers:
+        w.start()
+    try:
+        time.sleep(0.5)
+        control.unload_model("router_demo", headers=headers)
+        wait_for(lambda: router_stubs(live) == 0, "the router's stub did not exit after the unload")
+        assert not control.is_model_ready("router_demo")
+        samples = read_metrics(live.metrics_url, "router_demo")
+        assert samples == [], f"metric families left behind by the unloaded router: {samples[:3]}"
+        control.load_model("router_demo", headers=headers)
+        time.sleep(0.5)
+        control.load_model("router_demo", headers=headers)  # a reload with requests in flight
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(30)
+    assert not any(w.is_alive() for w in workers), "a request was never answered"
+    wait_for(lambda: router_stubs(live) == 1, "one stub for the one router instance after the reload")
+    versions = [s for s in read_metrics(live.metrics_url, "router_demo") if s[0] == "dspark_router_config_version"]
+    assert len(versions) == 1, versions
+    errors = Counter(message for _, message in outcomes if message != "ok")
+    explained = re.compile(r"is shutting down|unknown model|is not found|not ready|no available version|unavailable",
+                           re.IGNORECASE)
+    assert all(explained.search(m) for m in errors), errors
+    assert len(outcomes) > 20 and sum(m == "ok" for _, m in outcomes) > 10
+    # the reloaded router's metrics are live (the old instance's cleanup did not take them along)
+    time.sleep(1.0)
+    before = metric(live, "dspark_router_requests_total")
+    results = many(live, [{} for _ in range(20)], workers=2)
+    assert {int(r.as_numpy("version")[0]) for r in results} == {5}
+    wait_for(lambda: metric(live, "dspark_router_requests_total") == before + 20, "requests were not counted", 5)

@@ -1,11 +1,13 @@
 """Tier scheduler with a fake clock: weights, fluctuation factor, deadlines, starvation freedom."""
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
 from dspark.routing.config import FluctuationPolicy, RoutingConfig, TierPolicy
-from dspark.routing.scheduler import FluctuationMeter, QueueFull, TierScheduler, UnknownTier
+from dspark.errors import RequestError, UnavailableError
+from dspark.routing.scheduler import FluctuationMeter, TierScheduler
 
 
 def make_config(**kw) -> RoutingConfig:
@@ -123,7 +125,7 @@ def test_bounded_concurrency():
     sched = TierScheduler(make_config(max_inflight=2), now=0.0)
     for i in range(5):
         sched.submit(i, "gold", now=0.0)
-    assert sched.pop_next(0.0) is not None and sched.pop_next(0.0) is not None
+    assert [sched.pop_next(0.0).item, sched.pop_next(0.0).item] == [0, 1]
     assert sched.pop_next(0.0) is None
     sched.release()
     assert sched.pop_next(0.0).item == 2
@@ -152,10 +154,12 @@ def test_queue_full_and_unknown_tier():
     sched = TierScheduler(config, now=0.0)
     sched.submit(1, "standard", 0.0)
     sched.submit(2, "standard", 0.0)
-    with pytest.raises(QueueFull, match="'standard' queue is full"):
+    with pytest.raises(UnavailableError, match="'standard' queue is full") as full:
         sched.submit(3, "standard", 0.0)
-    with pytest.raises(UnknownTier, match="unknown tier 'platinum'"):
+    assert full.value.reason == "queue_full" and full.value.code == "UNAVAILABLE"
+    with pytest.raises(RequestError, match="parameter 'tier': unknown tier 'platinum'") as unknown:
         sched.resolve_tier("platinum")
+    assert unknown.value.code == "INVALID_ARG"
     assert sched.resolve_tier(None) == "standard"
 
 
@@ -174,12 +178,12 @@ def test_reconfigure_keeps_queued_requests():
         items.append(p.item)
         sched.release()
     assert items == list(range(10))
-    with pytest.raises(UnknownTier):
+    with pytest.raises(RequestError):
         sched.resolve_tier("standard")
 
 
 def test_try_admit_takes_a_slot_only_when_nothing_is_queued():
-    cfg = RoutingConfig(max_inflight=2).validate()
+    cfg = RoutingConfig(max_inflight=2, top_tier_headroom=0).validate()
     s = TierScheduler(cfg, 0.0)
     assert s.try_admit("standard", 0.0) and s.inflight == 1
     s.submit("queued", "gold", 0.1)
@@ -188,3 +192,29 @@ def test_try_admit_takes_a_slot_only_when_nothing_is_queued():
     assert not s.try_admit("diamond", 0.2), "both slots taken"
     s.release()
     assert s.try_admit("diamond", 0.3)
+
+
+def test_headroom_is_for_the_top_tier_only():
+    cfg = RoutingConfig(max_inflight="auto", top_tier_headroom=1).validate()
+    s = TierScheduler(cfg, 0.0, target_instances=2)
+    assert (s.limit, s.headroom, s.top) == (2, 1, "diamond")
+    for i in range(5):
+        s.submit(("s", i), "standard", 0.0)
+        s.submit(("g", i), "gold", 0.0)
+    assert {s.pop_next(0.0).tier for _ in range(2)} <= {"gold", "standard"}
+    assert s.pop_next(0.0) is None, "lower tiers use the target's 2 instances, not the headroom"
+    assert not s.try_admit("gold", 0.0)
+    s.submit(("d", 0), "diamond", 0.1)
+    assert s.pop_next(0.1).item == ("d", 0), "the top tier gets the third slot at once"
+    assert s.pop_next(0.1) is None and s.inflight == 3
+    s.release()  # one call done: 2 in flight, lower tiers may not refill beyond the limit
+    assert s.pop_next(0.2) is None
+    s.release()
+    assert s.pop_next(0.3).item[0] in ("s", "g") and s.inflight == 2
+
+
+def test_max_inflight_auto_follows_the_target_instances():
+    cfg = RoutingConfig(top_tier_headroom=0).validate()
+    assert TierScheduler(cfg, 0.0, target_instances=6).limit == 6
+    assert TierScheduler(cfg, 0.0, target_instances=None).limit == 1
+    assert TierScheduler(replace(cfg, max_inflight=3), 0.0, target_instances=6).limit == 3

@@ -1,0 +1,1 @@
+"""rollout layer: staged model updates with analysis and rollback; see docs/rollout.md."""

@@ -1,0 +1,219 @@
+"""The Triton servers a rollout drives: their endpoints and the calls the controller makes.
+
+Every call to the model-repository API (load, unload, index) carries the server's API key in
+the ``dspark-api-key`` header (issue 9's restricted API); inference and health calls need none.
+"""
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+from urllib.parse import urlparse
+
+import numpy as np
+import tritonclient.http as httpclient
+import yaml
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype, triton_to_np_dtype
+
+from dspark.errors import ConfigError, UnavailableError
+
+from dspark.triton.server import repository_headers
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One server: its HTTP URL and its metrics URL (default: HTTP port + 2, Triton's layout)."""
+
+    url: str
+    metrics_url: str
+
+    @classmethod
+    def parse(cls, url: str, metrics_url: Optional[str] = None) -> "Endpoint":
+        url = url.strip().rstrip("/")
+        if "://" not in url:
+            url = f"http://{url}"
+        parsed = urlparse(url)
+        if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
+            raise ConfigError("server", f"{url!r} is not an HTTP endpoint like http://10.0.0.5:8000")
+        if metrics_url is None:
+            metrics_url = f"http://{parsed.hostname}:{parsed.port + 2}/metrics"
+        elif "://" not in metrics_url:
+            metrics_url = f"http://{metrics_url}"
+        return cls(url, metrics_url)
+
+    @property
+    def host_port(self) -> str:
+        return self.url.split("://", 1)[1]
+
+
+def read_endpoints(urls: Sequence[str] = (), metrics_urls: Sequence[str] = (),
+                   servers_file: Optional[Path] = None, dns: Sequence[str] = ()) -> list[Endpoint]:
+    """Endpoints from ``--server`` URLs (paired in order with ``--metrics-url``), a file (YAML:
+    a list of URLs or of {url, metrics_url}; or plain text, one ``URL [METRICS_URL]`` a line,
+    ``#`` comments) and DNS names ``HOST:PORT`` whose every address is a server (a Kubernetes
+    headless Service lists the ready pods of a fleet that way)."""
+    if metrics_urls and len(metrics_urls) != len(urls):
+        raise ConfigError("metrics-url", f"give one per --server ({len(urls)}), or none for HTTP port + 2")
+    endpoints = [Endpoint.parse(u, m) for u, m in zip(urls, metrics_urls or [None] * len(urls))]
+    if servers_file is not None:
+        endpoints += _endpoints_from_file(Path(servers_file))
+    for name in dns:
+        host, _, port = name.rpartition(":")
+        try:
+            addresses = sorted({info[4][0] for info in socket.getaddrinfo(host, int(port), socket.AF_INET,
+                                                                          socket.SOCK_STREAM)})
+        except (OSError, ValueError) as error:
+            raise ConfigError("servers-dns", f"cannot resolve {name!r} (HOST:PORT): {error}") from None
+        endpoints += [Endpoint.parse(f"http://{address}:{port}") for address in addresses]
+    if not endpoints:
+        raise ConfigError("server", "no server given: pass --server URL (repeatable), --servers-file or --servers-dns")
+    return endpoints
+
+
+def _endpoints_from_file(path: Path) -> list[Endpoint]:
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError("servers-file", str(error), path) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        data = None
+    if isinstance(data, list):
+        out = []
+        for i, item in enumerate(data):
+            if isinstance(item, str):
+                out.append(Endpoint.parse(item))
+            elif isinstance(item, dict) and "url" in item:
+                out.append(Endpoint.parse(item["url"], item.get("metrics_url")))
+            else:
+                raise ConfigError(f"[{i}]", "expected a URL or a mapping with url (and metrics_url)", path)
+        return out
+    out = []
+    for line in text.splitlines():
+        parts = re.split(r"\s+", line.split("#", 1)[0].strip())
+        if parts[0]:
+            out.append(Endpoint.parse(parts[0], parts[1] if len(parts) > 1 else None))
+    return out
+
+
+class Server:
+    """The controller's handle on one server (tritonclient over HTTP)."""
+
+    def __init__(self, endpoint: Endpoint, api_key: Optional[str] = None, timeout_s: float = 120.0):
+        self.endpoint = endpoint
+        self.headers = repository_headers(api_key) or None
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+        self._clients: list[httpclient.InferenceServerClient] = []
+
+    @property
+    def client(self) -> httpclient.InferenceServerClient:
+        """This thread's client (tritonclient.http runs on gevent: a client stays in its thread)."""
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = httpclient.InferenceServerClient(self.endpoint.host_port, connection_timeout=self.timeout_s,
+                                                      network_timeout=self.timeout_s)
+            self._local.client = client
+            self._clients.append(client)
+        return client
+
+    @property
+    def name(self) -> str:
+        return self.endpoint.url
+
+    def close(self) -> None:
+        """Close the clients of this thread (others close with their threads' greenlet hubs)."""
+        client = getattr(self._local, "client", None)
+        if client is not None:
+            client.close()
+            self._local.client = None
+
+    def load(self, model: str) -> None:
+        """(Re)load ``model`` as its config.pbtxt now says; Triton keeps serving unchanged versions."""
+        try:
+            self.client.load_model(model, headers=self.headers)
+        except InferenceServerException as error:
+            raise UnavailableError(f"{self.name}: loading '{model}' failed: {error.message()}", "load") from None
+        except OSError as error:
+            raise UnavailableError(f"{self.name}: unreachable while loading '{model}': {error}", "load") from None
+
+    def ready(self, model: str, version: Optional[int] = None) -> bool:
+        """Whether ``version`` of ``model`` (any version when None) is ready for inference."""
+        try:
+            return bool(self.client.is_model_ready(model, "" if version is None else str(version)))
+        except (InferenceServerException, OSError):
+            return False
+
+    def healthy(self) -> bool:
+        try:
+            return bool(self.client.is_server_live())
+        except (InferenceServerException, OSError):
+            return False
+
+    def index(self) -> list[dict]:
+        """The repository index: every model version the server knows, with its state."""
+        try:
+            return self.client.get_model_repository_index(headers=self.headers)
+        except (InferenceServerException, OSError) as error:
+            message = error.message() if isinstance(error, InferenceServerException) else str(error)
+            raise UnavailableError(f"{self.name}: repository index: {message}", "index") from None
+
+    def wait_unloaded(self, model: str, version: int, timeout_s: float) -> bool:
+        """Wait until ``version`` is gone, not just not ready: is_model_ready turns false as soon
+        as an unload starts, while the version's instances may still run for seconds."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = [item.get("state") for item in self.index()
+                      if item.get("name") == model and item.get("version") == str(version)]
+            if not any(state in ("READY", "LOADING", "UNLOADING") for state in states):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+
+    def wait_ready(self, model: str, version: int, want: bool, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.ready(model, version) != want:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def warm_up(self, model: str, version: int, requests: int, inputs: Optional[dict] = None) -> None:
+        """Send ``requests`` inferences straight to ``model`` version ``version``; raises on the
+        first failure. Inputs: ``inputs`` (name -> array), else zeros shaped from the config."""
+        arrays = inputs or self.sample_inputs(model, version)
+        for _ in range(requests):
+            self.infer(model, version, arrays)
+
+    def infer(self, model: str, version: int, arrays: dict) -> dict:
+        tensors = []
+        for name, array in arrays.items():
+            tensor = httpclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        try:
+            result = self.client.infer(model, tensors, model_version=str(version))
+        except InferenceServerException as error:
+            raise UnavailableError(f"{self.name}: '{model}' version {version} failed: {error.message()}",
+                                   "warmup") from None
+        return {o["name"]: result.as_numpy(o["name"]) for o in result.get_response()["outputs"]}
+
+    def sample_inputs(self, model: str, version: int) -> dict:
+        config = self.client.get_model_config(model, str(version))
+        batch = [1] if config.get("max_batch_size", 0) > 0 else []
+        arrays = {}
+        for spec in config.get("input", []):
+            shape = batch + [1 if d < 0 else d for d in spec["dims"]]
+            dtype = triton_to_np_dtype(spec["data_type"].removeprefix("TYPE_"))
+            arrays[spec["name"]] = np.zeros(shape, dtype=dtype)
+        return arrays
+
+
+def connect(endpoints: Iterable[Endpoint], api_key: Optional[str], timeout_s: float = 120.0) -> list[Server]:
+    return [Server(e, api_key, timeout_s) for e in endpoints]

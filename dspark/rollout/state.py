@@ -1,0 +1,241 @@
+"""The controller's memory: rollouts, their events and pending commands in one SQLite file.
+
+Every transition is written (and committed) *before* it is applied, so a controller killed at
+any point can be restarted and finish or undo the step it was in (``Controller.recover``).
+One controller per model at a time: ``ModelLock`` holds an exclusive ``flock`` on a file next
+to the database, which the kernel releases when the process dies (kill -9 included), so a crash
+never leaves a stale lock. The lock is per machine: two controllers on different machines that
+share the state file over a network filesystem are not kept apart (SQLite itself is not safe
+there either); run one controller host per repository.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import fcntl
+import json
+import os
+import socket
+import sqlite3
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from dspark.errors import UnavailableError
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS rollouts (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    model TEXT NOT NULL,
+    router TEXT,
+    semver TEXT NOT NULL,
+    current_version INTEGER NOT NULL,
+    new_version INTEGER NOT NULL,
+    phase TEXT NOT NULL,          -- staging, loading, warmup, step, promoting, draining, rolling_back, done
+    step INTEGER NOT NULL DEFAULT -1,
+    paused INTEGER NOT NULL DEFAULT 0,
+    outcome TEXT,                 -- promoted, rolled_back
+    reason TEXT,
+    settings TEXT NOT NULL,       -- JSON: plan, servers, repository, routing file, artifact
+    started TEXT NOT NULL,
+    updated TEXT NOT NULL,
+    finished TEXT
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    rollout_id INTEGER NOT NULL REFERENCES rollouts(id),
+    at TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    message TEXT NOT NULL,
+    data TEXT
+);
+CREATE TABLE IF NOT EXISTS commands (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    model TEXT NOT NULL,
+    command TEXT NOT NULL,        -- rollback, promote, pause, resume
+    reason TEXT,
+    at TEXT NOT NULL,
+    taken TEXT
+);
+"""
+ACTIVE = "phase != 'done'"
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def default_state_path() -> Path:
+    """``$DSPARK_ROLLOUT_STATE``, else ``$XDG_STATE_HOME/dspark/rollout.sqlite`` (~/.local/state)."""
+    explicit = os.environ.get("DSPARK_ROLLOUT_STATE")
+    if explicit:
+        return Path(explicit)
+    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    return base / "dspark" / "rollout.sqlite"
+
+
+@dataclass
+class Rollout:
+    id: int
+    model: str
+    router: Optional[str]
+    semver: str
+    current_version: int
+    new_version: int
+    phase: str
+    step: int
+    paused: bool
+    outcome: Optional[str]
+    reason: Optional[str]
+    settings: dict
+    started: str
+    updated: str
+    finished: Optional[str]
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> "Rollout":
+        data = dict(row)
+        data["settings"] = json.loads(data["settings"])
+        data["paused"] = bool(data["paused"])
+        return cls(**data)
+
+
+class StateStore:
+    """Rollouts, events and commands in SQLite (WAL; each call is its own committed transaction)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def create(self, model: str, router: Optional[str], semver: str, current: int, new: int,
+               settings: dict) -> Rollout:
+        stamp = now()
+        cursor = self._db.execute(
+            "INSERT INTO rollouts (model, router, semver, current_version, new_version, phase, settings, started, updated)"
+            " VALUES (?, ?, ?, ?, ?, 'staging', ?, ?, ?)",
+            (model, router, semver, current, new, json.dumps(settings), stamp, stamp))
+        return self.get(cursor.lastrowid)
+
+    def get(self, rollout_id: int) -> Rollout:
+        row = self._db.execute("SELECT * FROM rollouts WHERE id = ?", (rollout_id,)).fetchone()
+        return Rollout.from_row(row)
+
+    def active(self, model: str) -> Optional[Rollout]:
+        row = self._db.execute(f"SELECT * FROM rollouts WHERE model = ? AND {ACTIVE} ORDER BY id DESC LIMIT 1",
+                               (model,)).fetchone()
+        return Rollout.from_row(row) if row else None
+
+    def history(self, model: Optional[str] = None, limit: int = 50) -> list[Rollout]:
+        if model:
+            rows = self._db.execute("SELECT * FROM rollouts WHERE model = ? ORDER BY id DESC LIMIT ?", (model, limit))
+        else:
+            rows = self._db.execute("SELECT * FROM rollouts ORDER BY id DESC LIMIT ?", (limit,))
+        return [Rollout.from_row(r) for r in rows.fetchall()]
+
+    def update(self, rollout_id: int, **fields: Any) -> Rollout:
+        if "settings" in fields:
+            fields["settings"] = json.dumps(fields["settings"])
+        if "paused" in fields:
+            fields["paused"] = int(bool(fields["paused"]))
+        fields["updated"] = now()
+        assignments = ", ".join(f"{key} = ?" for key in fields)
+        self._db.execute(f"UPDATE rollouts SET {assignments} WHERE id = ?", (*fields.values(), rollout_id))
+        return self.get(rollout_id)
+
+    def event(self, rollout_id: int, kind: str, message: str, data: Any = None) -> None:
+        self._db.execute("INSERT INTO events (rollout_id, at, kind, message, data) VALUES (?, ?, ?, ?, ?)",
+                         (rollout_id, now(), kind, message, None if data is None else json.dumps(data)))
+
+    def events(self, rollout_id: int, kinds: Optional[tuple[str, ...]] = None) -> list[dict]:
+        rows = self._db.execute("SELECT * FROM events WHERE rollout_id = ? ORDER BY id", (rollout_id,)).fetchall()
+        out = []
+        for row in rows:
+            if kinds and row["kind"] not in kinds:
+                continue
+            item = dict(row)
+            item["data"] = json.loads(item["data"]) if item["data"] else None
+            out.append(item)
+        return out
+
+    # --- commands from `dspark rollout rollback/promote/pause/resume` to a running controller ---
+    def send(self, model: str, command: str, reason: Optional[str] = None) -> None:
+        self._db.execute("INSERT INTO commands (model, command, reason, at) VALUES (?, ?, ?, ?)",
+                         (model, command, reason, now()))
+
+    def take_commands(self, model: str) -> list[tuple[str, Optional[str]]]:
+        with self.transaction():
+            rows = self._db.execute("SELECT id, command, reason FROM commands WHERE model = ? AND taken IS NULL "
+                                    "ORDER BY id", (model,)).fetchall()
+            for row in rows:
+                self._db.execute("UPDATE commands SET taken = ? WHERE id = ?", (now(), row["id"]))
+        return [(row["command"], row["reason"]) for row in rows]
+
+    def drop_commands(self, model: str) -> None:
+        self._db.execute("UPDATE commands SET taken = ? WHERE model = ? AND taken IS NULL", (now(), model))
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+
+class ModelLock:
+    """An exclusive lock per (state file, model), held for the controller's lifetime."""
+
+    def __init__(self, state_path: Path, model: str):
+        self.path = Path(f"{state_path}.{model}.lock")
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise UnavailableError(f"another controller is running a rollout of this model ({holder}); "
+                                   "use `dspark rollout rollback/promote/pause/resume` to steer it", "locked") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        self._fd = fd
+
+    def held_by_other(self) -> bool:
+        """Whether some other process holds the lock now (a controller is running)."""
+        if self._fd is not None:
+            return False
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # closing drops a lock we may just have taken
+        return False
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "ModelLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -1,0 +1,57 @@
+"""What a client request tells the router: its tier and user id, from the request's parameters.
+
+Triton hands a model the request's parameters as JSON: the client's own (``tier``, ``user_id``)
+and the forwarded headers (``dspark-tier``, ``dspark-user-id``, see docs/router.md). A parameter
+wins over a header; an empty value counts as absent. Parsed by pydantic, so a bad value is a
+``RequestError`` naming it (``parameters.tier: Input should be a valid string (got 5)``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Optional, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError
+
+from dspark.errors import RequestError, from_validation_error
+
+
+def _id_text(value: Any) -> Any:
+    """User ids may be sent as numbers; they are hashed as text."""
+    return str(value) if type(value) is int else value
+
+
+Name = Annotated[str, Strict()]
+UserId = Annotated[str, BeforeValidator(_id_text), Strict()]
+
+
+class RouterParameters(BaseModel):
+    """The request parameters the router reads; everything else is left to the target."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    tier: Optional[Name] = None
+    tier_header: Optional[Name] = Field(None, alias="dspark-tier")
+    user_id: Optional[UserId] = None
+    user_header: Optional[UserId] = Field(None, alias="dspark-user-id")
+
+
+@dataclass(frozen=True)
+class RouteFields:
+    tier: Optional[str]
+    user_id: Optional[str]
+
+
+def parse_parameters(raw: Union[str, dict, None]) -> RouteFields:
+    """The tier and user id of a request from its parameters (Triton's JSON text or a dict)."""
+    try:
+        data = json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError as exc:
+        raise RequestError("parameters", f"not valid JSON: {exc}") from None
+    if not data:
+        return RouteFields(None, None)
+    try:
+        parsed = RouterParameters.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc, RequestError, prefix="parameters") from None
+    return RouteFields(parsed.tier or parsed.tier_header or None, parsed.user_id or parsed.user_header or None)

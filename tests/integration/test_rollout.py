@@ -1,0 +1,253 @@
+"""Rollouts on a real server under continuous load: promoted, rolled back for latency and for
+errors within two analysis intervals, steered by hand, and a controller killed mid-rollout that
+is recovered (finished or rolled back) — with zero failed client requests throughout."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from tests.conftest import TEST_EXIT_TIMEOUT_S, dump_log_on_failure
+from dspark.cli.rollout import rollout as rollout_cli
+from dspark.rollout import demo
+from dspark.rollout.controller import Controller, Deployment
+from dspark.rollout.fleet import Endpoint, Server
+from dspark.rollout.plan import Plan
+from dspark.rollout.state import StateStore
+from dspark.routing.config import RoutingConfig
+from dspark.triton.server import DEFAULT_HEADER_PATTERN, TritonServer, header_forward_args
+
+pytestmark = pytest.mark.integration
+INTERVAL_S = 0.5
+FAST_PLAN = {
+    "steps": [{"shadow": 30, "hold_s": 1}, {"canary": 25, "hold_s": 1}, {"canary": 100, "hold_s": 0.5}],
+    "analysis": {"interval_s": INTERVAL_S, "min_requests": 10},
+    "warmup": {"requests": 3},
+    "drain_timeout_s": 10,
+}
+def held_plan(canary_hold_s: float) -> dict:
+    return {**FAST_PLAN, "steps": [{"shadow": 30, "hold_s": 1}, {"canary": 25, "hold_s": canary_hold_s},
+                                   {"canary": 100, "hold_s": 0.5}]}
+
+
+@pytest.fixture(scope="module")
+def site(request, tmp_path_factory):
+    """One explicit-control server with rollout_demo behind its router, and client load on it."""
+    root = tmp_path_factory.mktemp("rollout")
+    repo = demo.build_repository(root / "repo")
+    server = TritonServer([repo], model_control="explicit", load_models=[demo.MODEL, demo.ROUTER],
+                          exit_timeout_s=TEST_EXIT_TIMEOUT_S, extra_args=header_forward_args(DEFAULT_HEADER_PATTERN))
+    failed_before = request.session.testsfailed
+    server.start()
+    load = demo.LoadGenerator([server.http_url], threads_per_server=3).start()
+    site = type("Site", (), {})()
+    site.root, site.repo, site.server, site.load = root, repo, server, load
+    site.endpoint = Endpoint.parse(server.http_url, server.metrics_url)
+    site.state_path = root / "state.sqlite"
+    site.artifacts = iter(range(1, 100))
+    try:
+        yield site
+    finally:
+        load.stop()
+        dump_log_on_failure(request, server, failed_before)
+        server.stop()
+
+
+def artifact(site, **behaviour) -> tuple[Path, str]:
+    n = next(site.artifacts)
+    semver = f"1.{n}.0"
+    return demo.model_artifact(site.root / f"model-{n}.py", semver, **behaviour), semver
+
+
+def run_rollout(site, plan=FAST_PLAN, **behaviour):
+    path, semver = artifact(site, **behaviour)
+    deployment = Deployment(demo.MODEL, demo.ROUTER, str(site.repo), [site.endpoint])
+    state = StateStore(site.state_path)
+    controller = Controller(deployment, Plan.from_dict(plan), state, site.server.api_key, say=lambda line: None)
+    try:
+        return controller.start(path, semver), state
+    finally:
+        controller.close()
+
+
+def served_versions(site) -> set[int]:
+    server = Server(site.endpoint, site.server.api_key)
+    versions = {int(i["version"]) for i in server.index() if i["name"] == demo.MODEL and i.get("state") == "READY"}
+    server.close()
+    return versions
+
+
+def routed_versions(site) -> set[int]:
+    config = RoutingConfig.load(site.repo / demo.ROUTER / "routing.yaml")
+    return {v for v, p in config.shares.items() if p > 0} | ({config.shadow.version} if config.shadow.percent else set())
+
+
+def assert_consistent(site):
+    """Traffic points only at loaded versions; no failed client request so far."""
+    assert routed_versions(site) <= served_versions(site)
+    assert not site.load.failures(), site.load.failures()[:3]
+
+
+@pytest.mark.parametrize("behaviour, reason", [
+    ({"service_ms": 20}, "mean latency"),  # 2x slower than the 10 ms current version
+    ({"fail_after": 10}, "error rate"),  # answers its warm-up, then fails every request
+])
+def test_regression_rolls_back_within_two_intervals(site, behaviour, reason):
+    before = served_versions(site)
+    outcome, state = run_rollout(site, **behaviour)
+    assert not outcome.promoted and reason in outcome.reason
+    events = state.events(outcome.rollout.id)
+    judged = [e for e in events if e["kind"] == "analysis"]
+    assert len(judged) <= 2, [e["message"] for e in judged]
+    assert "BREACH" in judged[-1]["message"] and reason in judged[-1]["message"]
+    rollout = state.get(outcome.rollout.id)
+    assert (rollout.phase, rollout.outcome) == ("done", "rolled_back") and reason in rollout.reason
+    assert served_versions(site) == before  # the new version is gone, the current one kept serving
+    assert not (site.repo / demo.MODEL / str(rollout.new_version)).exists()
+    assert_consistent(site)
+
+
+def test_accuracy_on_a_labelled_set_gates_the_version_before_any_traffic(site):
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0.1, 1.0, size=(20, 3)).astype(np.float32)
+    np.savez(site.root / "labelled.npz", x=x, labels=np.argmax(x, axis=1))
+    plan = {**FAST_PLAN, "analysis": {**FAST_PLAN["analysis"], "accuracy": {
+        "dataset": str(site.root / "labelled.npz"), "output": "y", "min": 0.9}}}
+    outcome, state = run_rollout(site, plan, scale=-2.0)  # y = -2x: the arg-max is now the smallest x
+    assert not outcome.promoted and "accuracy 0.000 of version" in outcome.reason
+    scores = next(e for e in state.events(outcome.rollout.id, ("accuracy",)))["data"]
+    assert scores[str(outcome.rollout.current_version)] == 1.0
+    assert not state.events(outcome.rollout.id, ("route",))[:-1]  # judged before any traffic
+    assert_consistent(site)
+
+
+def test_pause_resume_and_promote_by_hand_while_under_load(site):
+    runner = CliRunner()
+    base = ["--state", str(site.state_path), "--api-key", site.server.api_key]
+    result = {}
+    import threading
+    thread = threading.Thread(target=lambda: result.update(out=run_rollout(site, held_plan(60))))
+    thread.start()
+    state = StateStore(site.state_path)
+    active = state.get(wait_for_canary(state, thread.is_alive))
+    # a second controller on the same model refuses to start
+    path, _ = artifact(site)
+    second = runner.invoke(rollout_cli, ["run", demo.MODEL, str(path), "--version", "9.0.0", "-r", str(site.repo),
+                                         "--router", demo.ROUTER, "--server", site.server.http_url, *base])
+    assert second.exit_code != 0 and "another controller" in second.output, second.output
+    out = runner.invoke(rollout_cli, ["pause", demo.MODEL, *base])
+    assert out.exit_code == 0 and "sent to the controller" in out.output, out.output
+    time.sleep(1.0)
+    assert state.active(demo.MODEL).paused
+    status = runner.invoke(rollout_cli, ["status", demo.MODEL, *base, "--json", "--window", "0.5"])
+    report = json.loads(status.output)
+    assert report["rollout"]["paused"] and report["rollout"]["step"] == "2/3 canary 25%"
+    assert report["shares"] == {"1": 75.0, str(active.new_version): 25.0} or sum(report["shares"].values()) == 100
+    assert {row["version"] for row in report["versions"]} == {active.current_version, active.new_version}
+    assert all(row["rps"] > 0 for row in report["versions"]), report["versions"]
+    table = runner.invoke(rollout_cli, ["status", demo.MODEL, *base, "--window", "0.2"]).output
+    assert "(PAUSED)" in table and "READY" in table and "traffic:" in table
+    runner.invoke(rollout_cli, ["resume", demo.MODEL, *base])
+    out = runner.invoke(rollout_cli, ["promote", demo.MODEL, *base])
+    assert out.exit_code == 0, out.output
+    thread.join(60)
+    outcome, _ = result["out"]
+    assert outcome.promoted
+    assert served_versions(site) == {outcome.rollout.new_version}
+    assert routed_versions(site) == {outcome.rollout.new_version}
+    time.sleep(0.5)
+    assert site.load.versions(since=time.monotonic() - 0.3) == {outcome.rollout.new_version}
+    kinds = [e["message"] for e in state.events(outcome.rollout.id) if e["kind"] == "command"]
+    assert any("paused" in k for k in kinds) and any("promoted by hand" in k for k in kinds)
+    assert_consistent(site)
+
+
+def _cli(site, *args) -> subprocess.Popen:
+    command = [sys.executable, "-c", "from dspark.cli.main import main; main()", "rollout", *args,
+               "--state", str(site.state_path), "--api-key", site.server.api_key]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_canary(state: StateStore, alive) -> int:
+    """The id of the active rollout once its canary step (step 2) is routed."""
+    deadline = time.monotonic() + 60
+    while True:
+        active = state.active(demo.MODEL)
+        if active and any(e["message"].startswith("step 2/3") for e in state.events(active.id, ("route",))):
+            return active.id
+        assert time.monotonic() < deadline and alive(), "the rollout never reached its canary step"
+        time.sleep(0.1)
+
+
+def _start_and_kill(site) -> tuple[StateStore, int]:
+    """Start `dspark rollout run` in a process and kill -9 it during its canary step."""
+    path, semver = artifact(site)
+    plan = site.root / "slow-plan.yaml"
+    plan.write_text(yaml.safe_dump(held_plan(2)))
+    process = _cli(site, "run", demo.MODEL, str(path), "--version", semver, "-r", str(site.repo),
+                   "--router", demo.ROUTER, "--server", site.server.http_url, "--metrics-url",
+                   site.server.metrics_url, "--plan", str(plan))
+    state = StateStore(site.state_path)
+    rollout_id = wait_for_canary(state, lambda: process.poll() is None)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    site.killed_output = process.stdout.read()
+    return state, rollout_id
+
+
+@pytest.mark.parametrize("command, exit_code, outcome", [(["recover"], 0, "promoted"),
+                                                          (["rollback", "--reason", "operator"], 3, "rolled_back")])
+def test_killed_controller_is_recovered_consistently(site, command, exit_code, outcome):
+    state, rollout_id = _start_and_kill(site)
+    assert_consistent(site)  # killed mid-canary: both versions loaded, traffic split between them
+    assert len(routed_versions(site)) == 2, site.killed_output
+    process = _cli(site, command[0], demo.MODEL, *command[1:])
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == exit_code, output
+    rollout = state.get(rollout_id)
+    assert (rollout.phase, rollout.outcome) == ("done", outcome), output
+    survivor = rollout.new_version if outcome == "promoted" else rollout.current_version
+    assert served_versions(site) == {survivor} and routed_versions(site) == {survivor}
+    if outcome == "rolled_back":
+        assert "operator" in rollout.reason
+    assert_consistent(site)
+    history = CliRunner().invoke(rollout_cli, ["history", demo.MODEL, "--state", str(site.state_path)])
+    assert f"{rollout.semver}" in history.output and outcome in history.output
+
+
+def test_bad_starts_are_refused_naming_the_problem(site):
+    runner = CliRunner()
+    path, _ = artifact(site)
+    base = ["-r", str(site.repo), "--router", demo.ROUTER, "--server", site.server.http_url,
+            "--metrics-url", site.server.metrics_url, "--state", str(site.state_path), "--api-key", site.server.api_key]
+    routing = site.repo / demo.ROUTER / "routing.yaml"
+    before = (routing.read_text(), sorted(p.name for p in (site.repo / demo.MODEL).iterdir()))
+
+    out = runner.invoke(rollout_cli, ["run", demo.MODEL, str(path), "--version", "0.9.0", *base])
+    assert out.exit_code == 1 and "version: 0.9.0 is not newer than the recorded" in out.output, out.output
+    bad_plan = site.root / "bad-plan.yaml"
+    bad_plan.write_text("steps:\n  - {canary: 150, hold_s: 1}\n")
+    out = runner.invoke(rollout_cli, ["run", demo.MODEL, str(path), "--version", "9.0.0", *base, "--plan", str(bad_plan)])
+    assert out.exit_code == 1 and "steps[0].canary" in out.output and str(bad_plan) in out.output, out.output
+    config = RoutingConfig.load(routing)
+    current = next(iter(config.shares))
+    split = routing.read_text().replace(f"{current}: 100.0", f"{current}: 60.0\n  99: 40.0")
+    routing.write_text(split)
+    try:
+        out = runner.invoke(rollout_cli, ["run", demo.MODEL, str(path), "--version", "9.0.0", *base])
+        assert out.exit_code == 1 and "shares: router 'rollout_router' splits traffic" in out.output, out.output
+    finally:
+        routing.write_text(before[0])
+    out = runner.invoke(rollout_cli, ["run", demo.MODEL, str(path), "--version", "9.0.0", *base[:-2], "--api-key",
+                                      "wrong-key-0123456789"])
+    assert out.exit_code == 1 and "fleet not ready" in out.output and "dspark-api-key" in out.output, out.output
+    assert sorted(p.name for p in (site.repo / demo.MODEL).iterdir()) == before[1]  # nothing staged
+    assert StateStore(site.state_path).active(demo.MODEL) is None or pytest.fail("a refused start left a rollout")
