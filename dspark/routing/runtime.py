@@ -86,12 +86,15 @@ class RouterMetrics:
 
 
 class _DeferredMetrics:
-    """Hands metric calls to a background thread, off the request's path (each pb_utils metric
-    update is a round trip to the Triton process)."""
+    """Hands metric calls to a background thread that applies them in batches every
+    ``flush_s``: each pb_utils metric update is an IPC round trip to the Triton process, which
+    would otherwise compete with the request's own response for the stub's channel."""
 
-    def __init__(self, target: RouterMetrics):
+    def __init__(self, target: RouterMetrics, flush_s: float = 0.25):
         self._target = target
+        self._flush_s = flush_s
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._drain, name="router-metrics", daemon=True)
         self._thread.start()
 
@@ -101,15 +104,22 @@ class _DeferredMetrics:
         return record
 
     def _drain(self) -> None:
-        while (call := self._calls.get()) is not None:
-            name, args = call
-            try:
-                getattr(self._target, name)(*args)
-            except Exception:
-                log.exception("metric update %s failed", name)
+        while True:
+            closed = self._closed.wait(self._flush_s)
+            while True:
+                try:
+                    name, args = self._calls.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    getattr(self._target, name)(*args)
+                except Exception:
+                    log.exception("metric update %s failed", name)
+            if closed:
+                return
 
     def close(self, timeout_s: float = 5.0) -> None:
-        self._calls.put(None)
+        self._closed.set()
         self._thread.join(timeout_s)
 
 
@@ -122,7 +132,7 @@ class StageTimes:
         self._stages: dict[str, deque] = {}
 
     def add(self, stage: str, seconds: float) -> None:
-        self._stages.setdefault(stage, deque(maxlen=20_000)).append(seconds)
+        self._stages.setdefault(stage, deque(maxlen=2000)).append(seconds)
 
     def dump(self) -> None:
         summary = {stage: {"p50_ms": 1000 * median(values), "n": len(values)}
@@ -301,9 +311,12 @@ class RouterCore:
                 error, label = exc, exc.reason
             else:
                 self._refresh_early(now)
+                due = pending.deadline_at
                 if self.scheduler.may_dispatch(tier):
                     self._work.notify()
-                if pending.deadline_at < self._clock_due:
+                else:  # the clock sends it early when a running call is about to end
+                    due = min(due, self._next_early(now) or due)
+                if due < self._clock_due:
                     self._wake_clock.notify()
         if error is not None:
             if label == "queue_full":
@@ -395,6 +408,14 @@ class RouterCore:
         self.scheduler.early = sum(start + offset <= now <= start + offset + 2 * lead
                                    for start in self._running.values())
 
+    def _next_early(self, now: float) -> float | None:
+        """Under the lock: when the next running call comes within the hand-off lead of its
+        expected end (None when nothing is queued: then nothing would go out early)."""
+        if not self._completed or not self.scheduler.has_queued():
+            return None
+        offset = self._lead_offset()
+        return min((start + offset for start in self._running.values() if start + offset > now), default=None)
+
     def _client_gone(self, job: Job) -> bool:
         try:
             return bool(job.is_cancelled())
@@ -408,8 +429,6 @@ class RouterCore:
         seq = next(self._seq)
         with self._lock:
             self._running[seq] = start
-            if start + self._lead_offset() < self._clock_due:
-                self._wake_clock.notify()
         try:
             outputs = self.target.call(payload, version, timeout_s)
         except DsparkError as exc:
@@ -476,11 +495,8 @@ class RouterCore:
                 if self.scheduler.early > early and self.scheduler.has_queued():
                     self._work.notify(self.scheduler.early - early)  # calls about to end: send the next ones
                 if not expired and not overdue and now < next_tick:
-                    offset = self._lead_offset()
                     heads = [t for t in (self.scheduler.next_deadline(), self._calls[0][0] if self._calls else None,
-                                         min((start + offset for start in self._running.values()
-                                              if start + offset > now), default=None))
-                             if t is not None]
+                                         self._next_early(now)) if t is not None]
                     self._clock_due = min([next_tick, *heads])
                     self._wake_clock.wait(max(0.0, self._clock_due - now))
                     self._clock_due = float("-inf")  # awake: no need to be woken
@@ -491,6 +507,8 @@ class RouterCore:
                 for call in overdue:
                     self._time_out(call)
                 if now >= next_tick:
+                    if now - next_tick > 1.0:
+                        log.warning("%s: the router's clock ran %.1f s late (CPU starved?)", self.name, now - next_tick)
                     next_tick = now + self.poll_interval_s
                     self._tick()
             except Exception:  # the clock must outlive any bug: deadlines depend on it

@@ -281,7 +281,7 @@ def test_a_hanging_target_times_out_with_unavailable_and_keeps_its_slot(run_core
     assert queued.reason == "deadline" and target.calls == [1]
     release.set()
     assert eventually(lambda: core.scheduler.inflight == 0)
-    assert metrics.count("rejection", "gold", "target_timeout") == 1
+    assert eventually(lambda: metrics.count("rejection", "gold", "target_timeout") == 1)
     client.wait(settle=0.1)  # the late answer of the hung call is dropped, not sent twice
 
 
