@@ -354,9 +354,10 @@ async def measure_capacity(url: str, model: str, concurrency: int, seconds: floa
     return done / elapsed
 
 
-def measure_overhead(url: str, models: list[str], rounds: int, calls: int) -> dict[str, float]:
-    """Median over rounds of the p50 latency (ms) of each model, sequential HTTP calls, the models
-    interleaved round by round (so a noisy moment hits all of them)."""
+def measure_overhead(url: str, models: list[str], rounds: int, calls: int) -> tuple[float, dict[str, float]]:
+    """Sequential HTTP calls, the models interleaved round by round: the first model's p50 (ms,
+    median of the rounds) and, for each other model, the median over rounds of its p50 minus the
+    first model's p50 in the same round (pairs within a round cancel the machine's drift)."""
     import tritonclient.http as httpclient
 
     client = httpclient.InferenceServerClient(url)
@@ -374,7 +375,8 @@ def measure_overhead(url: str, models: list[str], rounds: int, calls: int) -> di
                 client.infer(model, [inp], parameters={"tier": "gold"} if "router" in model else None)
                 times.append(time.perf_counter() - t)
             p50[model].append(1000 * statistics.median(times))
-    return {model: statistics.median(values) for model, values in p50.items()}
+    base = p50[models[0]]
+    return statistics.median(base), {m: statistics.median(a - b for a, b in zip(p50[m], base)) for m in models[1:]}
 
 
 def unloaded_p99(url: str, calls: int) -> float:
@@ -556,7 +558,7 @@ def read_stages(folder: Path, models: list[str]) -> dict[str, dict]:
               help="Runs of every scenario; the table shows medians of the runs' percentiles.")
 @click.option("--overload", "overloads", multiple=True, type=float, default=(1.5, 2.0), show_default=True,
               help="Overload factors (repeatable).")
-@click.option("--overhead-rounds", default=5, show_default=True, help="Rounds of the low-load overhead measurement.")
+@click.option("--overhead-rounds", default=7, show_default=True, help="Rounds of the low-load overhead measurement.")
 @click.option("--seed", default=7, show_default=True)
 @click.option("--overhead-only", is_flag=True, help="Only the low-load overhead measurement (a few minutes).")
 @click.option("--out", "out_prefix", type=click.Path(path_type=Path), default=Path("bench-router"), show_default=True,
@@ -586,16 +588,14 @@ def router(service_ms, instances, variants, bursty_s, overload_s, overloads, rep
         click.echo(f"target: {instances} instances x {service_ms:g} ms; CPU {machine['cpu']} "
                    f"({machine['cores']} cores, load {machine['loadavg_start'][0]:.1f})")
         out["overhead"] = overhead = {}
-        for target, label, calls in (("bench_t1", "1 ms", 100), ("bench_target", f"{service_ms:g} ms", 50)):
+        for target, label, calls in (("bench_t1", "1 ms", 100), ("bench_target", f"{service_ms:g} ms", 60)):
             routers = ["router_t1", "router_t1_queued"] if target == "bench_t1" else ["bench_router"]
             models = [target, f"fwd_return_{target}", f"fwd_sender_{target}", *routers]
-            p50 = measure_overhead(url, models, overhead_rounds, calls)
-            direct = p50[target]
-            overhead[label] = {"direct_p50_ms": direct, **{m: p50[m] - direct for m in models[1:]},
-                               "stages_ms": read_stages(stages_dir, routers)}
-            click.echo(f"overhead at low load, {label} target (sequential HTTP, median of {overhead_rounds} rounds of "
-                       f"the p50 of {calls}): direct {direct:.2f} ms; added: " +
-                       ", ".join(f"{m} {p50[m] - direct:+.2f}" for m in models[1:]))
+            direct, added_ms = measure_overhead(url, models, overhead_rounds, calls)
+            overhead[label] = {"direct_p50_ms": direct, **added_ms, "stages_ms": read_stages(stages_dir, routers)}
+            click.echo(f"overhead at low load, {label} target (sequential HTTP; p50 of {calls} calls minus the direct "
+                       f"p50 of the same round, median of {overhead_rounds} rounds): direct {direct:.2f} ms; added: " +
+                       ", ".join(f"{m} {v:+.2f}" for m, v in added_ms.items()))
             for model, stages in overhead[label]["stages_ms"].items():
                 click.echo(f"  inside {model} (p50 per stage): " +
                            ", ".join(f"{s} {v['p50_ms']:.3f} ms" for s, v in stages.items()))

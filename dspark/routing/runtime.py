@@ -76,7 +76,7 @@ class RouterMetrics:
     """Metric hooks; the default records nothing. The Triton adapter maps them to MetricFamily."""
 
     def request(self, tier: str, version: int, count: int = 1) -> None: ...
-    def rejection(self, tier: str, reason: str) -> None: ...
+    def rejection(self, tier: str, reason: str, count: int = 1) -> None: ...
     def queue_time(self, tier: str, seconds: float) -> None: ...
     def latency(self, tier: str, version: int, seconds: float) -> None: ...
     def shadow(self, version: int, outcome: str, seconds: float | None) -> None: ...
@@ -144,7 +144,6 @@ class StageTimes:
 class _Routed:
     job: Job
     version: int
-    key: str
     shadow: bool
     timeout_s: float
 
@@ -166,7 +165,6 @@ class Inline:
 
     tier: str
     version: int
-    key: str
     shadow: bool
     timeout_s: float
     started: float
@@ -207,10 +205,12 @@ class RouterCore:
         self._wake_clock = threading.Condition(self._lock)
         self._clock_due = float("inf")  # when the clock thread wakes next
         self._calls: list[tuple[float, int, _Call]] = []  # heap of (timeout at, seq, call)
-        self._running: dict[int, float] = {}  # primary calls at the target: seq -> start
-        self._completed = 0  # primary calls that returned (the latency estimate exists)
+        self._running: dict[int, tuple[float, int]] = {}  # primary calls at the target: seq -> (start, version)
+        self._completed = 0  # primary calls that returned
+        self._version_s: dict[int, float] = {}  # EWMA of each version's call latency (the hand-off lead)
         self._seq = itertools.count()
         self._counts: Counter[tuple[str, int]] = Counter()  # dispatches, exported per tick
+        self._rejections: Counter[tuple[str, str]] = Counter()  # (tier, reason), exported per tick
         self._fast_path = 0
         self._shadow_inflight = 0
         self._shadow_logged_at = float("-inf")
@@ -296,17 +296,17 @@ class RouterCore:
         now = self.clock()
         job.submitted_at = now
         key = routing_key(job.user_id, job.request_id)
-        error, label, tier = None, "", job.tier or "unknown"
+        error, label, tier = None, "", "unknown"  # a metric label: never the client's own string
         with self._lock:
             try:
                 if self._stopping:
                     raise self._shutdown_error()
                 tier = self.scheduler.resolve_tier(job.tier)
                 policy = self.config.tiers[tier]
-                routed = _Routed(job, self.splitter.version_for(key), key, self._sampled(key), policy.call_timeout_s)
+                routed = _Routed(job, self.splitter.version_for(key), self._sampled(key), policy.call_timeout_s)
                 pending = self.scheduler.submit(routed, tier, now)
             except RequestError as exc:
-                error, label, tier = exc, "unknown_tier", "unknown"  # not the client's string: bounded labels
+                error, label = exc, "unknown_tier"
             except UnavailableError as exc:
                 error, label = exc, exc.reason
             else:
@@ -390,31 +390,29 @@ class RouterCore:
         self._refresh_early(now)
         return self.scheduler.pop_next(now)
 
-    def _lead_offset(self) -> float:
-        """How long after its start a running call frees its instance for an early call: its
-        expected latency less the hand-off lead (infinite when the lead is off)."""
+    def _ends_within_lead(self, now: float) -> list[float]:
+        """Under the lock: for each running call, when it comes within the hand-off lead of its
+        expected end (its start plus its version's average latency, less the lead)."""
         lead = self.config.handoff_lead_ms / 1000
-        return self.target_ms / 1000 - lead if lead > 0 else float("inf")
+        if lead <= 0:
+            return []
+        return [start + self._version_s[version] - lead for start, version in self._running.values()
+                if version in self._version_s]
 
     def _refresh_early(self, now: float) -> None:
         """Under the lock: how many running calls are about to end, i.e. within the lead of their
         expected latency and not later than that by more than the lead (a slow or hung call
         frees nothing): the scheduler may send that many further calls, which reach the target's
         queue as its instances free up."""
-        offset, lead = self._lead_offset(), self.config.handoff_lead_ms / 1000
-        if not self._completed:
-            self.scheduler.early = 0  # no estimate of the target's latency yet
-            return
-        self.scheduler.early = sum(start + offset <= now <= start + offset + 2 * lead
-                                   for start in self._running.values())
+        lead = self.config.handoff_lead_ms / 1000
+        self.scheduler.early = sum(at <= now <= at + 2 * lead for at in self._ends_within_lead(now))
 
     def _next_early(self, now: float) -> float | None:
         """Under the lock: when the next running call comes within the hand-off lead of its
         expected end (None when nothing is queued: then nothing would go out early)."""
-        if not self._completed or not self.scheduler.has_queued():
+        if not self.scheduler.has_queued():
             return None
-        offset = self._lead_offset()
-        return min((start + offset for start in self._running.values() if start + offset > now), default=None)
+        return min((at for at in self._ends_within_lead(now) if at > now), default=None)
 
     def _client_gone(self, job: Job) -> bool:
         try:
@@ -428,7 +426,7 @@ class RouterCore:
         start = self.clock()
         seq = next(self._seq)
         with self._lock:
-            self._running[seq] = start
+            self._running[seq] = (start, version)
         try:
             outputs = self.target.call(payload, version, timeout_s)
         except DsparkError as exc:
@@ -438,8 +436,10 @@ class RouterCore:
         finally:
             elapsed = self.clock() - start
             with self._lock:
-                # the first call sets the estimate; later ones move it by _EWMA_ALPHA
+                # the first call sets an estimate; later ones move it by _EWMA_ALPHA
                 self.target_ms += (_EWMA_ALPHA if self._completed else 1.0) * (1000 * elapsed - self.target_ms)
+                known = self._version_s.get(version, elapsed)
+                self._version_s[version] = known + _EWMA_ALPHA * (elapsed - known)
                 del self._running[seq]
                 self._completed += 1
             if self.stages is not None:
@@ -458,7 +458,11 @@ class RouterCore:
 
     def _reject(self, job: Job, tier: str, error: DsparkError, label: str) -> None:
         if self._respond(job, None, error):
-            self.metrics.rejection(tier, label)
+            self._count_rejection(tier, label)
+
+    def _count_rejection(self, tier: str, reason: str) -> None:
+        with self._lock:
+            self._rejections[(tier, reason)] += 1
 
     def _respond(self, job: Job, outputs: Any, error: DsparkError | None) -> bool:
         """Answer a job unless it was answered already (a timed-out call that returned later)."""
@@ -525,16 +529,16 @@ class RouterCore:
     def _expire(self, pending: Pending[_Routed], now: float) -> None:
         deadline_ms = (pending.deadline_at - pending.enqueued_at) * 1000
         waited_ms = (now - pending.enqueued_at) * 1000
-        self._reject(pending.item.job, pending.tier, UnavailableError(
+        self._outbox.put((pending.item.job, pending.tier, pending.item.version, None, UnavailableError(
             f"router '{self.name}': request waited {waited_ms:.0f} ms in the '{pending.tier}' queue, "
-            f"past the tier's queue deadline of {deadline_ms:.0f} ms", reason="deadline"), "deadline")
+            f"past the tier's queue deadline of {deadline_ms:.0f} ms", reason="deadline"), "deadline"))
 
     def _time_out(self, call: _Call) -> None:
         """A call overran its tier's timeout: answer the client now; the call keeps its slot
         until the target returns, and the fast path closes."""
         self.target_ms = max(self.target_ms, 1000 * call.timeout_s)
-        self._reject(call.job, call.tier, self._timeout_error(call.tier, call.version, call.timeout_s),
-                     "target_timeout")
+        self._outbox.put((call.job, call.tier, call.version, None,
+                          self._timeout_error(call.tier, call.version, call.timeout_s), "target_timeout"))
 
     def _timeout_error(self, tier: str, version: int, timeout_s: float) -> UnavailableError:
         return UnavailableError(
@@ -559,13 +563,16 @@ class RouterCore:
             self.stages.dump()
 
     def _export_counts(self) -> None:
-        """Dispatch counters reach the metrics once per tick: each metric update is an IPC round
-        trip that would otherwise compete with the next request."""
+        """Counters reach the metrics once per tick: each metric update is an IPC round trip that
+        would otherwise compete with the next request."""
         with self._lock:
             counts, self._counts = self._counts, Counter()
+            rejections, self._rejections = self._rejections, Counter()
             fast, self._fast_path = self._fast_path, 0
         for (tier, version), n in counts.items():
             self.metrics.request(tier, version, n)
+        for (tier, reason), n in rejections.items():
+            self.metrics.rejection(tier, reason, n)
         if fast:
             self.metrics.fast_path(fast)
 
@@ -595,7 +602,7 @@ class RouterCore:
             self._counts[(tier, version)] += 1
             self._fast_path += 1
             timeout_s = self.config.tiers[tier].call_timeout_s
-        return Inline(tier, version, key, self._sampled(key), timeout_s, now)
+        return Inline(tier, version, self._sampled(key), timeout_s, now)
 
     def run_inline(self, ticket: Inline, payload: Any) -> Any:
         """Call the target for a fast-path ticket on a pool thread and wait for it up to the
@@ -606,10 +613,10 @@ class RouterCore:
             outputs, error = future.result(timeout=ticket.timeout_s)
         except FutureTimeout:
             self.target_ms = max(self.target_ms, 1000 * ticket.timeout_s)
-            self.metrics.rejection(ticket.tier, "target_timeout")
+            self._count_rejection(ticket.tier, "target_timeout")
             raise self._timeout_error(ticket.tier, ticket.version, ticket.timeout_s) from None
         if error is not None:
-            self.metrics.rejection(ticket.tier, "target_error")
+            self._count_rejection(ticket.tier, "target_error")
             raise error
         self.metrics.latency(ticket.tier, ticket.version, self.clock() - ticket.started)
         if ticket.shadow:

@@ -24,7 +24,9 @@ class Recorder(RouterMetrics):
     def request(self, tier, version, count=1):
         for _ in range(count):
             self._add("request", tier, version)
-    def rejection(self, tier, reason): self._add("rejection", tier, reason)
+    def rejection(self, tier, reason, count=1):
+        for _ in range(count):
+            self._add("rejection", tier, reason)
     def shadow(self, version, outcome, seconds): self._add("shadow", version, outcome)
     def config_version(self, version): self._add("config_version", version)
     def fast_path(self, count): self._add("fast_path", count)
@@ -203,7 +205,7 @@ def test_the_next_call_goes_out_just_before_a_running_call_ends(run_core):
         core.submit(client.job(f"r{i}"))
     client.wait()
     gaps = [b - a for a, b in zip(starts, starts[1:])]
-    assert all(0.055 < gap < 0.095 for gap in gaps), gaps
+    assert all(0.04 < gap < 0.099 for gap in gaps), gaps  # ~70 ms: before the 100 ms call ends
     assert target.most_running == 2
 
 
