@@ -173,8 +173,13 @@ class Inline:
 class RouterCore:
     """One router: its queues, version split and shadow, served by lane threads.
 
+    ``IDLE_LANE_S``: an idle lane looks at the queues at least this often (a safety net; lanes
+    are woken when work arrives).
+
     ``target_instances`` (from the target's config) sizes ``max_inflight: auto``.
     """
+
+    IDLE_LANE_S = 1.0
 
     def __init__(
         self,
@@ -218,7 +223,8 @@ class RouterCore:
         self._stopped = False  # threads exit
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # answers the sender thread sends
         self._threads: list[threading.Thread] = []
-        self._lanes = 0
+        self._lanes = 0  # lane threads started (on demand, at most scheduler.most_inflight)
+        self._idle_lanes = 0
         self._inline_pool = ThreadPoolExecutor(thread_name_prefix=f"{name}-inline")
         self._shadow_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{name}-shadow")
 
@@ -227,8 +233,6 @@ class RouterCore:
     def start(self) -> None:
         for target, label in ((self._clock_loop, "clock"), (self._sender_loop, "sender")):
             self._spawn(target, label)
-        with self._lock:
-            self._add_lanes()
         self.metrics.config_version(self.config.version)
 
     def _spawn(self, target: Callable[[], None], label: str) -> None:
@@ -236,11 +240,16 @@ class RouterCore:
         thread.start()
         self._threads.append(thread)
 
-    def _add_lanes(self) -> None:
-        """One lane per slot (lanes stuck in a hung call keep their slot, so this is enough)."""
-        while self._lanes < self.scheduler.most_inflight:
-            self._lanes += 1
-            threading.Thread(target=self._lane_loop, name=f"{self.name}-lane{self._lanes}", daemon=True).start()
+    def _wake_lanes(self, count: int = 1) -> None:
+        """Under the lock: wake idle lanes for ``count`` dispatches, starting lanes where none is
+        idle (at most one per slot: a lane stuck in a hung call keeps its slot, so that is enough)."""
+        for _ in range(count):
+            if self._idle_lanes > 0:
+                self._idle_lanes -= 1
+                self._work.notify()
+            elif self._lanes < self.scheduler.most_inflight and not self._stopping:
+                self._lanes += 1
+                threading.Thread(target=self._lane_loop, name=f"{self.name}-lane{self._lanes}", daemon=True).start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Answer queued requests (shutdown), let calls in flight finish for up to ``timeout_s``,
@@ -280,9 +289,8 @@ class RouterCore:
             self.config = config
             self.scheduler.reconfigure(config)
             self.splitter = VersionSplitter(config.shares)
-            if not self._stopping:
-                self._add_lanes()
-            self._work.notify_all()
+            if self.scheduler.has_queued():
+                self._wake_lanes(self.scheduler.most_inflight)
         self.metrics.config_version(config.version)
         log.info("%s: routing config version %d applied (shares %s, shadow %s %.3g%%, %d calls in flight "
                  "+ %d for %s)", self.name, config.version, dict(config.shares), config.shadow.version,
@@ -313,7 +321,7 @@ class RouterCore:
                 self._refresh_early(now)
                 due = pending.deadline_at
                 if self.scheduler.may_dispatch(tier):
-                    self._work.notify()
+                    self._wake_lanes()
                 else:  # the clock sends it early when a running call is about to end
                     due = min(due, self._next_early(now) or due)
                 if due < self._clock_due:
@@ -335,7 +343,9 @@ class RouterCore:
                     while (pending := None if self._stopped else self._pop(self.clock())) is None:
                         if self._stopped:
                             return
-                        self._work.wait()
+                        self._idle_lanes += 1
+                        if not self._work.wait(self.IDLE_LANE_S):  # timed out: nobody woke this lane
+                            self._idle_lanes -= 1
                 previous_end = None
             try:
                 pending, previous_end = self._serve(pending, previous_end)
@@ -497,7 +507,7 @@ class RouterCore:
                 early = self.scheduler.early
                 self._refresh_early(now)
                 if self.scheduler.early > early and self.scheduler.has_queued():
-                    self._work.notify(self.scheduler.early - early)  # calls about to end: send the next ones
+                    self._wake_lanes(self.scheduler.early - early)  # calls about to end: send the next ones
                 if not expired and not overdue and now < next_tick:
                     heads = [t for t in (self.scheduler.next_deadline(), self._calls[0][0] if self._calls else None,
                                          self._next_early(now)) if t is not None]
@@ -631,8 +641,10 @@ class RouterCore:
         finally:
             with self._lock:
                 self.scheduler.release()
-                if self.scheduler.has_queued() or self._stopping:
+                if self._stopping:
                     self._work.notify_all()
+                elif self.scheduler.has_queued():
+                    self._wake_lanes()
 
     # --- shadow ------------------------------------------------------------------------
 

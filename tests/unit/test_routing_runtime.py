@@ -486,3 +486,14 @@ def test_fast_path_shadow_runs_after_the_answer_and_errors_count(run_core):
     assert core.scheduler.inflight == 0
     assert eventually(lambda: metrics.count("request", "diamond", 1) == 1 and metrics.count("request", "diamond", 3) == 1)
     assert eventually(lambda: sum(e[1] for e in metrics.events if e[0] == "fast_path") == 2)
+
+
+def test_lanes_start_on_demand(run_core):
+    """A large max_inflight costs no threads until calls need them."""
+    before = threading.active_count()
+    core = run_core(config(max_inflight=500, inline_max_ms=0), FakeTarget(service_s=0.05))
+    client = Client()
+    for i in range(6):
+        core.submit(client.job(f"r{i}"))
+    client.wait()
+    assert threading.active_count() - before < 20
