@@ -457,15 +457,16 @@ def summarize(stats: dict[tuple[str, str], dict], capacity: float, base_p99: flo
     """The issue's targets, each as (line, met)."""
     scenarios = list(dict.fromkeys(scenario for scenario, _ in stats))
     checks = []
-    b = scenarios[0]
-    fifo_d, rtr_d = stats[(b, "fifo")]["tiers"]["diamond"], stats[(b, router_mode)]["tiers"]["diamond"]
-    ratio = rtr_d["p99_ms"] / fifo_d["p99_ms"]
-    checks.append((f"bursty: diamond p99 {rtr_d['p99_ms']:.1f} ms = {ratio:.2f}x FIFO's {fifo_d['p99_ms']:.1f} ms "
-                   f"(target <= 0.58x)", ratio <= 0.58))
-    std = stats[(b, router_mode)]["tiers"]["standard"]
-    share = std["within_deadline"] / max(1, std["sent"])
-    checks.append((f"bursty: standard within its deadline {100 * share:.2f}% (target >= 99.5%)", share >= 0.995))
-    for s in scenarios[1:]:
+    for b in (s for s in scenarios if s.startswith("bursty")):
+        std = stats[(b, router_mode)]["tiers"]["standard"]
+        if (b, "fifo") in stats:
+            fifo_d, rtr_d = stats[(b, "fifo")]["tiers"]["diamond"], stats[(b, router_mode)]["tiers"]["diamond"]
+            ratio = rtr_d["p99_ms"] / fifo_d["p99_ms"]
+            checks.append((f"bursty: diamond p99 {rtr_d['p99_ms']:.1f} ms = {ratio:.2f}x FIFO's {fifo_d['p99_ms']:.1f} "
+                           f"ms (target <= 0.58x)", ratio <= 0.58))
+        share = std["within_deadline"] / max(1, std["sent"])
+        checks.append((f"bursty: standard within its deadline {100 * share:.2f}% (target >= 99.5%)", share >= 0.995))
+    for s in (s for s in scenarios if s.startswith("overload")):
         agg = stats[(s, router_mode)]
         d = agg["tiers"]["diamond"]
         checks.append((f"{s}: goodput {agg['goodput'] / capacity:.3f}x capacity (target >= 0.97x)",
@@ -546,13 +547,38 @@ def read_stages(folder: Path, models: list[str]) -> dict[str, dict]:
     return out
 
 
+def measure_overheads(url: str, stages_dir: Path, service_ms: float, rounds: int, echo) -> tuple[dict, dict]:
+    """The router's overhead at low load (1 ms and ``service_ms`` targets) beside the bare BLS
+    forwarders, with the routers' stage timings, and one router instance's throughput ceiling."""
+    overhead = {}
+    for target, label, calls in (("bench_t1", "1 ms", 100), ("bench_target", f"{service_ms:g} ms", 60)):
+        routers = ["router_t1", "router_t1_queued"] if target == "bench_t1" else ["bench_router"]
+        models = [target, f"fwd_return_{target}", f"fwd_sender_{target}", *routers]
+        direct, added_ms = measure_overhead(url, models, rounds, calls)
+        overhead[label] = {"direct_p50_ms": direct, **added_ms, "stages_ms": read_stages(stages_dir, routers)}
+        echo(f"overhead at low load, {label} target (sequential HTTP; p50 of {calls} calls minus the direct "
+             f"p50 of the same round, median of {rounds} rounds): direct {direct:.2f} ms; added: " +
+             ", ".join(f"{m} {v:+.2f}" for m, v in added_ms.items()))
+        for model, stages in overhead[label]["stages_ms"].items():
+            echo(f"  inside {model} (p50 per stage): " + ", ".join(f"{s} {v['p50_ms']:.3f} ms" for s, v in stages.items()))
+    ceiling = {model: asyncio.run(measure_capacity(url, model, concurrency=32, seconds=6))
+               for model in ("bench_t0", "router_t0")}
+    echo(f"throughput of one router instance (closed loop, 32 outstanding, zero-time target with "
+         f"{ROUTER_CEILING_INSTANCES} instances): router {ceiling['router_t0']:.0f} req/s, the target "
+         f"direct {ceiling['bench_t0']:.0f} req/s")
+    return overhead, {"direct_req_s": ceiling["bench_t0"], "router_req_s": ceiling["router_t0"],
+                      "outstanding": 32, "target_instances": ROUTER_CEILING_INSTANCES}
+
+
 @click.command(name="router")
 @click.option("--service-ms", default=20.0, show_default=True, help="Target's service time per request.")
 @click.option("--instances", default=2, show_default=True, help="Target instances (capacity = instances/service time).")
 @click.option("--variant", "variants", multiple=True, type=Variant.parse, metavar="MAX_INFLIGHT:HEADROOM[:LEAD_MS]",
               help="Also run a router with these routing.yaml settings (repeatable), e.g. 2:0 (as many calls as "
                    "instances), 3:0 (instances+1 for every tier), auto:1:0 (headroom, no hand-off lead).")
-@click.option("--bursty-s", default=20.0, show_default=True, help="Length of the bursty scenario per mode.")
+@click.option("--bursty-s", default=20.0, show_default=True, help="Length of the bursty scenario per mode (0: skip it).")
+@click.option("--skip-fifo", is_flag=True, help="Only the routers (A/B of router settings in less time).")
+@click.option("--skip-overhead", is_flag=True, help="No low-load overhead measurement (A/B runs).")
 @click.option("--overload-s", default=15.0, show_default=True, help="Length of each overload scenario per mode.")
 @click.option("--repeat", default=3, show_default=True,
               help="Runs of every scenario; the table shows medians of the runs' percentiles.")
@@ -563,7 +589,7 @@ def read_stages(folder: Path, models: list[str]) -> dict[str, dict]:
 @click.option("--overhead-only", is_flag=True, help="Only the low-load overhead measurement (a few minutes).")
 @click.option("--out", "out_prefix", type=click.Path(path_type=Path), default=Path("bench-router"), show_default=True,
               help="Results go to OUT.json, OUT-latency.png and OUT-goodput.png.")
-def router(service_ms, instances, variants, bursty_s, overload_s, overloads, repeat, overhead_rounds, seed,
+def router(service_ms, instances, variants, bursty_s, skip_fifo, skip_overhead, overload_s, overloads, repeat, overhead_rounds, seed,
            overhead_only, out_prefix) -> None:
     """QoS router vs plain FIFO: bursty below capacity and sustained overload, plus router overhead."""
     from dspark.triton.server import TritonServer
@@ -571,7 +597,7 @@ def router(service_ms, instances, variants, bursty_s, overload_s, overloads, rep
     variants = list(dict.fromkeys(v for v in variants if v != Variant()))
     deadlines_s = {t: policy.deadline_ms / 1000 for t, policy in RoutingConfig().tiers.items()}
     settings = {"service_ms": service_ms, "instances": instances, "variants": [v.label for v in variants],
-                "bursty_s": bursty_s, "overload_s": overload_s, "overloads": list(overloads), "repeat": repeat,
+                "bursty_s": bursty_s, "skip_fifo": skip_fifo, "overload_s": overload_s, "overloads": list(overloads), "repeat": repeat,
                 "seed": seed, "tier_mix": dict(zip(TIERS, TIER_MIX)), "deadlines_ms": {
                     t: 1000 * s for t, s in deadlines_s.items()}, "overhead_rounds": overhead_rounds}
     machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "loadavg_start": os.getloadavg()}
@@ -587,26 +613,12 @@ def router(service_ms, instances, variants, bursty_s, overload_s, overloads, rep
         url = server.http_url
         click.echo(f"target: {instances} instances x {service_ms:g} ms; CPU {machine['cpu']} "
                    f"({machine['cores']} cores, load {machine['loadavg_start'][0]:.1f})")
-        out["overhead"] = overhead = {}
-        for target, label, calls in (("bench_t1", "1 ms", 100), ("bench_target", f"{service_ms:g} ms", 60)):
-            routers = ["router_t1", "router_t1_queued"] if target == "bench_t1" else ["bench_router"]
-            models = [target, f"fwd_return_{target}", f"fwd_sender_{target}", *routers]
-            direct, added_ms = measure_overhead(url, models, overhead_rounds, calls)
-            overhead[label] = {"direct_p50_ms": direct, **added_ms, "stages_ms": read_stages(stages_dir, routers)}
-            click.echo(f"overhead at low load, {label} target (sequential HTTP; p50 of {calls} calls minus the direct "
-                       f"p50 of the same round, median of {overhead_rounds} rounds): direct {direct:.2f} ms; added: " +
-                       ", ".join(f"{m} {v:+.2f}" for m, v in added_ms.items()))
-            for model, stages in overhead[label]["stages_ms"].items():
-                click.echo(f"  inside {model} (p50 per stage): " +
-                           ", ".join(f"{s} {v['p50_ms']:.3f} ms" for s, v in stages.items()))
-        added = {label: o["bench_router" if "bench_router" in o else "router_t1"] for label, o in overhead.items()}
-        ceiling = {model: asyncio.run(measure_capacity(url, model, concurrency=32, seconds=6))
-                   for model in ("bench_t0", "router_t0")}
-        out["router_ceiling"] = {"direct_req_s": ceiling["bench_t0"], "router_req_s": ceiling["router_t0"],
-                                 "outstanding": 32, "target_instances": ROUTER_CEILING_INSTANCES}
-        click.echo(f"throughput of one router instance (closed loop, 32 outstanding, zero-time target with "
-                   f"{ROUTER_CEILING_INSTANCES} instances): router {ceiling['router_t0']:.0f} req/s, the target "
-                   f"direct {ceiling['bench_t0']:.0f} req/s")
+        added: dict[str, float] = {}
+        if not skip_overhead:
+            out["overhead"], out["router_ceiling"] = measure_overheads(url, stages_dir, service_ms, overhead_rounds,
+                                                                       click.echo)
+            added = {label: o["bench_router" if "bench_router" in o else "router_t1"]
+                     for label, o in out["overhead"].items()}
         if overhead_only:
             for label, value in added.items():
                 click.echo(f"[{'PASS' if value < 1.0 else 'MISS'}] router overhead at low load, {label} target: "
@@ -616,8 +628,10 @@ def router(service_ms, instances, variants, bursty_s, overload_s, overloads, rep
         out["capacity"] = capacity
         click.echo(f"capacity (closed loop, {4 * instances} outstanding, target direct): {capacity:.1f} req/s "
                    f"(ideal {1000 * instances / service_ms:.1f})")
-        scenarios = [bursty(capacity, bursty_s)] + [overload(capacity, f, overload_s) for f in overloads]
-        modes = [("fifo", "bench_target", False), *[(v.label, v.model, True) for v in [Variant(), *variants]]]
+        scenarios = ([bursty(capacity, bursty_s)] if bursty_s > 0 else []) + [
+            overload(capacity, f, overload_s) for f in overloads]
+        modes = ([] if skip_fifo else [("fifo", "bench_target", False)]) + [
+            (v.label, v.model, True) for v in [Variant(), *variants]]
         results, unloaded = asyncio.run(run_scenarios(url, server.metrics_url, scenarios, modes, repeat, seed,
                                                       click.echo))
         out["stages_ms_under_load"] = under_load = read_stages(stages_dir, [model for _, model, tiers in modes if tiers])
@@ -633,7 +647,9 @@ def router(service_ms, instances, variants, bursty_s, overload_s, overloads, rep
         report(stats, capacity, click.echo)
         click.echo("")
         checks = []
-        for mode, _, _ in modes[1:]:
+        for mode, _, with_tiers in modes:
+            if not with_tiers:
+                continue
             for text, ok in summarize(stats, capacity, base_p99, added if mode == "router" else {}, mode):
                 checks.append({"mode": mode, "check": text, "met": ok})
                 click.echo(f"[{'PASS' if ok else 'MISS'}] {mode}: {text}")
