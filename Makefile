@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 MODEL_BUILDERS := build_demo_models.py build_fused_transformer.py build_spec_models.py
 DEMO_ARGS ?=
 
-.PHONY: setup models demo test clean
+.PHONY: setup models demo test clean sanitize
 setup: $(VENV)/.installed models
 
 $(VENV)/.installed: requirements.txt setup.py pyproject.toml $(wildcard cython_ext/*)
@@ -27,3 +27,18 @@ test: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info dspark/_ext/*.so
+
+# ASan + UBSan build of cython_ext/ in its own folder, then the kernel unit tests (every SIMD path)
+# and the hostile calls of tests/native against it. Python itself is not instrumented, so the
+# sanitizer runtimes are preloaded and leak checking (Python's own) is off; ASan turns mlock into
+# a no-op, so the mlock-refused test cannot run under it.
+SANITIZE_DIR := build/sanitize
+SANITIZE_TESTS := tests/native tests/unit/test_kernels_fused.py tests/unit/test_kernels_pool.py \
+	tests/unit/test_kernels_simd.py tests/unit/test_kernels_transformer.py tests/unit/test_spec_onnx_lm.py
+sanitize: $(VENV)/.installed
+	DSPARK_SANITIZE=1 $(PY) setup.py -q build_clib --build-clib $(SANITIZE_DIR)/clib --build-temp $(SANITIZE_DIR)/temp \
+		build_ext --build-lib $(SANITIZE_DIR)/lib --build-temp $(SANITIZE_DIR)/temp
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	DSPARK_EXT_PATH=$(SANITIZE_DIR)/lib/dspark/_ext sh -c '$(PY) -c "import dspark._ext.fused as m; \
+	assert \"$(SANITIZE_DIR)\" in m.__file__, m.__file__" && $(PY) -m pytest $(SANITIZE_TESTS) -q -p no:cacheprovider -k "not rlimit_memlock"'

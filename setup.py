@@ -1,4 +1,5 @@
 """Build of the dspark package and its compiled kernels in cython_ext/."""
+import os
 import platform
 from pathlib import Path
 
@@ -6,8 +7,13 @@ import numpy
 import scipy_openblas32
 from Cython.Build import cythonize
 from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
+# DSPARK_SANITIZE=1: build with AddressSanitizer + UndefinedBehaviorSanitizer (`make sanitize`,
+# into its own build folder; the package's own build is never sanitized).
+SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g"] \
+    if os.environ.get("DSPARK_SANITIZE") == "1" else []
 
 
 def cython_extension(name: str, sources: list[str], **kwargs) -> Extension:
@@ -17,6 +23,8 @@ def cython_extension(name: str, sources: list[str], **kwargs) -> Extension:
         [f"cython_ext/{source}" for source in sources],
         include_dirs=["cython_ext", numpy.get_include(), *kwargs.pop("include_dirs", [])],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"), *kwargs.pop("define_macros", [])],
+        extra_compile_args=[*kwargs.pop("extra_compile_args", []), *SANITIZE],
+        extra_link_args=SANITIZE,
         **kwargs,
     )
 
@@ -32,7 +40,7 @@ SIMD_FLAGS = {
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 SIMD_LIBRARIES = [
     (f"dspark_simd_{isa}", {"sources": [f"cython_ext/simd_{isa}.c"], "include_dirs": ["cython_ext"],
-                            "cflags": ["-fPIC", "-fvisibility=hidden", *flags]})
+                            "cflags": ["-fPIC", "-fvisibility=hidden", *flags, *SANITIZE]})
     for isa, flags in SIMD_FLAGS.items() if X86 or isa == "scalar"
 ]
 # The GEMM: OpenBLAS from the scipy-openblas32 wheel (headers + .so), found at run time via rpath.
@@ -41,6 +49,36 @@ OPENBLAS = dict(
     library_dirs=[scipy_openblas32.get_lib_dir()],
     runtime_library_dirs=[scipy_openblas32.get_lib_dir()],
 )
+
+# The GemmEx shim (docs/accelerators.md): its bf16/int8 kernels, one translation unit per
+# instruction set with its own flags, linked with cython_ext/hcblas.c into a plain C shared
+# library, dspark/_ext/libhcblas.so (C programs link it; dspark.accel.gemm loads it with ctypes).
+HCBLAS_FLAGS = {
+    "avx512bf16": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma"],
+    "amx": ["-O3", "-mavx512f", "-mavx512bw", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
+}
+HCBLAS_LIBRARIES = [
+    (f"dspark_hcblas_{isa}", {"sources": [f"cython_ext/hcblas_{isa}.c"], "include_dirs": ["cython_ext"],
+                              "cflags": ["-fPIC", "-fvisibility=hidden", *flags]})
+    for isa, flags in HCBLAS_FLAGS.items() if X86
+]
+
+
+class BuildExtAndSharedLibrary(build_ext):
+    """build_ext, then libhcblas.so next to the extensions (in place for editable installs)."""
+
+    def run(self) -> None:
+        super().run()
+        objects = self.compiler.compile(
+            ["cython_ext/hcblas.c"], output_dir=self.build_temp, extra_postargs=["-O3", "-fPIC"],
+            include_dirs=["cython_ext", scipy_openblas32.get_include_dir()])
+        target = Path(self.get_ext_fullpath("dspark._ext.fused")).parent / "libhcblas.so"
+        self.compiler.link_shared_object(
+            objects, str(target),
+            libraries=[name for name, _ in HCBLAS_LIBRARIES] + [scipy_openblas32.get_library(), "m", "pthread"],
+            library_dirs=[self.get_finalized_command("build_clib").build_clib, scipy_openblas32.get_lib_dir()],
+            runtime_library_dirs=[scipy_openblas32.get_lib_dir()])
+
 
 EXTENSIONS = [
     cython_extension("cpu_features", ["cpu_features.pyx"]),
@@ -62,7 +100,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.9",
     packages=find_packages(include=["dspark", "dspark.*"]),
-    libraries=SIMD_LIBRARIES,
+    libraries=SIMD_LIBRARIES + HCBLAS_LIBRARIES,
+    cmdclass={"build_ext": BuildExtAndSharedLibrary},
     ext_modules=cythonize(
         EXTENSIONS,
         build_dir="build/cython",
@@ -72,11 +111,14 @@ setup(
         "numpy>=1.24,<2",
         "onnxruntime>=1.18",
         "onnx>=1.16",
+        "ml-dtypes>=0.4",
+        "onnx-ir>=1.0",
         "tritonclient[http,grpc]>=2.51",
         "protobuf>=4.24",
         "click>=8.1",
         "PyYAML>=6.0",
         "pydantic>=2.5",
+        "psutil>=5.9",
         "scipy-openblas32>=0.3.27",
         "scipy>=1.10",
         "threadpoolctl>=3.1",

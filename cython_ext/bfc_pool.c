@@ -18,6 +18,8 @@
 #define NBINS 40
 #define MIN_SPLIT 256
 #define HUGE_PAGE (2u << 20)
+/* Larger requests are refused (ENOMEM) before any rounding, which could otherwise wrap to 0. */
+#define MAX_REQUEST (SIZE_MAX >> 1)
 
 typedef struct chunk {
     char *ptr;
@@ -90,6 +92,7 @@ static void bin_remove(dspark_pool *p, chunk *c) {
 
 /* A new arena of at least min_bytes: arena_bytes when growing, exactly min_bytes at creation. */
 static int add_arena(dspark_pool *p, size_t min_bytes, int exact) {
+    if (min_bytes > MAX_REQUEST) return ENOMEM;
     size_t size = round_up(exact || min_bytes > p->arena_bytes ? min_bytes : p->arena_bytes, HUGE_PAGE);
     if (p->max_bytes && p->st.bytes_reserved + size > p->max_bytes) {
         if (p->st.bytes_reserved + round_up(min_bytes, HUGE_PAGE) > p->max_bytes) return ENOMEM;
@@ -154,7 +157,7 @@ dspark_pool *dspark_pool_create(int policy, size_t arena_bytes, size_t max_bytes
     pthread_mutex_init(&p->mu, NULL);
     p->policy = policy;
     p->flags = flags;
-    p->arena_bytes = arena_bytes ? arena_bytes : (64u << 20);
+    p->arena_bytes = arena_bytes && arena_bytes <= MAX_REQUEST ? arena_bytes : (64u << 20);
     p->max_bytes = max_bytes;
     if (initial_bytes) {
         const int e = add_arena(p, initial_bytes, 1);
@@ -190,6 +193,10 @@ void dspark_pool_destroy(dspark_pool *p) {
 }
 
 void *dspark_pool_alloc(dspark_pool *p, size_t nbytes, void **handle, int *err) {
+    if (nbytes > MAX_REQUEST) {
+        *err = ENOMEM;
+        return NULL;
+    }
     const size_t size = round_up(nbytes ? nbytes : 1, DSPARK_POOL_ALIGN);
     pthread_mutex_lock(&p->mu);
     chunk *c = p->policy == DSPARK_POOL_BEST_FIT ? find_best_fit(p, size) : find_first_fit(p, size);

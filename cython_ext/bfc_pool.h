@@ -23,8 +23,9 @@ dspark_pool *dspark_pool_create(int policy, size_t arena_bytes, size_t max_bytes
                                 size_t initial_bytes, int flags, int *err);
 void dspark_pool_destroy(dspark_pool *p);
 /* 64-byte aligned block of at least nbytes; *handle identifies it for free.
- * Returns NULL with *err = ENOMEM (limit reached) or an mmap/mlock errno. */
+ * Returns NULL with *err = ENOMEM (limit reached, or nbytes > SIZE_MAX / 2) or an mmap/mlock errno. */
 void *dspark_pool_alloc(dspark_pool *p, size_t nbytes, void **handle, int *err);
+/* handle must come from dspark_pool_alloc on this pool and be freed once (not checked here). */
 void dspark_pool_free(dspark_pool *p, void *handle);
 void dspark_pool_get_stats(dspark_pool *p, dspark_pool_stats *s);
 #endif

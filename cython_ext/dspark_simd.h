@@ -69,7 +69,7 @@ DSPARK_HIDDEN const dspark_simd_kernels *dspark_simd_avx512(void);
 /* Dispatch (simd_dispatch.c). */
 const char *dspark_isa_name(int isa);
 int dspark_isa_compiled(int isa);   /* built into this binary */
-int dspark_isa_supported(int isa);  /* CPU and OS can run it */
+int dspark_isa_supported(int isa);  /* CPU and OS can run it (and DSPARK_SIMD_HIDE does not list it) */
 int dspark_isa_best(void);          /* best supported */
 /* The ISA to use now: DSPARK_SIMD if set, else the best. Returns -1 and fills
  * err (a sentence) when the override names an unknown or unsupported ISA. */

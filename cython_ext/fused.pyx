@@ -78,6 +78,49 @@ def blas_info():
     }
 
 
+# Every entry point below checks its arguments and raises ValueError naming the one that is wrong:
+# the C code trusts its shapes completely. Dimensions go to OpenBLAS as 32-bit ints; block sizes
+# are bounded so the C driver's rounding and products cannot wrap.
+cdef enum:
+    MAX_DIM = 2147483647
+    MAX_BLOCK = 1048576
+
+
+MAX_BLOCK_SIZE = MAX_BLOCK
+
+
+cdef _check_range(str name, size_t value, size_t lowest, size_t highest):
+    if value < lowest or value > highest:
+        raise ValueError(f"{name}: must be between {lowest} and {highest}, got {value}")
+
+
+cdef _check_length(str name, size_t got, size_t want):
+    if got != want:
+        raise ValueError(f"{name}: expected {want} floats, got {got}")
+
+
+cdef _check_shape(str name, tuple got, tuple want):
+    if got != want:
+        raise ValueError(f"{name}: expected shape {want}, got {got}")
+
+
+cdef _check_gelu_kind(int gelu_kind):
+    if gelu_kind not in (0, 1):
+        raise ValueError(f"gelu_kind: must be 0 (erf) or 1 (tanh), got {gelu_kind}")
+
+
+cdef _check_dim(str name, size_t value):
+    _check_range(name, value, 1, MAX_DIM)
+
+
+cdef _check_ln_inputs(const float[:, ::1] x, const float[::1] gamma, const float[::1] beta, int gelu_kind):
+    _check_range("x rows", x.shape[0], 0, MAX_DIM)
+    _check_dim("x columns (d)", x.shape[1])
+    _check_length("gamma", gamma.shape[0], x.shape[1])
+    _check_length("beta", beta.shape[0], x.shape[1])
+    _check_gelu_kind(gelu_kind)
+
+
 cdef float *_scratch(size_t n_floats) except NULL:
     cdef void *p = NULL
     if posix_memalign(&p, 64, n_floats * sizeof(float) if n_floats else 64) != 0:
@@ -89,7 +132,9 @@ def ln_gelu(const float[:, ::1] x not None, const float[::1] gamma not None,
             const float[::1] beta not None, float[:, ::1] out not None, float eps=1e-5, int gelu_kind=0):
     """out = GELU(LayerNorm(x)) on the selected SIMD path; returns its name."""
     cdef const dspark_simd_kernels *k = _selected()
-    if x.shape[0] == 0 or x.shape[1] == 0:
+    _check_ln_inputs(x, gamma, beta, gelu_kind)
+    _check_shape("out", (out.shape[0], out.shape[1]), (x.shape[0], x.shape[1]))
+    if x.shape[0] == 0:
         return k.name.decode()
     with nogil:
         k.ln_gelu_rows(&x[0, 0], x.shape[1], x.shape[0], x.shape[1], &gamma[0], &beta[0],
@@ -103,12 +148,20 @@ def fused_forward(const float[:, ::1] x not None, const float[::1] gamma not Non
                   float eps=1e-5, int gelu_kind=0, size_t block_rows=64, int threads=0):
     """out = GELU(LayerNorm(x)) @ w + bias, GIL released; returns the SIMD path's name.
 
-    Shapes are checked by the Python wrapper; threads > 0 sets OpenBLAS's thread count."""
+    threads > 0 sets OpenBLAS's thread count."""
     cdef const dspark_simd_kernels *k = _selected()
     cdef size_t rows = x.shape[0], d = x.shape[1], n = w.shape[1]
     cdef size_t br = block_rows if block_rows < rows else rows
-    cdef const float *b = &bias[0] if bias is not None else NULL
+    cdef const float *b
     cdef float *scratch
+    _check_ln_inputs(x, gamma, beta, gelu_kind)
+    _check_shape("w", (w.shape[0], w.shape[1]), (d, n))
+    _check_dim("w columns (n)", n)
+    if bias is not None:
+        _check_length("bias", bias.shape[0], n)
+    _check_shape("out", (out.shape[0], out.shape[1]), (rows, n))
+    _check_range("block_rows", block_rows, 1, MAX_BLOCK)
+    b = &bias[0] if bias is not None else NULL
     if rows == 0:
         return k.name.decode()
     scratch = _scratch(br * d)
@@ -128,14 +181,16 @@ PANEL_WIDTH = DSPARK_NR
 
 def packed_weights_size(size_t d, size_t n):
     """Floats in W packed as column panels (n rounded up to PANEL_WIDTH, times d)."""
+    _check_dim("d", d)
+    _check_dim("n", n)
     return dspark_packed_w_floats(d, n)
 
 
 def pack_weights(const float[:, ::1] w not None, float[::1] packed not None, size_t kc):
     """Pack w (d, n) into the panel layout of fused_forward_packed for K blocks of kc rows
     (done once per layer)."""
-    if packed.shape[0] != dspark_packed_w_floats(w.shape[0], w.shape[1]):
-        raise ValueError(f"packed: expected {dspark_packed_w_floats(w.shape[0], w.shape[1])} floats")
+    _check_length("packed", packed.shape[0], packed_weights_size(w.shape[0], w.shape[1]))
+    _check_range("kc", kc, 1, MAX_BLOCK)
     with nogil:
         dspark_pack_weights(&w[0, 0], w.shape[0], w.shape[1], kc, &packed[0])
 
@@ -146,14 +201,21 @@ def fused_forward_packed(const float[:, ::1] x not None, const float[::1] gamma 
                          float eps=1e-5, int gelu_kind=0, size_t kc=384, size_t mc=144,
                          size_t nc=128, size_t mb=1024, int threads=1):
     """out = GELU(LayerNorm(x)) @ W + bias over W packed by pack_weights with the same kc,
-    GIL released; returns the SIMD path's name. Shapes are checked by the Python wrapper."""
+    GIL released; returns the SIMD path's name."""
     cdef const dspark_simd_kernels *k = _selected()
-    cdef const float *b = &bias_padded[0] if bias_padded is not None else NULL
+    cdef const float *b
     cdef int rc
+    _check_ln_inputs(x, gamma, beta, gelu_kind)
+    _check_length("w_packed", w_packed.shape[0], packed_weights_size(x.shape[1], n))
+    if bias_padded is not None:
+        _check_length("bias_padded", bias_padded.shape[0], (n + DSPARK_NR - 1) // DSPARK_NR * DSPARK_NR)
+    _check_shape("out", (out.shape[0], out.shape[1]), (x.shape[0], n))
+    for name, value in (("kc", kc), ("mc", mc), ("mb", mb)):
+        _check_range(name, value, 1, MAX_BLOCK)
+    _check_range("nc", nc, 0, MAX_BLOCK)
+    b = &bias_padded[0] if bias_padded is not None else NULL
     if x.shape[0] == 0:
         return k.name.decode()
-    if kc == 0 or mc == 0:
-        raise ValueError("kc and mc must be positive")
     with nogil:
         rc = dspark_fused_forward_packed(k, &x[0, 0], x.shape[0], x.shape[1], &gamma[0], &beta[0],
                                          eps, gelu_kind, &w_packed[0], n, b, &out[0, 0],
@@ -163,7 +225,13 @@ def fused_forward_packed(const float[:, ::1] x not None, const float[::1] gamma 
     return k.name.decode()
 
 
-def sgemm(const float[:, ::1] a, const float[:, ::1] b, float[:, ::1] c):
+def sgemm(const float[:, ::1] a not None, const float[:, ::1] b not None, float[:, ::1] c not None):
     """c = a @ b through the fused layer's BLAS (for measuring its peak), GIL released."""
+    _check_dim("a rows", a.shape[0])
+    _check_dim("a columns (inner dimension)", a.shape[1])
+    _check_dim("b columns", b.shape[1])
+    if b.shape[0] != a.shape[1]:
+        raise ValueError(f"b: has {b.shape[0]} rows, a has {a.shape[1]} columns (the inner dimension must match)")
+    _check_shape("c", (c.shape[0], c.shape[1]), (a.shape[0], b.shape[1]))
     with nogil:
         dspark_sgemm(&a[0, 0], &b[0, 0], &c[0, 0], a.shape[0], a.shape[1], b.shape[1])

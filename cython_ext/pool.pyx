@@ -81,6 +81,9 @@ cdef class RawPool:
                           | (DSPARK_POOL_PREFAULT if prefault else 0))
         if policy not in ("best_fit", "first_fit"):
             raise ValueError(f"policy={policy!r}: expected 'best_fit' or 'first_fit'")
+        for name, value in (("arena_bytes", arena_bytes), ("max_bytes", max_bytes), ("initial_bytes", initial_bytes)):
+            if value > <size_t>PY_SSIZE_T_MAX:
+                raise ValueError(f"{name}={value}: larger than any address space")
         self.policy = policy
         self.lock_pages = lock_pages
         self.max_bytes = max_bytes
@@ -106,6 +109,9 @@ cdef class RawPool:
         cdef cnp.dtype descr = _DTYPES.get(dtype)
         if descr is None:
             descr = np.dtype(dtype)
+            if descr.hasobject:
+                raise TypeError(f"dtype={descr}: holds Python objects, which pool memory cannot "
+                                "(uninitialised object pointers); use a numeric dtype")
             if len(_DTYPES) < 64:
                 _DTYPES[dtype] = descr
         cdef tuple shp = shape if type(shape) is tuple else ((shape,) if isinstance(shape, int) else tuple(shape))
@@ -132,15 +138,6 @@ cdef class RawPool:
                              cnp.NPY_ARRAY_CARRAY, NULL)
         cnp.set_array_base(arr, block)
         return arr
-
-    def alloc_raw(self, size_t nbytes):
-        """Allocate without building an array (allocator latency benchmarks); returns a handle."""
-        cdef void *handle = NULL
-        self._alloc(nbytes, &handle)
-        return <size_t>handle
-
-    def free_raw(self, size_t handle):
-        dspark_pool_free(self.p, <void *>handle)
 
     def stats(self):
         cdef dspark_pool_stats s

@@ -1,5 +1,7 @@
 /* Run-time choice of the per-ISA kernel table: CPUID plus OS support of the register state
- * (XGETBV), from cpu_features.h, overridable by DSPARK_SIMD. */
+ * (XGETBV), from cpu_features.h, overridable by DSPARK_SIMD. DSPARK_SIMD_HIDE (comma separated
+ * ISA names) makes this process treat those as unsupported: tests of the refusal on a CPU that
+ * has everything, or a look at what an older CPU would run. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,10 +18,24 @@ int dspark_isa_compiled(int isa) {
     return DSPARK_HAVE_X86_TUS && (isa == DSPARK_ISA_AVX2 || isa == DSPARK_ISA_AVX512);
 }
 
+/* isa is listed in DSPARK_SIMD_HIDE */
+static int hidden(int isa) {
+    const char *p = getenv("DSPARK_SIMD_HIDE");
+    const size_t len = strlen(isa_names[isa]);
+    while (p && *p) {
+        const char *end = strchr(p, ',');
+        const size_t n = end ? (size_t)(end - p) : strlen(p);
+        if (n == len && strncmp(p, isa_names[isa], len) == 0) return 1;
+        p = end ? end + 1 : NULL;
+    }
+    return 0;
+}
+
 #if DSPARK_HAVE_X86_TUS
 #include "cpu_features.h"
 
 int dspark_isa_supported(int isa) {
+    if (isa != DSPARK_ISA_SCALAR && isa >= 0 && isa < DSPARK_ISA_COUNT && hidden(isa)) return 0;
     switch (isa) {
     case DSPARK_ISA_SCALAR: return 1;
     case DSPARK_ISA_AVX2: return dspark_cpu_runs_avx2();

@@ -26,13 +26,15 @@ def dump_log_on_failure(request: pytest.FixtureRequest, server: TritonServer, fa
 
 
 @contextmanager
-def serving(request: pytest.FixtureRequest, repositories: Sequence[Path], **options) -> Iterator[TritonServer]:
+def serving(request: pytest.FixtureRequest, repositories: Sequence[Path], extra_args: Sequence[str] = (),
+            **options) -> Iterator[TritonServer]:
     """A real server on free ports for a fixture: headers forwarded, log dumped if a test failed.
 
-    ``options`` go to TritonServer (e.g. model_control="explicit": then ``server.repository_headers``
-    carry the generated API key that load/unload calls need)."""
+    ``extra_args`` are more tritonserver flags; ``options`` go to TritonServer (e.g.
+    model_control="explicit": then ``server.repository_headers`` carry the generated API key that
+    load/unload calls need)."""
     server = TritonServer(repositories=repositories, exit_timeout_s=TEST_EXIT_TIMEOUT_S,
-                          extra_args=header_forward_args(DEFAULT_HEADER_PATTERN), **options)
+                          extra_args=[*header_forward_args(DEFAULT_HEADER_PATTERN), *extra_args], **options)
     failed_before = request.session.testsfailed
     server.start()
     try:

@@ -2,51 +2,64 @@
 run through the fused LayerNorm+GELU+MatMul kernel, activations from the BFC pool.
 
 The weights file is `default_model_filename` or weights.npz in the version folder.
-Config parameters (all optional): threads (BLAS threads, 1), numa_node (pin this instance's threads and its pool's first
-touch to that node; unset = no pinning), use_pool (true), pool_bytes (67108864),
-lock_pages (false: mlock the pool), huge_pages (true: MADV_HUGEPAGE on the pool).
+Config parameters (all optional; dspark.triton.backend_parameters.FusedTransformerParameters):
+threads (BLAS threads, 1), numa_node (pin this instance's threads and its pool's first touch to
+that node; unset = no pinning), use_pool (true), pool_bytes (67108864), lock_pages (false: mlock
+the pool), huge_pages (true: MADV_HUGEPAGE on the pool).
+matmul (fused | gemm): gemm runs every matrix product through the GemmEx shim instead
+(dspark.accel.gemm_transformer), with gemm_vendor (hcblas | cublas | hipblas | mcblas | mublas),
+gemm_device (auto: a GPU through CuPy where one is usable, else the CPU | cpu | cuda) and
+gemm_compute (fp32 | bf16).
 """
 import json
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
+from dspark.accel.gemm_transformer import GemmTransformer
 from dspark.engines.fused_transformer import OUTPUT_NAME, FusedTransformer
 from dspark.kernels.dispatch import dispatch_report
 from dspark.kernels.pool import PoolError
-from dspark.triton.adapter import config_parameters, parameter_bool, parameter_int, triton_error
+from dspark.triton.adapter import parse_parameters, triton_error
+from dspark.triton.backend_parameters import FusedTransformerParameters
 from dspark.triton.tensors import TensorSpec, check_inputs
 
 
 class TritonPythonModel:
     def initialize(self, args):
         self.model_config = json.loads(args["model_config"])
-        params = config_parameters(self.model_config)
+        params = parse_parameters(FusedTransformerParameters, self.model_config)
         filename = self.model_config.get("default_model_filename") or "weights.npz"
         path = Path(args["model_repository"]) / args["model_version"] / filename
         if not path.is_file():
             raise pb_utils.TritonModelException(
                 f"fused_transformer: {path} does not exist: run tools/build_fused_transformer.py "
                 "or set default_model_filename")
-        numa = params.get("numa_node")
-        try:
-            self.engine = FusedTransformer.load(
-                path,
-                threads=parameter_int(params, "threads", 1, minimum=1),
-                use_pool=parameter_bool(params, "use_pool", True),
-                numa_node=int(numa) if numa not in (None, "") else None,
-                pool_bytes=parameter_int(params, "pool_bytes", 64 << 20),
-                lock_pages=parameter_bool(params, "lock_pages", False),
-                huge_pages=parameter_bool(params, "huge_pages", True),
-            )
-        except (PoolError, ValueError) as error:
-            raise pb_utils.TritonModelException(f"fused_transformer: {args['model_name']}: {error}") from error
+        if params.matmul == "gemm":
+            self.engine = GemmTransformer.load(path, vendor=params.gemm_vendor, device=params.gemm_device,
+                                               compute=params.gemm_compute)
+            description = f"matrix products through {self.engine.describe()}"
+        else:
+            try:
+                self.engine = FusedTransformer.load(
+                    path,
+                    threads=params.threads,
+                    use_pool=params.use_pool,
+                    numa_node=params.numa_node,
+                    pool_bytes=params.pool_bytes,
+                    lock_pages=params.lock_pages,
+                    huge_pages=params.huge_pages,
+                )
+            except (PoolError, ValueError) as error:
+                raise pb_utils.TritonModelException(f"fused_transformer: {args['model_name']}: {error}") from error
+            report = dispatch_report()
+            numa = "-" if params.numa_node is None else params.numa_node
+            description = (f"SIMD {report.chosen}, {report.blas}, pool {'on' if self.engine.pool else 'off'}, "
+                           f"numa_node {numa}")
         self.batched = self.model_config["max_batch_size"] > 0
         self.inputs = [TensorSpec.from_config(entry) for entry in self.model_config["input"]]
-        report = dispatch_report()
         pb_utils.Logger.log_info(
-            f"fused_transformer: loaded {args['model_name']} from {path}: {self.engine.config}, "
-            f"SIMD {report.chosen}, {report.blas}, pool {'on' if self.engine.pool else 'off'}, numa_node {numa or '-'}")
+            f"fused_transformer: loaded {args['model_name']} from {path}: {self.engine.config}, {description}")
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metric_families = [pb_utils.MetricFamily(
             name="dspark_fused_pool_bytes_in_use", kind=pb_utils.MetricFamily.GAUGE,

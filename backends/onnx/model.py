@@ -1,25 +1,26 @@
 """Triton Python-based backend `onnx`: serve an ONNX model with ONNX Runtime.
 
-Config parameters (all optional): execution_providers (ordered preference, comma separated,
-CPUExecutionProvider always last), intra_op_threads (1), inter_op_threads (1), allow_spinning
-(false), graph_optimization_level (all|extended|basic|disable). The model file is
-`default_model_filename` or model.onnx in the version folder.
+Config parameters (all optional): execution_providers (ordered preference, comma separated, e.g.
+CUDA,CPU), execution_provider_options (JSON: provider -> {option: value}, names checked),
+disable_cpu_ep_fallback (false: an unusable provider is skipped with a warning; true: it fails the
+load), ep_plugin_libraries (JSON: plugin provider name -> library path) (dspark.accel.providers);
+intra_op_threads (1), inter_op_threads (1), allow_spinning (false), graph_optimization_level
+(all|extended|basic|disable) (dspark.triton.backend_parameters.OnnxParameters); engine
+(onnxruntime | tensorrt: a TensorRT engine built from the ONNX file and cached, where TensorRT
+and a GPU are present; trt_cache_dir, trt_fp16, trt_max_batch, trt_max_dynamic). See
+docs/accelerators.md. The model file is `default_model_filename` or model.onnx in the version folder.
 """
 import json
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
+from dspark.accel.providers import ProviderRequest
+from dspark.accel.tensorrt_engine import open_model_runner
 from dspark.engines.onnx_session import OnnxRunner, batch_groups, read_graph_signature
 from dspark.errors import RequestError
-from dspark.triton.adapter import (
-    config_parameters,
-    parameter_bool,
-    parameter_int,
-    parameter_list,
-    stub_version_dir,
-    triton_error,
-)
+from dspark.triton.adapter import config_parameters, parse_parameters, stub_version_dir, triton_error
+from dspark.triton.backend_parameters import OnnxParameters
 from dspark.triton.tensors import TensorSpec, check_inputs
 
 DEFAULT_FILENAME = "model.onnx"
@@ -65,7 +66,7 @@ class TritonPythonModel:
 
     def initialize(self, args):
         self.model_config = json.loads(args["model_config"])
-        params = config_parameters(self.model_config)
+        params = parse_parameters(OnnxParameters, self.model_config)
         filename = self.model_config.get("default_model_filename") or DEFAULT_FILENAME
         model_path = Path(args["model_repository"]) / args["model_version"] / filename
         if not model_path.is_file():
@@ -75,23 +76,25 @@ class TritonPythonModel:
         self.batched = self.model_config["max_batch_size"] > 0
         self.inputs = [TensorSpec.from_config(entry) for entry in self.model_config["input"]]
         self.output_specs = [TensorSpec.from_config(entry) for entry in self.model_config["output"]]
-        spinning = parameter_bool(params, "allow_spinning", False)
-        self.runner = OnnxRunner(
-            model_path,
-            providers=parameter_list(params, "execution_providers", ("CPUExecutionProvider",)),
-            intra_op_threads=parameter_int(params, "intra_op_threads", 1),
-            inter_op_threads=parameter_int(params, "inter_op_threads", 1),
-            allow_spinning=spinning,
-            graph_optimization_level=params.get("graph_optimization_level") or "all",
-        )
-        logger = pb_utils.Logger
-        for provider, reason in self.runner.choice.skipped.items():
-            logger.log_warn(f"onnx backend: {args['model_name']}: skipped {provider}: {reason}")
-        logger.log_info(
-            f"onnx backend: loaded {args['model_name']} version {args['model_version']} from {model_path} "
-            f"on {self.runner.choice.chosen}, intra_op_threads={self.runner.session.get_session_options().intra_op_num_threads}, "
-            f"spinning={'on' if spinning else 'off'}"
-        )
+        raw = config_parameters(self.model_config)
+        self.runner = open_model_runner(raw, args["model_name"], args["model_version"], model_path, lambda: (
+            OnnxRunner(
+                model_path,
+                providers=ProviderRequest.from_parameters(raw),
+                intra_op_threads=params.intra_op_threads,
+                inter_op_threads=params.inter_op_threads,
+                allow_spinning=params.allow_spinning,
+                graph_optimization_level=params.graph_optimization_level,
+            )))
+        logger, choice = pb_utils.Logger, self.runner.choice
+        if choice.fell_back:
+            logger.log_warn(f"onnx backend: {args['model_name']}: runs on {choice.chosen}, not its first preference: "
+                            f"{choice.reason}")
+        settings = (f"intra_op_threads={self.runner.intra_op_threads}, "
+                    f"spinning={'on' if params.allow_spinning else 'off'}"
+                    if isinstance(self.runner, OnnxRunner) else self.runner.describe())
+        logger.log_info(f"onnx backend: loaded {args['model_name']} version {args['model_version']} from {model_path} "
+                        f"on {choice.describe()}, {settings}")
         labels = {"model": args["model_name"], "version": args["model_version"]}
         # Families must outlive their metrics, so both are kept on the instance.
         self.metric_families = [
@@ -101,6 +104,24 @@ class TritonPythonModel:
                                   description="Rows run through ONNX Runtime; divided by runs it is the mean batch"),
         ]
         self.batches_metric, self.rows_metric = (family.Metric(labels=labels) for family in self.metric_families)
+        self._provider_metrics(labels, choice)
+
+    def _provider_metrics(self, labels: dict, choice) -> None:
+        """The chosen provider and why (a gauge set to 1), and one count per skipped provider."""
+        chosen = pb_utils.MetricFamily(
+            name="dspark_execution_provider", kind=pb_utils.MetricFamily.GAUGE,
+            description="1 for the execution provider a model runs on; reason: first_preference or fallback")
+        fallback = pb_utils.MetricFamily(
+            name="dspark_execution_provider_fallback_total", kind=pb_utils.MetricFamily.COUNTER,
+            description="Preferred execution providers skipped at load because they are not usable here")
+        self.metric_families += [chosen, fallback]
+        reason = "fallback" if choice.fell_back else "first_preference"
+        self.provider_metrics = [chosen.Metric(labels={**labels, "provider": choice.chosen, "reason": reason})]
+        self.provider_metrics[0].set(1)
+        for skipped in choice.skipped:
+            metric = fallback.Metric(labels={**labels, "requested": skipped, "chosen": choice.chosen})
+            metric.increment(1)
+            self.provider_metrics.append(metric)
 
     def _request_feeds(self, request) -> dict:
         feeds = {}
@@ -108,7 +129,9 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             feeds[name] = None if tensor is None else tensor.as_numpy()
         check_inputs(self.inputs, feeds, self.batched)
-        return {name: array for name, array in feeds.items() if array is not None}
+        feeds = {name: array for name, array in feeds.items() if array is not None}
+        self.runner.check_feeds(feeds)
+        return feeds
 
     def execute(self, requests):
         responses = [None] * len(requests)

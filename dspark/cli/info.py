@@ -28,3 +28,7 @@ def info() -> None:
     from dspark.cli.kernels import echo_kernel_info
 
     echo_kernel_info()
+    from dspark.cli.accel import echo_accelerator_info
+    from dspark.paths import demo_repositories
+
+    echo_accelerator_info(demo_repositories())

@@ -2,8 +2,9 @@
 import click
 
 from dspark import __version__
-from dspark.cli import bench, bench_router, info, repo, route, serve
+from dspark.cli import bench, bench_router, info, quantize, repo, route, serve
 from dspark.cli import bench_spec, kernels  # noqa: F401  (add `bench spec`, `bench kernels`, `bench pool`)
+from dspark.cli import accel  # noqa: F401  (adds `bench gemm`)
 
 COMMANDS = [
     serve.serve,
@@ -12,6 +13,7 @@ COMMANDS = [
     info.info,
     bench.bench,
     route.route,
+    quantize.quantize,
 ]
 bench.bench.add_command(bench_router.router)
 

@@ -10,11 +10,15 @@ import click
 
 from dspark.paths import demo_repositories
 from dspark.triton.server import (
+    API_KEY_ENV,
+    API_KEY_HEADER,
     DEFAULT_HEADER_PATTERN,
+    LOOPBACK,
     ServerError,
     ServerPorts,
     TritonServer,
     header_forward_args,
+    is_loopback,
 )
 
 
@@ -22,6 +26,8 @@ def server_options(function):
     options = [
         click.option("--repository", "-r", "repositories", multiple=True, type=click.Path(path_type=Path),
                      help="Model repository (repeatable). Default: the demo model_repository/ and ensembles/."),
+        click.option("--host", default=LOOPBACK, show_default=True,
+                     help="Address to listen on. Loopback by default; 0.0.0.0 exposes the server to the network."),
         click.option("--http-port", default=8000, show_default=True),
         click.option("--grpc-port", default=8001, show_default=True),
         click.option("--metrics-port", default=8002, show_default=True),
@@ -29,9 +35,13 @@ def server_options(function):
                      show_default=True, help="Triton's model control mode."),
         click.option("--load-model", "load_models", multiple=True,
                      help="With --model-control explicit: a model to load at start (repeatable)."),
+        click.option("--api-key", envvar=API_KEY_ENV, default=None, show_envvar=True,
+                     help=f"Key clients must send in the {API_KEY_HEADER} header to use the model-repository "
+                          "API (load/unload) when --model-control is not none. Default: a new random key, printed."),
         click.option("--log-verbose", default=0, show_default=True, help="Triton's log verbosity."),
         click.option("--log-file", type=click.Path(path_type=Path), default=None,
-                     help="Where the server log goes (default: a file in a temporary folder)."),
+                     help="Where the server log goes and stays (default: a temporary folder, removed when the "
+                          "server stops cleanly)."),
         click.option("--server", "server_path", default=None,
                      help="Path of a tritonserver binary (default: $TRITONSERVER, the nvidia-pytriton wheel, PATH)."),
         click.option("--forward-headers", default=DEFAULT_HEADER_PATTERN, show_default=True,
@@ -42,8 +52,8 @@ def server_options(function):
     return function
 
 
-def start_server(repositories: Sequence[Path], http_port: int, grpc_port: int, metrics_port: int,
-                 model_control: str, load_models: Sequence[str], log_verbose: int, log_file, server_path,
+def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_port: int, metrics_port: int,
+                 model_control: str, load_models: Sequence[str], api_key, log_verbose: int, log_file, server_path,
                  forward_headers: str) -> TritonServer:
     """Start the server, or exit with one line saying why it could not."""
     extra = header_forward_args(forward_headers) if forward_headers else []
@@ -57,7 +67,12 @@ def start_server(repositories: Sequence[Path], http_port: int, grpc_port: int, m
             log_path=log_file,
             server_path=server_path,
             extra_args=extra,
+            host=host,
+            api_key=api_key,
         )
+        if not is_loopback(host):
+            click.echo(f"dspark: warning: --host {host} makes the server reachable from other machines; "
+                       "anyone who can reach it can run inference", err=True)
         server.start()
     except ServerError as error:
         click.echo(f"dspark: {error}", err=True)
@@ -69,7 +84,10 @@ def start_server(repositories: Sequence[Path], http_port: int, grpc_port: int, m
     click.echo(f"  HTTP     http://{server.http_url}")
     click.echo(f"  gRPC     {server.grpc_url}")
     click.echo(f"  metrics  {server.metrics_url}")
-    click.echo(f"  log      {server.log_path}")
+    click.echo(f"  log      {server.log_path}" + ("" if log_file else " (removed at a clean stop; --log-file keeps it)"))
+    if server.api_key:
+        shown = "from --api-key / " + API_KEY_ENV if api_key else server.api_key
+        click.echo(f"  API key  {shown} (send it as the {API_KEY_HEADER} header to load/unload models)")
     return server
 
 
@@ -89,11 +107,13 @@ def serve_until_signal(server: TritonServer) -> None:
     signal.signal(signal.SIGINT, shut_down)
     signal.signal(signal.SIGTERM, shut_down)
     code = server.wait()
-    server.stop()
     stopped_by_us = signals_seen and code in (-signal.SIGTERM, -signal.SIGKILL)
     if code != 0 and not stopped_by_us:
-        click.echo(f"dspark: tritonserver exited with code {code}: {server.first_error()}", err=True)
+        click.echo(f"dspark: tritonserver exited with code {code}: {server.first_error()} "
+                   f"(log: {server.log_path})", err=True)
+        server.stop()
         sys.exit(1)
+    server.stop()
 
 
 @click.command()

@@ -155,10 +155,12 @@ class KernelLM(OnnxLM):
         if t == 0 or t > KERNEL_MAX_ROWS:
             return super().forward(cache, tokens, positions, tree_mask, past_visible)
         cache.check_room(t)
+        positions = np.ascontiguousarray(positions, np.int64)
+        if positions.shape != (t,):  # LMStep checks the rest (token ids, the cache's shapes)
+            raise ValueError(f"positions: expected {t} (one per token), got shape {positions.shape}")
         mask = np.empty((t, length + t), bool)
         mask[:, :length] = True if past_visible is None else past_visible
         mask[:, length:] = _causal(t) if tree_mask is None else tree_mask
-        positions = np.ascontiguousarray(positions, np.int64)
         cache.positions[length:length + t] = positions
         logits = np.empty((t, self.config.vocab), np.float32)
         self._step.forward(cache.keys, cache.values, np.ascontiguousarray(tokens, np.int64),

@@ -15,13 +15,14 @@ import math
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dspark.errors import RequestError
-from dspark.kernels.fused import FusedLNGeluMatMul
-from dspark.kernels.numa import pin_process_to_node
-from dspark.kernels.pool import MemoryPool
+
+if TYPE_CHECKING:  # the compiled kernels load where they are used: the numpy parts need none
+    from dspark.kernels.pool import MemoryPool
 
 INPUT_NAME = "INPUT_IDS"
 OUTPUT_NAME = "HIDDEN"
@@ -106,11 +107,28 @@ def layer_norm(x: np.ndarray, g: np.ndarray, b: np.ndarray, eps: float) -> np.nd
     return (x - mean) / np.sqrt(var + eps) * g + b
 
 
+def validate_input_ids(c: TransformerConfig, input_ids: np.ndarray) -> np.ndarray:
+    """Token ids as int64 [batch, seq], or a RequestError naming the input."""
+    if not isinstance(input_ids, np.ndarray) or input_ids.dtype.kind not in "iu":
+        kind = getattr(input_ids, "dtype", type(input_ids).__name__)
+        raise RequestError(INPUT_NAME, f"expected integer token ids (INT64), got {kind}")
+    if input_ids.ndim != 2 or input_ids.shape[0] == 0:
+        raise RequestError(INPUT_NAME, f"expected shape [batch, seq] with batch >= 1, got {list(input_ids.shape)}")
+    if not 1 <= input_ids.shape[1] <= c.max_positions:
+        raise RequestError(INPUT_NAME, f"sequence length {input_ids.shape[1]} is outside 1..{c.max_positions}")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= c.vocab_size:
+        raise RequestError(INPUT_NAME, f"token ids must be in 0..{c.vocab_size - 1}, got {lo}..{hi}")
+    return input_ids.astype(np.int64, copy=False)
+
+
 class FusedTransformer:
     """Runs the encoder; ``forward(input_ids[B, S]) -> hidden[B, S, d_model]`` float32."""
 
     def __init__(self, config: TransformerConfig, weights: dict[str, np.ndarray], *,
                  threads: int = 1, pool: MemoryPool | None = None) -> None:
+        from dspark.kernels.fused import FusedLNGeluMatMul
+
         self.config = config
         self.pool = pool
         self.weights = weights
@@ -131,6 +149,9 @@ class FusedTransformer:
         """Load weights from ``path`` (.npz). With the pool, each array is read straight into
         pool memory. With ``numa_node`` the process is pinned to that node first and the pool
         prefaults its arena, so first touch places weights and activations on that node."""
+        from dspark.kernels.numa import pin_process_to_node
+        from dspark.kernels.pool import MemoryPool
+
         if numa_node is not None:
             pin_process_to_node(numa_node)
         pool = (MemoryPool(initial_bytes=pool_bytes, prefault=numa_node is not None,
@@ -147,18 +168,7 @@ class FusedTransformer:
         return self.pool.empty(shape, np.float32) if self.pool is not None else np.empty(shape, np.float32)
 
     def validate(self, input_ids: np.ndarray) -> np.ndarray:
-        c = self.config
-        if not isinstance(input_ids, np.ndarray) or input_ids.dtype.kind not in "iu":
-            kind = getattr(input_ids, "dtype", type(input_ids).__name__)
-            raise RequestError(INPUT_NAME, f"expected integer token ids (INT64), got {kind}")
-        if input_ids.ndim != 2 or input_ids.shape[0] == 0:
-            raise RequestError(INPUT_NAME, f"expected shape [batch, seq] with batch >= 1, got {list(input_ids.shape)}")
-        if not 1 <= input_ids.shape[1] <= c.max_positions:
-            raise RequestError(INPUT_NAME, f"sequence length {input_ids.shape[1]} is outside 1..{c.max_positions}")
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= c.vocab_size:
-            raise RequestError(INPUT_NAME, f"token ids must be in 0..{c.vocab_size - 1}, got {lo}..{hi}")
-        return input_ids.astype(np.int64, copy=False)
+        return validate_input_ids(self.config, input_ids)
 
     def _attention(self, x: np.ndarray, i: int) -> np.ndarray:
         c, n, w = self.config, layer_names(i), self.weights

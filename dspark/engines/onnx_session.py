@@ -2,19 +2,22 @@
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, Union
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
 
+from dspark.accel.providers import ProviderChoice, ProviderRequest, choose, create_session, verify_session
+from dspark.errors import RequestError
 from dspark.triton.tensors import TensorSpec
 
 log = logging.getLogger(__name__)
 
-CPU_PROVIDER = "CPUExecutionProvider"
 GRAPH_OPTIMIZATION_LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -58,29 +61,6 @@ def make_session_options(
     return options
 
 
-@dataclass(frozen=True)
-class ProviderChoice:
-    chosen: list[str]
-    skipped: dict[str, str]  # provider -> why
-
-
-def choose_providers(preferred: Sequence[str], available: Sequence[str] | None = None) -> ProviderChoice:
-    """Keep the preferred providers this onnxruntime build has, in order, always ending with CPU."""
-    available = list(ort.get_available_providers() if available is None else available)
-    chosen, skipped = [], {}
-    for provider in preferred:
-        if provider in available:
-            if provider not in chosen:
-                chosen.append(provider)
-        else:
-            hint = " (install onnxruntime-gpu on a machine with a GPU)" if provider in (
-                "CUDAExecutionProvider", "TensorrtExecutionProvider") else ""
-            skipped[provider] = f"not available in this onnxruntime build{hint}; available: {available}"
-    if CPU_PROVIDER not in chosen:
-        chosen.append(CPU_PROVIDER)
-    return ProviderChoice(chosen=chosen, skipped=skipped)
-
-
 def _dims(value_info: onnx.ValueInfoProto) -> list[int]:
     return [d.dim_value if d.HasField("dim_value") else -1 for d in value_info.type.tensor_type.shape.dim]
 
@@ -116,12 +96,56 @@ def read_graph_signature(model_path: Path) -> GraphSignature:
     return GraphSignature(inputs=specs(model.graph.input), outputs=specs(model.graph.output))
 
 
+Dim = Union[int, str, None]  # fixed size, named (symbolic) size, or unknown
+
+
+def _show_dims(dims: Sequence[Dim]) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """An input as the ONNX graph declares it; inputs that share a named dim must agree on it."""
+
+    name: str
+    dims: tuple[Dim, ...]
+
+    def check(self, array: np.ndarray, sizes: dict[str, tuple[str, int]]) -> None:
+        """RequestError if ``array`` breaks a fixed dim, or a named dim another input set
+        (``sizes``: dim name -> (first input, its size), filled as inputs are checked)."""
+        shape = array.shape
+        if len(shape) != len(self.dims) or any(isinstance(want, int) and want != got
+                                               for want, got in zip(self.dims, shape)):
+            raise RequestError(f"input tensor '{self.name}'",
+                               f"has shape {list(shape)}, the ONNX graph expects {_show_dims(self.dims)}")
+        for dim, got in zip(self.dims, shape):
+            if isinstance(dim, str):
+                first, size = sizes.setdefault(dim, (self.name, got))
+                if size != got:
+                    raise RequestError(
+                        f"input tensors '{first}' and '{self.name}'",
+                        f"disagree on dimension '{dim}' of the ONNX graph: {first} has {size}, {self.name} has "
+                        f"{got} (shapes {list(shape)} vs the graph's {_show_dims(self.dims)}); send equal sizes")
+
+
+# Where ONNX Runtime says a node could not combine its inputs' shapes (broadcast, reshape, concat...).
+ORT_SHAPE_ERROR = re.compile(r"broadcast|shape|dimension|axis", re.IGNORECASE)
+# "/onnxruntime_src/...h:563 void f(a, b) axis == 1 || ... was false. " before the sentence that says it
+ORT_MESSAGE_NOISE = re.compile(r"^\S+:\d+ [^(]*\([^)]*\)\s*(.*? was false\.\s*)?")
+MAX_NAMED = 4
+
+
+def _names(names: Sequence[str]) -> str:
+    shown = ", ".join(f"'{name}'" for name in names[:MAX_NAMED])
+    return shown + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
+
+
 @dataclass
 class OnnxRunner:
     """One ORT session with the options the backend was configured with."""
 
     model_path: Path
-    providers: Sequence[str] = (CPU_PROVIDER,)
+    providers: ProviderRequest = ProviderRequest()  # preference, options, fallback policy
     intra_op_threads: int = 1
     inter_op_threads: int = 1
     allow_spinning: bool = False
@@ -129,15 +153,50 @@ class OnnxRunner:
     choice: ProviderChoice = field(init=False)
 
     def __post_init__(self) -> None:
-        self.choice = choose_providers(self.providers)
+        self.choice = choose(self.providers)
         options = make_session_options(
             self.intra_op_threads, self.inter_op_threads, self.allow_spinning, self.graph_optimization_level
         )
-        self.session = ort.InferenceSession(str(self.model_path), sess_options=options, providers=self.choice.chosen)
+        self.session = create_session(self.model_path, options, self.choice)
+        self.choice = verify_session(self.choice, self.session.get_providers())
         self.output_names = [output.name for output in self.session.get_outputs()]
+        self.graph_inputs = [GraphInput(i.name, tuple(i.shape)) for i in self.session.get_inputs()]
+
+    def check_feeds(self, feeds: Mapping[str, np.ndarray]) -> None:
+        """One request's inputs against the graph's declared dims (fixed sizes, and named sizes
+        shared between inputs), before it is batched with others; RequestError names the inputs."""
+        sizes: dict[str, tuple[str, int]] = {}
+        for graph_input in self.graph_inputs:
+            if graph_input.name in feeds:
+                graph_input.check(feeds[graph_input.name], sizes)
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return dict(zip(self.output_names, self.session.run(self.output_names, dict(feeds))))
+        try:
+            return dict(zip(self.output_names, self.session.run(self.output_names, dict(feeds))))
+        except (Fail, InvalidArgument) as error:
+            raise self._request_error(error, feeds) from error
+
+    def _request_error(self, error: Exception, feeds: Mapping[str, np.ndarray]) -> Exception:
+        """ONNX Runtime's failure on inputs that passed check_feeds as a RequestError naming the
+        inputs with named dims and their sizes, when it is a shape disagreement (the graph
+        relates them in a way its declared dims cannot say, e.g. S = P + T); any other failure
+        is returned unchanged (INTERNAL)."""
+        message = str(error)
+        if not ORT_SHAPE_ERROR.search(message):
+            return error
+        node = re.search(r"running (\w+) node", message)
+        detail = ORT_MESSAGE_NOISE.sub("", message.split("Status Message:")[-1].strip())
+        named, sizes = [], {}
+        for graph_input in self.graph_inputs:
+            array = feeds.get(graph_input.name)
+            dims = [(dim, got) for dim, got in zip(graph_input.dims, getattr(array, "shape", ())) if isinstance(dim, str)]
+            if dims:
+                named.append(graph_input.name)
+                sizes.update(dims)
+        sized = ", ".join(f"{dim}={size}" for dim, size in sizes.items())
+        return RequestError(f"input tensors {_names(named or list(feeds))}",
+                            f"are inconsistent with each other (sizes {sized or 'as sent'}): "
+                            f"the graph's {node.group(1) if node else ''} node failed with \"{detail}\"")
 
     def run_batched(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         """Run requests of equal per-row shapes as one batch along axis 0, then split the outputs back."""

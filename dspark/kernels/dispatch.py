@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from dspark._ext import fused as _fused
 
 SIMD_ENV = "DSPARK_SIMD"
+HIDE_ENV = "DSPARK_SIMD_HIDE"  # ISAs to treat as unsupported here (tests; what an older CPU runs)
 ISAS = ("scalar", "avx2", "avx512")
 
 

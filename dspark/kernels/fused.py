@@ -61,6 +61,17 @@ def _vector(name: str, a: np.ndarray | None, n: int, optional: bool = False) -> 
 
 
 GEMMS = ("packed", "openblas")
+MAX_THREADS = 64  # the packed driver's limit
+
+
+def _size(name: str, value: int, default: int, lowest: int = 1, highest: int = _fused.MAX_BLOCK_SIZE) -> int:
+    """An integer argument in [lowest, highest]; ``default`` when it says "default" (0 or -1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an integer, got {value!r}")
+    value = default if value == (lowest - 1) else int(value)
+    if not lowest <= value <= highest:
+        raise ValueError(f"{name}: must be between {lowest} and {highest}, got {value}")
+    return value
 
 
 HUGE_PAGE = 2 << 20
@@ -110,13 +121,13 @@ class FusedLNGeluMatMul:
         self.bias = _vector("bias", bias, self.n, optional=True)
         self.eps = float(eps)
         self.gelu = gelu
-        self.threads = int(threads)
+        self.threads = _size("threads", threads, 1, highest=MAX_THREADS)
         self.gemm = gemm
-        self.block_rows = int(block_rows) if block_rows else default_block_rows(self.d)
-        self.kc = int(kc) or DEFAULT_KC
-        self.mc = int(mc) or DEFAULT_MC
-        self.nc = DEFAULT_NC if nc < 0 else int(nc)
-        self.mb = int(mb) or DEFAULT_MB
+        self.block_rows = _size("block_rows", block_rows or 0, default_block_rows(self.d))
+        self.kc = _size("kc", kc, DEFAULT_KC)
+        self.mc = _size("mc", mc, DEFAULT_MC)
+        self.nc = _size("nc", nc, DEFAULT_NC, lowest=0)
+        self.mb = _size("mb", mb, DEFAULT_MB)
         weight = np.ascontiguousarray(weight, dtype=np.float32)
         if self.gemm == "openblas":
             self.weight = weight
@@ -163,6 +174,8 @@ def fused_ln_gelu_matmul(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, wei
 def ln_gelu(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, *, eps: float = 1e-5,
             gelu: str = "erf") -> tuple[np.ndarray, str]:
     """GELU(LayerNorm(x)) alone on the selected SIMD path; returns (result, path name)."""
+    if gelu not in GELU_KINDS:
+        raise ValueError(f"gelu={gelu!r}: expected one of {sorted(GELU_KINDS)}")
     rows = _as_rows("x", x)
     d = rows.shape[1]
     out = np.empty_like(rows)
@@ -196,6 +209,9 @@ def sgemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a @ b through the fused layer's own BLAS (to measure its sgemm peak)."""
     a = np.ascontiguousarray(a, np.float32)
     b = np.ascontiguousarray(b, np.float32)
+    for name, array in (("a", a), ("b", b)):
+        if array.ndim != 2:
+            raise ValueError(f"{name}: expected a 2-D array, got shape {array.shape}")
     c = np.empty((a.shape[0], b.shape[1]), np.float32)
     _fused.sgemm(a, b, c)
     return c

@@ -26,6 +26,11 @@ SEMVER_PATTERN = r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:-([0-9A-Za-z.-]+)
 DataType = Literal["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
                    "FP16", "FP32", "FP64", "BF16", "STRING"]
 SemVer = Annotated[str, Field(pattern=SEMVER_PATTERN)]
+# A model name is a folder in the repository and a segment of Triton's URLs (/v2/models/<name>):
+# letters, digits, _ - and dots, not starting with a dot (so never '.', '..' or a hidden folder),
+# no path separators; at most 128 characters.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$"
+ModelName = Annotated[str, Field(pattern=MODEL_NAME_PATTERN)]
 STRICT = ConfigDict(extra="forbid")
 
 
@@ -86,6 +91,16 @@ class EnsembleStep:
 
 
 @dataclass
+class ExecutionProvider:
+    """One entry of a model's ordered execution-provider preference (dspark.accel.providers)."""
+
+    __pydantic_config__ = STRICT
+    name: str  # CUDA, TensorRT, CPU, ... or a plugin provider's name
+    options: dict[str, Union[str, int, float, bool]] = field(default_factory=dict)
+    library: str = ""  # a plugin provider's shared library
+
+
+@dataclass
 class VersionRecord:
     """One semantic version and the Triton version folder that holds it."""
 
@@ -100,7 +115,7 @@ class VersionRecord:
 @dataclass
 class ModelSpec:
     __pydantic_config__ = STRICT
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$")]
+    name: ModelName
     framework: str
     versions: list[VersionRecord] = field(default_factory=list)
     backend: str = ""
@@ -117,6 +132,21 @@ class ModelSpec:
     default_model_filename: str = ""
     # config.pbtxt text for Triton fields this spec does not model (optimization, sequence_batching, ...)
     extra_config: str = ""
+    # ONNX Runtime providers in order of preference; written to the config's parameters
+    execution_providers: list[ExecutionProvider] = field(default_factory=list)
+    disable_cpu_ep_fallback: bool = False
+
+    def provider_request(self):
+        """The preference as dspark.accel.providers.ProviderRequest (validated), or None if unset."""
+        from dspark.accel.providers import ProviderRequest
+
+        if not self.execution_providers:
+            return None
+        entries = self.execution_providers
+        return ProviderRequest(providers=tuple(e.name for e in entries),
+                               options={e.name: e.options for e in entries if e.options},
+                               disable_cpu_ep_fallback=self.disable_cpu_ep_fallback,
+                               plugin_libraries={e.name: e.library for e in entries if e.library})
 
     @property
     def version(self) -> Optional[str]:
@@ -155,12 +185,18 @@ class ModelSpec:
             first = error.errors()[0]
             raise SpecError(field_path(first["loc"]), first["msg"]) from None
         spec.framework_info  # noqa: B018  (raises SpecError for an unknown framework)
+        try:
+            request = spec.provider_request()
+            if request is not None:
+                request.validate()
+        except ConfigError as error:
+            raise SpecError(error.field, error.reason) from None
         return spec
 
     @classmethod
     def load(cls, path: Path) -> "ModelSpec":
         try:
-            data = yaml.safe_load(Path(path).read_text())
+            data = yaml.safe_load(read_text(path))
         except yaml.YAMLError as error:
             raise SpecError("", f"not valid YAML: {error}", path) from None
         if not isinstance(data, dict):
@@ -205,6 +241,9 @@ class ModelSpec:
             config.dynamic_batching.default_priority_level = batching.default_priority_level
         for key, value in self.parameters.items():
             config.parameters[key].string_value = str(value)
+        request = self.provider_request()
+        for key, value in (request.to_parameters() if request else {}).items():
+            config.parameters[key].string_value = value
         if self.decoupled:
             config.model_transaction_policy.decoupled = True
         for step in self.ensemble:
@@ -243,6 +282,8 @@ class ModelSpec:
             return [TensorSpec(t.name, mc.DataType.Name(t.data_type).removeprefix("TYPE_"), list(t.dims),
                                t.optional if with_optional else False) for t in entries]
 
+        parameters = {k: v.string_value for k, v in config.parameters.items()}
+        providers = _providers_from_parameters(parameters)
         rest = mc.ModelConfig()
         rest.CopyFrom(config)
         policy = config.version_policy
@@ -268,13 +309,14 @@ class ModelSpec:
             instance_groups=[InstanceGroup(mc.ModelInstanceGroup.Kind.Name(g.kind).removeprefix("KIND_"),
                                            g.count or 1, list(g.gpus)) for g in config.instance_group],
             dynamic_batching=batching,
-            parameters={k: v.string_value for k, v in config.parameters.items()},
+            parameters=parameters,
             decoupled=config.model_transaction_policy.decoupled,
             ensemble=[EnsembleStep(s.model_name, dict(s.input_map), dict(s.output_map), s.model_version)
                       for s in config.ensemble_scheduling.step],
             serve_versions=serve_versions or "latest",
             default_model_filename=config.default_model_filename,
             extra_config=text_format.MessageToString(rest),
+            **providers,
         )
 
 
@@ -286,6 +328,24 @@ MODELED_CONFIG_FIELDS = ("name", "platform", "backend", "max_batch_size", "input
 
 class SpecError(ConfigError):
     """A problem in a model's files (modelspec.yaml, config.pbtxt, the artifact), naming the file and the field."""
+
+
+def _providers_from_parameters(parameters: dict[str, str]) -> dict:
+    """ModelSpec's provider fields from (and removed out of) a config's parameters."""
+    from dspark.accel.providers import PARAM_OPTIONS, PARAM_PLUGINS, PARAM_PROVIDERS, PARAM_STRICT, ProviderRequest
+
+    if PARAM_PROVIDERS not in parameters:
+        return {}
+    try:
+        request = ProviderRequest.from_parameters(parameters)
+    except ConfigError as error:
+        raise SpecError(error.field, error.reason) from None
+    for key in (PARAM_PROVIDERS, PARAM_OPTIONS, PARAM_STRICT, PARAM_PLUGINS):
+        parameters.pop(key, None)
+    return {"execution_providers": [ExecutionProvider(name, dict(request.options.get(name, {})),
+                                                      request.plugin_libraries.get(name, ""))
+                                    for name in request.providers],
+            "disable_cpu_ep_fallback": request.disable_cpu_ep_fallback}
 
 
 def _without_defaults(value):
@@ -324,4 +384,22 @@ def parse_config_text(text: str, path: Optional[Path] = None) -> mc.ModelConfig:
 
 
 def load_config(path: Path) -> mc.ModelConfig:
-    return parse_config_text(Path(path).read_text(), path)
+    return parse_config_text(read_text(path), path)
+
+
+def read_text(path: Path) -> str:
+    """A repository file's text; SpecError naming the file and the first bad byte if it is not UTF-8."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise SpecError("", f"is not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}): "
+                            "save it as UTF-8", path) from None
+
+
+def check_model_name(name: str) -> str:
+    """The name, or SpecError saying which characters a model name may use."""
+    if not re.fullmatch(MODEL_NAME_PATTERN, name):
+        raise SpecError("name", f"{name!r} is not a valid model name: use letters, digits, '_', '-' and '.', "
+                                "not starting with '.', no '/' (at most 128 characters)")
+    return name

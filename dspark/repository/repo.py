@@ -18,6 +18,7 @@ from dspark.repository.modelspec import (
     SpecError,
     TensorSpec,
     VersionRecord,
+    check_model_name,
     load_config,
     semver_key,
 )
@@ -103,8 +104,10 @@ def _spec_for_new_model(name: str, artifact: Path, framework: str) -> ModelSpec:
 
 
 def add_version(repository: Path, name: str, artifact: Path, semver: str,
-                framework: Optional[str] = None) -> VersionRecord:
-    """Copy an artifact into the next version folder and record its semantic version."""
+                framework: Optional[str] = None, source: Optional[str] = None) -> VersionRecord:
+    """Copy an artifact into the next version folder and record its semantic version (and where
+    it came from: ``source``, default the artifact's path)."""
+    check_model_name(name)
     artifact = Path(artifact)
     if not artifact.exists():
         raise SpecError("artifact", f"{artifact} does not exist")
@@ -129,7 +132,7 @@ def add_version(repository: Path, name: str, artifact: Path, semver: str,
                                          f"({', '.join(sorted(FRAMEWORKS))})")
         spec = _spec_for_new_model(name, artifact, framework)
     record = VersionRecord(semver=semver, folder=spec.next_folder(), artifact=spec.artifact_name,
-                           source=str(artifact.resolve()),
+                           source=source or str(artifact.resolve()),
                            added=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     target = directory / str(record.folder) / spec.artifact_name
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Annotated, Any, Mapping, Optional, TypeVar
 
-from dspark.errors import ConfigError, error_code
+import pydantic
+from pydantic.functional_validators import BeforeValidator
+
+from dspark.errors import ConfigError, error_code, from_validation_error
 
 
 def triton_error(pb_utils: Any, error: BaseException, context: str = "") -> Any:
@@ -23,36 +26,61 @@ def config_parameters(model_config: Mapping) -> dict[str, str]:
     return {key: value.get("string_value", "") for key, value in model_config.get("parameters", {}).items()}
 
 
-def parameter_int(params: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
+def _comma_separated(value: Any) -> Any:
+    return tuple(item.strip() for item in value.split(",") if item.strip()) if isinstance(value, str) else value
+
+
+# A config parameter holding a comma separated list ("CUDAExecutionProvider, CPUExecutionProvider").
+CommaList = Annotated[tuple[str, ...], BeforeValidator(_comma_separated)]
+
+
+class ConfigParameters(pydantic.BaseModel):
+    """Base of a backend's config parameters: fields with types, defaults and bounds. Values arrive
+    as strings and pydantic converts them (ints, floats, true/false/yes/no/on/off/1/0); a parameter
+    left empty takes its default; parameters the backend does not know are ignored."""
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="ignore")
+
+
+P = TypeVar("P", bound=ConfigParameters)
+
+
+def _config_error(error: pydantic.ValidationError, name: Optional[str] = None) -> ConfigError:
+    """A failed parameter as ConfigError("parameter 'name'", reason)."""
+    named = from_validation_error(error, ConfigError)
+    return ConfigError(f"parameter '{name or named.field}'", named.reason)
+
+
+def parse_parameters(schema: type[P], model_config: Mapping) -> P:
+    """The model config's parameters validated by ``schema``; a bad value is a ConfigError naming
+    the parameter, what it must be and what it got (raised in initialize, it fails the load)."""
+    given = {key: value for key, value in config_parameters(model_config).items() if value.strip() != ""}
+    try:
+        return schema.model_validate(given)
+    except pydantic.ValidationError as error:
+        raise _config_error(error) from None
+
+
+def _parameter(params: Mapping[str, str], name: str, annotation: Any, default: Any) -> Any:
     raw = params.get(name)
-    if raw is None or raw == "":
+    if raw is None or raw.strip() == "":
         return default
     try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"parameter '{name}'", f"must be an integer, got {raw!r}") from None
-    if value < minimum:
-        raise ConfigError(f"parameter '{name}'", f"must be >= {minimum}, got {value}")
-    return value
+        return pydantic.TypeAdapter(annotation).validate_python(raw)
+    except pydantic.ValidationError as error:
+        raise _config_error(error, name) from None
+
+
+def parameter_int(params: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
+    return _parameter(params, name, Annotated[int, pydantic.Field(ge=minimum)], default)
 
 
 def parameter_bool(params: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = params.get(name)
-    if raw is None or raw == "":
-        return default
-    lowered = raw.strip().lower()
-    if lowered in ("true", "1", "yes", "on"):
-        return True
-    if lowered in ("false", "0", "no", "off"):
-        return False
-    raise ConfigError(f"parameter '{name}'", f"must be true or false, got {raw!r}")
+    return _parameter(params, name, bool, default)
 
 
 def parameter_list(params: Mapping[str, str], name: str, default: tuple[str, ...] = ()) -> list[str]:
-    raw = params.get(name)
-    if raw is None or raw.strip() == "":
-        return list(default)
-    return [item.strip() for item in raw.split(",") if item.strip()]
+    return list(_parameter(params, name, CommaList, default))
 
 
 def stub_version_dir() -> Optional[Path]:

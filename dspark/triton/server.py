@@ -4,7 +4,10 @@ Used by `dspark serve` and by the test fixture, so the two start the server the 
 """
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -14,9 +17,12 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
+
+import psutil
 
 from dspark.paths import backends_dir
 
@@ -29,10 +35,77 @@ INSTALL_HINT = (
 DEFAULT_HEADER_PATTERN = "dspark-.*"
 PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 STUB_NAME = "triton_python_backend_stub"
+LOG_NAME = "tritonserver.log"
+
+LOOPBACK = "127.0.0.1"
+# The model-repository API (load, unload, index) can load code: with model control other than
+# `none` it answers only requests carrying this header with the server's key.
+API_KEY_HEADER = "dspark-api-key"
+# Triton's gRPC side looks for the key under this prefixed metadata name.
+GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"
+API_KEY_ENV = "DSPARK_API_KEY"
+API_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~-]{16,256}")
 
 
 class ServerError(RuntimeError):
     """The server could not be found or did not start; the message says why and how to fix it."""
+
+
+def new_api_key() -> str:
+    """A random key for the model-repository API (256 bits, URL-safe characters)."""
+    return secrets.token_urlsafe(32)
+
+
+def check_api_key(key: str) -> str:
+    """The key as given, or ServerError saying what a key must look like."""
+    if not API_KEY_PATTERN.fullmatch(key):
+        raise ServerError(f"--api-key / {API_KEY_ENV}: must be 16 to 256 characters from A-Z a-z 0-9 . _ ~ - "
+                          f"(got {len(key)} characters); leave it unset to have one generated")
+    return key
+
+
+def repository_headers(api_key: Optional[str]) -> dict[str, str]:
+    """Headers for model-repository calls (tritonclient's `headers=`), good for HTTP and gRPC clients."""
+    return {API_KEY_HEADER: api_key, GRPC_API_KEY_HEADER: api_key} if api_key else {}
+
+
+def restricted_api_args(api_key: str) -> list[str]:
+    """Triton flags that refuse model-repository calls over HTTP and gRPC without the key."""
+    return [f"--http-restricted-api=model-repository:{API_KEY_HEADER}={api_key}",
+            f"--grpc-restricted-protocol=model-repository:{API_KEY_HEADER}={api_key}"]
+
+
+def is_loopback(host: str) -> bool:
+    return ipaddress.ip_address(host).is_loopback
+
+
+def check_host(host: str) -> str:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ServerError(f"--host {host!r}: expected an IP address such as 127.0.0.1 (the default), "
+                          "::1, or 0.0.0.0 for every interface") from None
+    return host
+
+
+def _url_host(host: str) -> str:
+    """The address clients connect to: loopback for a wildcard bind, IPv6 in brackets."""
+    address = ipaddress.ip_address(host)
+    if address.is_unspecified:
+        address = ipaddress.ip_address("::1" if address.version == 6 else LOOPBACK)
+    return f"[{address}]" if address.version == 6 else str(address)
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when something listens on (host, port), or on the wildcard address that covers it."""
+    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not "in use"
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -148,6 +221,23 @@ class ServerPorts:
     grpc: int = 8001
     metrics: int = 8002
 
+    def named(self) -> list[tuple[str, str, int]]:
+        """(protocol, CLI option, port) of each endpoint."""
+        return [("HTTP", "--http-port", self.http), ("gRPC", "--grpc-port", self.grpc),
+                ("metrics", "--metrics-port", self.metrics)]
+
+    def check_free(self, host: str) -> None:
+        """ServerError naming the first port that is taken (or given twice) and the option to change."""
+        seen: dict[int, str] = {}
+        for protocol, option, port in self.named():
+            if port in seen:
+                raise ServerError(f"port {port} is given for both {seen[port]} and {protocol}: "
+                                  f"pass {option} with another port")
+            seen[port] = protocol
+            if port_in_use(host, port):
+                raise ServerError(f"port {port} ({protocol}) on {host} is already in use by another process: "
+                                  f"stop it, or pass {option} with a free port")
+
     @classmethod
     def free(cls) -> "ServerPorts":
         ports: set[int] = set()
@@ -157,9 +247,37 @@ class ServerPorts:
         return cls(http=http, grpc=grpc, metrics=metrics)
 
 
+def _listening_ports(pid: int) -> set[int]:
+    """TCP ports the process `pid` listens on (empty once it has exited)."""
+    try:
+        process = psutil.Process(pid)
+        connections = process.net_connections(kind="inet")
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return set()
+    return {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
+
+
+def _clean_up(started: dict) -> None:
+    """Last resort when a started server is never stopped (interpreter exit): kill it, drop its files.
+    ``started`` holds its "workdir" and, once running, its "process"."""
+    process = started.get("process")
+    if process is not None and process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(started["workdir"], ignore_errors=True)
+
+
 @dataclass
 class TritonServer:
-    """A tritonserver process serving `repositories` with dspark's backends."""
+    """A tritonserver process serving `repositories` with dspark's backends.
+
+    It listens on `host` only (loopback unless the caller opts in). With model control other
+    than `none`, the model-repository API needs `api_key` in the `dspark-api-key` header; a key
+    is generated when none is given. Its temporary folder (backend directory, and the log unless
+    `log_path` is given) is removed when it stops; the log of a server that failed is kept.
+    """
 
     repositories: Sequence[Path]
     ports: ServerPorts = field(default_factory=ServerPorts.free)
@@ -169,9 +287,10 @@ class TritonServer:
     extra_args: Sequence[str] = ()
     log_path: Optional[Path] = None
     server_path: Optional[str] = None
-    host: str = "127.0.0.1"
+    host: str = LOOPBACK
     # How long Triton waits on SIGTERM for in-flight requests and open client connections.
     exit_timeout_s: int = 30
+    api_key: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.model_control not in ("none", "explicit", "poll"):
@@ -179,21 +298,33 @@ class TritonServer:
         for repository in self.repositories:
             if not Path(repository).is_dir():
                 raise ServerError(f"model repository {repository} does not exist")
+        check_host(self.host)
+        if self.api_key:
+            check_api_key(self.api_key)
+        elif self.model_control != "none":
+            self.api_key = new_api_key()
         self._process: Optional[subprocess.Popen] = None
         self._workdir: Optional[Path] = None
         self._log_file = None
+        self._stop_requested = False
+        self._finalizer: Optional[weakref.finalize] = None
 
     @property
     def http_url(self) -> str:
-        return f"{self.host}:{self.ports.http}"
+        return f"{_url_host(self.host)}:{self.ports.http}"
 
     @property
     def grpc_url(self) -> str:
-        return f"{self.host}:{self.ports.grpc}"
+        return f"{_url_host(self.host)}:{self.ports.grpc}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{self.host}:{self.ports.metrics}/metrics"
+        return f"http://{_url_host(self.host)}:{self.ports.metrics}/metrics"
+
+    @property
+    def repository_headers(self) -> dict[str, str]:
+        """Headers for this server's model-repository API (load, unload, index)."""
+        return repository_headers(self.api_key)
 
     def command(self, install: ServerInstall, backend_directory: Path) -> list[str]:
         args = [str(install.binary)]
@@ -201,13 +332,18 @@ class TritonServer:
             args.append(f"--model-repository={Path(repository).resolve()}")
         args += [
             f"--backend-directory={backend_directory}",
+            f"--http-address={self.host}",
             f"--http-port={self.ports.http}",
+            f"--grpc-address={self.host}",
             f"--grpc-port={self.ports.grpc}",
+            f"--metrics-address={self.host}",
             f"--metrics-port={self.ports.metrics}",
             f"--model-control-mode={self.model_control}",
             f"--log-verbose={self.log_verbose}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
         ]
+        if self.api_key:
+            args += restricted_api_args(self.api_key)
         if self.model_control == "poll":
             args.append("--repository-poll-secs=2")
         args += [f"--load-model={name}" for name in self.load_models]
@@ -227,12 +363,16 @@ class TritonServer:
 
     def start(self, timeout_s: float = 120) -> None:
         install = find_server(self.server_path)
+        self.ports.check_free(self.host)
         self._workdir = Path(tempfile.mkdtemp(prefix="dspark-server-"))
+        started = {"workdir": self._workdir}
+        self._finalizer = weakref.finalize(self, _clean_up, started)
         backend_directory = self._workdir / "backends"
         build_backend_directory(install, backend_directory, backends_dir())
         if self.log_path is None:
-            self.log_path = self._workdir / "tritonserver.log"
+            self.log_path = self._workdir / LOG_NAME
         self._log_file = open(self.log_path, "wb")
+        self._stop_requested = False
         self._process = subprocess.Popen(
             self.command(install, backend_directory),
             env=self.environment(install),
@@ -241,13 +381,18 @@ class TritonServer:
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # our signal handler decides when the server stops
         )
+        started["process"] = self._process
         try:
             self._wait_ready(timeout_s)
-        except BaseException:
-            self.stop()
+        except BaseException as error:
+            self.stop(keep_log=isinstance(error, ServerError))
             raise
 
     def _wait_ready(self, timeout_s: float) -> None:
+        """Ready means: our child is alive, listens on the HTTP port, and that port says ready.
+
+        Another server on the same port answers the health check too; the port check above
+        makes that unlikely, the listener check makes it impossible."""
         deadline = time.monotonic() + timeout_s
         url = f"http://{self.http_url}/v2/health/ready"
         while time.monotonic() < deadline:
@@ -257,12 +402,13 @@ class TritonServer:
                     f"tritonserver exited with code {code} before it was ready: {self.first_error()} "
                     f"(full log: {self.log_path})"
                 )
-            try:
-                with urllib.request.urlopen(url, timeout=1) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+            if self.ports.http in _listening_ports(self._process.pid):
+                try:
+                    with urllib.request.urlopen(url, timeout=1) as response:
+                        if response.status == 200 and self.running:
+                            return
+                except (urllib.error.URLError, ConnectionError, TimeoutError):
+                    pass
             time.sleep(0.2)
         raise ServerError(f"tritonserver was not ready after {timeout_s:.0f} s: {self.first_error()} (log: {self.log_path})")
 
@@ -291,17 +437,22 @@ class TritonServer:
     def terminate(self) -> None:
         """Ask the server to drain and exit, without waiting (safe inside a signal handler)."""
         if self.running:
+            self._stop_requested = True
             self._process.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
         if self._process is not None:
+            self._stop_requested = True
             try:
                 os.killpg(self._process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
-    def stop(self) -> Optional[int]:
-        """SIGTERM (Triton drains in-flight requests), then SIGKILL the whole group if it hangs."""
+    def stop(self, keep_log: bool = False) -> Optional[int]:
+        """SIGTERM (Triton drains in-flight requests), then SIGKILL the whole group if it hangs.
+
+        Removes the temporary folder, except the log of a server that exited with an error on its
+        own (or when `keep_log`): error messages name that file."""
         timeout_s = self.exit_timeout_s + 10
         code = None
         if self._process is not None:
@@ -313,12 +464,18 @@ class TritonServer:
                     self.kill()
                     self._process.wait()
             code = self._process.returncode
+            keep_log = keep_log or (code != 0 and not self._stop_requested)
             self.kill()  # stubs left behind by a killed server
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
         if self._workdir is not None:
-            shutil.rmtree(self._workdir / "backends", ignore_errors=True)
+            self._finalizer.detach()
+            if keep_log and Path(self.log_path).parent == self._workdir:
+                shutil.rmtree(self._workdir / "backends", ignore_errors=True)
+            else:
+                shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
         return code
 
     def __enter__(self) -> "TritonServer":

@@ -5,6 +5,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from dspark.paths import project_root
+
 pytestmark = pytest.mark.integration
 
 VOCAB, MAX_POSITIONS, D_MODEL = 512, 128, 256
@@ -54,7 +56,9 @@ def test_pool_gauge_is_exported(triton_server):
     metrics = requests.get(triton_server.metrics_url, timeout=10).text
     line = next(line for line in metrics.splitlines()
                 if line.startswith("dspark_fused_pool_bytes_in_use") and 'model="fused_transformer"' in line)
-    assert float(line.split()[-1]) > 0  # the weights live in the pool
+    with np.load(project_root() / "model_repository/fused_transformer/1/weights.npz") as weights:
+        weight_bytes = sum(weights[name].nbytes for name in weights.files if name != "config_json")
+    assert weight_bytes <= float(line.split()[-1]) <= weight_bytes * 1.01 + (1 << 20)  # the weights live in the pool
 
 
 def test_log_says_how_it_was_loaded(triton_server):

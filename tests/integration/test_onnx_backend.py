@@ -1,6 +1,8 @@
 """The onnx backend on a real tritonserver, called with tritonclient over HTTP and gRPC."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import onnx
 import pytest
@@ -74,17 +76,42 @@ def test_ensemble_standardizes_then_classifies(triton_server):
     np.testing.assert_allclose(result, reference_classifier(FEATURES.astype(np.float64)), rtol=1e-4, atol=1e-5)
 
 
+def _counter(server, name: str, model: str) -> float:
+    text = requests.get(server.metrics_url, timeout=10).text
+    [value] = [float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + "{") and f'model="{model}"' in line]
+    return value
+
+
 def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(triton_server):
-    client = httpclient.InferenceServerClient(triton_server.http_url, concurrency=8)
-    rows = [np.random.default_rng(i).standard_normal((1 + i % 3, 16)).astype(np.float32) for i in range(24)]
-    pending = []
-    for array in rows:
-        tensor = httpclient.InferInput("features", list(array.shape), "FP32")
-        tensor.set_data_from_numpy(array)
-        pending.append(client.async_infer("mlp_classifier", [tensor]))
-    for array, job in zip(rows, pending):
-        np.testing.assert_allclose(job.get_result().as_numpy("probabilities"),
-                                   reference_classifier(array.astype(np.float64)), rtol=1e-5, atol=1e-6)
+    """The batch counters move: fewer ONNX Runtime runs than requests, every row counted once."""
+    batches_before = _counter(triton_server, "dspark_onnx_batches_total", "mlp_classifier")
+    rows_before = _counter(triton_server, "dspark_onnx_batch_rows_total", "mlp_classifier")
+    senders, per_sender = 8, 4
+    rows = [np.random.default_rng(i).standard_normal((1 + i % 3, 16)).astype(np.float32)
+            for i in range(senders * per_sender)]
+    results = [None] * len(rows)
+    start = threading.Barrier(senders)
+
+    def send(first: int) -> None:  # one client per thread: requests really are concurrent
+        client = httpclient.InferenceServerClient(triton_server.http_url)
+        start.wait()
+        for i in range(first, len(rows), senders):
+            tensor = httpclient.InferInput("features", list(rows[i].shape), "FP32")
+            tensor.set_data_from_numpy(rows[i])
+            results[i] = client.infer("mlp_classifier", [tensor]).as_numpy("probabilities")
+
+    threads = [threading.Thread(target=send, args=(first,)) for first in range(senders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    for array, result in zip(rows, results):
+        np.testing.assert_allclose(result, reference_classifier(array.astype(np.float64)), rtol=1e-5, atol=1e-6)
+    batches = _counter(triton_server, "dspark_onnx_batches_total", "mlp_classifier") - batches_before
+    batched_rows = _counter(triton_server, "dspark_onnx_batch_rows_total", "mlp_classifier") - rows_before
+    assert batched_rows == sum(len(array) for array in rows)
+    assert 1 <= batches < len(rows), f"{len(rows)} requests ran as {batches} batches"
 
 
 @pytest.mark.parametrize(
@@ -108,8 +135,41 @@ def test_bad_input_gets_an_error_naming_the_tensor_and_the_model_keeps_serving(
 
 
 def test_backend_metrics_reach_the_metrics_endpoint(triton_server):
+    before = _counter(triton_server, "dspark_onnx_batches_total", "mlp_classifier")
     http_infer(triton_server, "mlp_classifier", {"features": FEATURES})
-    text = requests.get(triton_server.metrics_url, timeout=10).text
-    runs = [line for line in text.splitlines()
-            if line.startswith("dspark_onnx_batches_total") and 'model="mlp_classifier"' in line]
-    assert runs and float(runs[0].split()[-1]) >= 1
+    assert _counter(triton_server, "dspark_onnx_batches_total", "mlp_classifier") == before + 1
+
+
+def spec_target_inputs(server, tokens: int, keys: int, past: int, positions: int | None = None) -> dict:
+    """Inputs of the speculative target graph: T new tokens, S key positions (S = P + T), P cached rows."""
+    metadata = httpclient.InferenceServerClient(server.http_url).get_model_metadata("spec_target")
+    arrays = {"input_ids": np.zeros((1, tokens), np.int64), "positions": np.arange(positions or tokens)[None],
+              "key_positions": np.arange(keys)[None], "attention_mask": np.ones((1, tokens, keys), bool)}
+    for tensor in metadata["inputs"]:
+        if tensor["name"].startswith("past_"):
+            arrays[tensor["name"]] = np.zeros([1, past, *tensor["shape"][2:]], np.float32)
+    return arrays
+
+
+DATATYPES = {np.dtype(np.int64): "INT64", np.dtype(np.bool_): "BOOL", np.dtype(np.float32): "FP32"}
+
+
+@pytest.mark.parametrize("shapes, words", [
+    ({"tokens": 3, "keys": 5, "past": 2, "positions": 4},
+     ["input tensors 'input_ids' and 'positions': disagree on dimension 'T'", "input_ids has 3, positions has 4"]),
+    ({"tokens": 3, "keys": 7, "past": 2},
+     ["input tensors 'input_ids', 'positions', 'key_positions', 'attention_mask' and 12 more",
+      "inconsistent with each other (sizes T=3, S=7, P=2)", "broadcast"]),
+], ids=["named-dim", "undeclared-relation"])
+def test_inputs_inconsistent_with_each_other_get_invalid_arg_naming_them(triton_server, shapes, words):
+    """Each tensor passes Triton's own check; together they do not fit the graph (issue 9, item 8)."""
+    arrays = spec_target_inputs(triton_server, **shapes)
+    datatypes = {name: DATATYPES[array.dtype] for name, array in arrays.items()}
+    with pytest.raises(InferenceServerException) as raised:
+        http_infer(triton_server, "spec_target", arrays, datatypes)
+    assert raised.value.status() == "400", raised.value
+    for word in words:
+        assert word in str(raised.value)
+    good = spec_target_inputs(triton_server, tokens=3, keys=5, past=2)
+    logits = http_infer(triton_server, "spec_target", good, {n: DATATYPES[a.dtype] for n, a in good.items()})
+    assert logits.as_numpy("logits").shape == (3, 1024)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from dspark.kernels.dispatch import ISAS, SIMD_ENV, available_isas, dispatch_report
+from dspark.kernels.dispatch import HIDE_ENV, ISAS, SIMD_ENV, available_isas, dispatch_report
 from dspark.kernels.fused import ln_gelu, reference_ln_gelu
 
 AVAILABLE = available_isas()
@@ -47,13 +47,27 @@ def test_report_lists_build_and_run_time_support(monkeypatch):
     assert "OpenBLAS" in report.blas
 
 
-@pytest.mark.parametrize("isa", [isa for isa in ISAS if isa not in AVAILABLE])
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
 def test_forcing_a_path_this_cpu_lacks_is_refused(monkeypatch, isa):
+    """DSPARK_SIMD_HIDE makes this CPU lack the ISA (it may lack it anyway); forcing it is refused."""
+    monkeypatch.setenv(HIDE_ENV, isa)
     monkeypatch.setenv(SIMD_ENV, isa)
     x, gamma, beta = _case(2, 16)
     with pytest.raises(ValueError, match=f"DSPARK_SIMD={isa}: this CPU or OS cannot run {isa}"):
         ln_gelu(x, gamma, beta)
-    assert dispatch_report().chosen.startswith("error: DSPARK_SIMD")
+    report = dispatch_report()
+    assert report.chosen.startswith("error: DSPARK_SIMD") and isa not in report.supported
+
+
+def test_hiding_isas_moves_the_automatic_choice_down(monkeypatch):
+    monkeypatch.delenv(SIMD_ENV, raising=False)
+    monkeypatch.setenv(HIDE_ENV, "avx512,avx2,scalar")  # scalar cannot be hidden
+    x, gamma, beta = _case(3, 40)
+    out, path = ln_gelu(x, gamma, beta)
+    assert path == "scalar" and dispatch_report().supported == ["scalar"]
+    np.testing.assert_allclose(out, reference_ln_gelu(x, gamma, beta), rtol=1e-5, atol=2e-6 * max(1.0, np.abs(out).max()))
+    monkeypatch.setenv(HIDE_ENV, "avx512")
+    assert ln_gelu(x, gamma, beta)[1] == ("avx2" if "avx2" in AVAILABLE else "scalar")
 
 
 def test_unknown_override_names_the_variable(monkeypatch):

@@ -90,3 +90,26 @@ def test_cli_demo_repositories_are_valid_and_listed():
     assert result.exit_code == 0, result.output
     listing = runner.invoke(cli, ["repo", "list"]).output
     assert "mlp_classifier" in listing and "1.0.0->1" in listing and "scaled_classifier" in listing
+
+
+@pytest.mark.parametrize("name", ["../x", "..", ".", "a/b", "ABSOLUTE", ".hidden", "two words", "x" * 129, ""])
+def test_add_refuses_a_model_name_that_is_not_a_folder_name_and_writes_nothing(tmp_path, name):
+    repository = tmp_path / "deep/models"
+    repository.mkdir(parents=True)
+    name = str(tmp_path / "elsewhere") if name == "ABSOLUTE" else name
+    result = CliRunner().invoke(cli, ["repo", "add", name, str(DEMO_ONNX), "--version", "1.0.0", "-r", str(repository)])
+    assert result.exit_code == 1
+    assert f"name: {name!r} is not a valid model name: use letters, digits" in result.output
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == [tmp_path.joinpath("deep").relative_to(tmp_path),
+                                                                            repository.relative_to(tmp_path)]
+
+
+@pytest.mark.parametrize("filename", ["modelspec.yaml", "config.pbtxt"])
+def test_validate_names_a_file_that_is_not_utf8(repository, filename):
+    repo.add_version(repository, "clf", DEMO_ONNX, "1.0.0")
+    path = repository / "clf" / filename
+    path.write_bytes(path.read_bytes().replace(b"clf", b"cl\xe9f", 1))
+    result = CliRunner().invoke(cli, ["repo", "validate", str(repository)])
+    assert result.exit_code == 1
+    assert f"error: {path}: is not UTF-8 text (byte 0xe9 at offset" in result.output
+    assert "Traceback" not in result.output

@@ -2,15 +2,50 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import sys
+import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from dspark._ext import cpu_features
 from dspark.cli.main import cli
-from dspark.triton.server import ServerError, TritonServer, build_backend_directory, find_server
+from dspark.triton.server import (
+    API_KEY_HEADER,
+    GRPC_API_KEY_HEADER,
+    ServerError,
+    ServerPorts,
+    TritonServer,
+    build_backend_directory,
+    find_server,
+)
+
+# A stand-in for tritonserver: listens where --http-address/--http-port say, answers the
+# readiness check, exits 0 on SIGTERM. FAKE_EXIT_AFTER_S=<s> makes it exit 3 after that long
+# without listening (a server that dies at start).
+FAKE_TRITON = f"""#!{sys.executable}
+import os, signal, sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+print("fake tritonserver", " ".join(sys.argv[1:]), flush=True)
+if os.environ.get("FAKE_EXIT_AFTER_S"):
+    time.sleep(float(os.environ["FAKE_EXIT_AFTER_S"]))
+    print("error: creating server: fake failure", flush=True)
+    sys.exit(3)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+class Ready(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+HTTPServer((args["http-address"], int(args["http-port"])), Ready).serve_forever()
+"""
 
 
 def fake_server(tmp_path, script: str, with_python_backend: bool = True):
@@ -25,6 +60,36 @@ def fake_server(tmp_path, script: str, with_python_backend: bool = True):
         for name in ("libtriton_python.so", "triton_python_backend_utils.py", "triton_python_backend_stub"):
             (python / name).write_text("")
     return binary
+
+
+class _AlwaysReady(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def other_server():
+    """Another process's HTTP server on a free loopback port that says it is ready."""
+    httpd = HTTPServer(("127.0.0.1", 0), _AlwaysReady)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd.server_address[1]
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.fixture(autouse=True)
+def private_tmpdir(tmp_path, monkeypatch):
+    """tempfile's folder redirected, so a test sees exactly what a server start leaves behind
+    (and the log a failed start keeps stays out of the real temporary folder)."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
 
 
 def test_missing_server_path_is_a_clear_error(tmp_path):
@@ -54,7 +119,9 @@ def test_server_that_dies_at_start_reports_its_error_line(tmp_path):
 def test_serve_exits_non_zero_with_one_line(tmp_path, server_arg, words):
     if server_arg == "BROKEN":
         server_arg = str(fake_server(tmp_path, 'echo "error: creating server: boom"; exit 3'))
-    result = CliRunner().invoke(cli, ["serve", "--server", server_arg, "-r", str(tmp_path)])
+    ports = ServerPorts.free()  # `make demo` may hold the default ones
+    result = CliRunner().invoke(cli, ["serve", "--server", server_arg, "-r", str(tmp_path), f"--http-port={ports.http}",
+                                      f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}"])
     assert result.exit_code == 1
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("dspark: ")
@@ -98,3 +165,134 @@ def test_info_reports_isas_and_the_server():
     result = CliRunner().invoke(cli, ["info"])
     assert result.exit_code == 0, result.output
     assert "usable ISAs" in result.output and "scalar" in result.output and "tritonserver" in result.output
+
+
+def _ports_with_http(port: int) -> ServerPorts:
+    free = ServerPorts.free()
+    return ServerPorts(http=port, grpc=free.grpc, metrics=free.metrics)
+
+
+def test_serve_refuses_a_taken_port_in_one_line_naming_it_and_the_option(tmp_path, other_server):
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    ports = _ports_with_http(other_server)
+    result = CliRunner().invoke(cli, ["serve", "--server", str(binary), "-r", str(tmp_path),
+                                      f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
+                                      f"--metrics-port={ports.metrics}"])
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines == [f"dspark: port {other_server} (HTTP) on 127.0.0.1 is already in use by another process: "
+                     "stop it, or pass --http-port with a free port"]
+
+
+def test_the_same_port_twice_is_refused(tmp_path):
+    binary = fake_server(tmp_path, "")
+    server = TritonServer(repositories=[tmp_path], server_path=str(binary), ports=ServerPorts(9100, 9100, 9102))
+    with pytest.raises(ServerError, match="port 9100 is given for both HTTP and gRPC: pass --grpc-port"):
+        server.start()
+
+
+def test_readiness_from_another_server_on_the_port_is_not_ours(tmp_path, other_server, monkeypatch):
+    """The child dies at start while another server answers /v2/health/ready on its port (the
+    port check is skipped here to stand for a port taken between the check and the bind)."""
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    monkeypatch.setenv("FAKE_EXIT_AFTER_S", "1.5")
+    monkeypatch.setattr(ServerPorts, "check_free", lambda self, host: None)
+    server = TritonServer(repositories=[tmp_path], server_path=str(binary), ports=_ports_with_http(other_server))
+    with pytest.raises(ServerError, match="exited with code 3 before it was ready: error: creating server: fake failure"):
+        server.start(timeout_s=20)
+    assert not server.running
+
+
+def test_a_clean_stop_leaves_no_temporary_folder(tmp_path, private_tmpdir):
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    with TritonServer(repositories=[tmp_path], server_path=str(binary)) as server:
+        assert server.running and "fake tritonserver" in server.log_text()
+    assert list(private_tmpdir.iterdir()) == []
+
+
+def test_the_log_stays_where_log_file_says(tmp_path, private_tmpdir):
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    log = tmp_path / "logs/server.log"
+    log.parent.mkdir()
+    with TritonServer(repositories=[tmp_path], server_path=str(binary), log_path=log):
+        pass
+    assert "fake tritonserver" in log.read_text()
+    assert list(private_tmpdir.iterdir()) == []
+
+
+def test_a_failed_start_keeps_only_its_log_and_names_it(tmp_path, private_tmpdir, monkeypatch):
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    monkeypatch.setenv("FAKE_EXIT_AFTER_S", "0")
+    server = TritonServer(repositories=[tmp_path], server_path=str(binary))
+    with pytest.raises(ServerError) as raised:
+        server.start(timeout_s=20)
+    [folder] = private_tmpdir.iterdir()
+    assert [p.name for p in folder.iterdir()] == ["tritonserver.log"]
+    assert str(folder / "tritonserver.log") in str(raised.value)
+
+
+def test_binds_loopback_by_default_and_guards_the_repository_api_unless_control_is_none(tmp_path):
+    install = find_server()
+    plain = TritonServer(repositories=[tmp_path]).command(install, tmp_path)
+    assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"} <= set(plain)
+    assert not any("restricted" in arg for arg in plain)
+    explicit = TritonServer(repositories=[tmp_path], model_control="explicit")
+    key = explicit.api_key
+    assert len(key) >= 32 and key != TritonServer(repositories=[tmp_path], model_control="poll").api_key
+    args = explicit.command(install, tmp_path)
+    assert f"--http-restricted-api=model-repository:{API_KEY_HEADER}={key}" in args
+    assert f"--grpc-restricted-protocol=model-repository:{API_KEY_HEADER}={key}" in args
+    assert explicit.repository_headers == {API_KEY_HEADER: key, GRPC_API_KEY_HEADER: key}
+
+
+@pytest.mark.parametrize("key", ["short", "has space in it......", "x" * 257, "comma,equals=aaaaaaaaaaa"])
+def test_a_weak_or_unusable_api_key_is_refused(tmp_path, key):
+    with pytest.raises(ServerError, match="--api-key / DSPARK_API_KEY: must be 16 to 256 characters"):
+        TritonServer(repositories=[tmp_path], model_control="explicit", api_key=key)
+
+
+def test_serve_prints_the_generated_key_and_warns_about_a_public_host(tmp_path, monkeypatch):
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    monkeypatch.delenv("DSPARK_API_KEY", raising=False)
+    seen = {}
+
+    def stop_at_once(server):
+        seen["server"], seen["log"] = server, server.log_text()
+        server.stop()
+
+    monkeypatch.setattr("dspark.cli.serve.serve_until_signal", stop_at_once)
+    ports = ServerPorts.free()
+    result = CliRunner().invoke(cli, ["serve", "--server", str(binary), "-r", str(tmp_path), "--host", "0.0.0.0",
+                                      "--model-control", "explicit", f"--http-port={ports.http}",
+                                      f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}"])
+    assert result.exit_code == 0, result.output
+    server = seen["server"]
+    assert "--http-address=0.0.0.0" in seen["log"]
+    assert f"API key  {server.api_key} (send it as the dspark-api-key header" in result.output
+    assert "warning: --host 0.0.0.0 makes the server reachable from other machines" in result.output
+    assert f"HTTP     http://127.0.0.1:{ports.http}" in result.output
+
+
+def test_serve_takes_the_key_from_the_environment_and_does_not_print_it(tmp_path, monkeypatch):
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    key = "k" * 20
+    monkeypatch.setenv("DSPARK_API_KEY", key)
+    monkeypatch.setattr("dspark.cli.serve.serve_until_signal", lambda server: server.stop())
+    ports = ServerPorts.free()
+    result = CliRunner().invoke(cli, ["serve", "--server", str(binary), "-r", str(tmp_path),
+                                      "--model-control", "explicit", f"--http-port={ports.http}",
+                                      f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}"])
+    assert result.exit_code == 0, result.output
+    assert "API key  from --api-key / DSPARK_API_KEY" in result.output and key not in result.output
+
+
+def test_a_host_that_is_not_an_address_is_refused(tmp_path):
+    with pytest.raises(ServerError, match="--host 'example.com': expected an IP address"):
+        TritonServer(repositories=[tmp_path], host="example.com")

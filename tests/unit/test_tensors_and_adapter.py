@@ -4,8 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark.engines.onnx_session import batch_groups, choose_providers
-from dspark.triton.adapter import ConfigError, parameter_bool, parameter_int, parameter_list
+from dspark.engines.onnx_session import GraphInput, batch_groups
+from dspark.triton.adapter import ConfigError, parameter_bool, parameter_int, parameter_list, parse_parameters
+from dspark.triton.backend_parameters import FusedTransformerParameters, OnnxParameters
 from dspark.triton.tensors import RequestError, TensorSpec, check_inputs
 
 FEATURES = TensorSpec("features", "TYPE_FP32", (16,))
@@ -41,16 +42,49 @@ def test_parameters_parse_or_name_the_parameter():
         parameter_bool({"spin": "maybe"}, "spin", False)
 
 
-def test_provider_preference_falls_back_to_cpu_with_a_reason():
-    choice = choose_providers(["TensorrtExecutionProvider", "CUDAExecutionProvider"], available=["CPUExecutionProvider"])
-    assert choice.chosen == ["CPUExecutionProvider"]
-    assert set(choice.skipped) == {"TensorrtExecutionProvider", "CUDAExecutionProvider"}
-    assert "onnxruntime-gpu" in choice.skipped["CUDAExecutionProvider"]
-    kept = choose_providers(["CUDAExecutionProvider"], available=["CUDAExecutionProvider", "CPUExecutionProvider"])
-    assert kept.chosen == ["CUDAExecutionProvider", "CPUExecutionProvider"]
-
-
 def test_requests_batch_only_with_matching_shapes():
     feeds = [{"x": np.zeros((1, 4), np.float32)}, {"x": np.zeros((2, 4), np.float32)},
              {"x": np.zeros((1, 5), np.float32)}, {"x": np.zeros((1, 4), np.float64)}]
     assert sorted(batch_groups(feeds)) == [[0, 1], [2], [3]]
+
+
+def _config(**parameters) -> dict:
+    return {"parameters": {key: {"string_value": value} for key, value in parameters.items()}}
+
+
+def test_backend_parameters_parse_with_defaults_and_types():
+    onnx = parse_parameters(OnnxParameters, _config(execution_providers="CUDAExecutionProvider, CPUExecutionProvider",
+                                                    intra_op_threads="2", allow_spinning="on",
+                                                    graph_optimization_level="", EXECUTION_ENV_PATH="x"))
+    assert onnx == OnnxParameters(intra_op_threads=2, inter_op_threads=1, allow_spinning=True,
+                                  graph_optimization_level="all")
+    fused = parse_parameters(FusedTransformerParameters, _config(numa_node="0", use_pool="false"))
+    assert (fused.numa_node, fused.use_pool, fused.threads, fused.pool_bytes) == (0, False, 1, 64 << 20)
+    assert parse_parameters(FusedTransformerParameters, {}).numa_node is None
+
+
+@pytest.mark.parametrize("schema, parameters, words", [
+    (OnnxParameters, {"graph_optimization_level": "fast"},
+     ["parameter 'graph_optimization_level'", "'disable', 'basic', 'extended' or 'all'", "(got 'fast')"]),
+    (OnnxParameters, {"intra_op_threads": "-1"}, ["parameter 'intra_op_threads'", "greater than or equal to 0"]),
+    (OnnxParameters, {"allow_spinning": "maybe"}, ["parameter 'allow_spinning'", "valid boolean"]),
+    (FusedTransformerParameters, {"numa_node": "x"}, ["parameter 'numa_node'", "valid integer", "(got 'x')"]),
+    (FusedTransformerParameters, {"threads": "2.7"}, ["parameter 'threads'", "valid integer", "(got '2.7')"]),
+    (FusedTransformerParameters, {"threads": "0"}, ["parameter 'threads'", "greater than or equal to 1"]),
+])
+def test_a_bad_backend_parameter_is_a_config_error_naming_it(schema, parameters, words):
+    with pytest.raises(ConfigError) as raised:
+        parse_parameters(schema, _config(**parameters))
+    for word in words:
+        assert word in str(raised.value)
+
+
+def test_graph_check_names_a_fixed_dim_and_a_named_dim_two_inputs_disagree_on():
+    runner_inputs = [GraphInput("ids", (1, "T")), GraphInput("mask", (1, "T", "S")), GraphInput("x", ("batch", 16))]
+    sizes: dict = {}
+    runner_inputs[0].check(np.zeros((1, 3), np.int64), sizes)
+    with pytest.raises(RequestError, match=r"input tensors 'ids' and 'mask': disagree on dimension 'T' .* "
+                                           r"ids has 3, mask has 4"):
+        runner_inputs[1].check(np.zeros((1, 4, 5), bool), sizes)
+    with pytest.raises(RequestError, match=r"input tensor 'x': has shape \[2, 7\], the ONNX graph expects \[batch, 16\]"):
+        runner_inputs[2].check(np.zeros((2, 7), np.float32), {})
