@@ -33,7 +33,8 @@ from dspark.routing.request import parse_parameters
 from dspark.routing.runtime import Job, RouterCore, RouterMetrics, StageTimes
 from dspark.triton.adapter import config_parameters, triton_error
 
-LATENCY_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
+LATENCY_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0,
+                   5.0, 10.0]
 STAGES_ENV = "DSPARK_ROUTER_STAGES"  # a folder: per-stage timings of recent requests, as JSON
 
 
@@ -84,11 +85,11 @@ class _TritonMetrics(RouterMetrics):
     def request(self, tier, version, count=1):
         self._get("requests", tier=tier, version=str(version)).increment(count)
 
-    def rejection(self, tier, reason):
-        self._get("rejections", tier=tier, reason=reason).increment(1)
+    def rejection(self, tier, reason, count=1):
+        self._get("rejections", tier=tier, reason=reason).increment(count)
 
-    def target_error(self, version):
-        self._get("target_errors", version=str(version)).increment(1)
+    def target_error(self, version, count=1):
+        self._get("target_errors", version=str(version)).increment(count)
 
     def queue_time(self, tier, seconds):
         self._get("queue", True, tier=tier).observe(seconds)
@@ -175,7 +176,7 @@ class TritonPythonModel:
         router_count = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
         if router_count > 1:
             log.warning("router '%s': %d instances schedule independently, each with its own queues and "
-                        "calls in flight; one instance serves thousands of requests/s (docs/router.md)",
+                        "calls in flight; one instance serves a few hundred requests/s or more (docs/router.md)",
                         self.name, router_count)
         stages_dir = os.environ.get(STAGES_ENV)
         self.stages = StageTimes(Path(stages_dir) / f"{self.name}.json") if stages_dir else None

@@ -45,7 +45,7 @@ class RouteFields:
 def parse_parameters(raw: Union[str, dict, None]) -> RouteFields:
     """The tier and user id of a request from its parameters (Triton's JSON text or a dict)."""
     try:
-        data = json.loads(raw) if isinstance(raw, str) else raw
+        data = json.loads(raw) if isinstance(raw, str) and raw else raw
     except ValueError as exc:
         raise RequestError("parameters", f"not valid JSON: {exc}") from None
     if not data:

@@ -48,6 +48,7 @@ from dspark.routing.scheduler import Pending, TierScheduler
 
 log = logging.getLogger("dspark.routing")
 _EWMA_ALPHA = 0.2  # weight of the newest target latency in the fast path's estimate
+TARGET_FAILURES = ("target_error", "target_timeout")  # rejection reasons that count against a target version
 
 
 class Target(Protocol):
@@ -76,8 +77,8 @@ class RouterMetrics:
     """Metric hooks; the default records nothing. The Triton adapter maps them to MetricFamily."""
 
     def request(self, tier: str, version: int, count: int = 1) -> None: ...
-    def rejection(self, tier: str, reason: str) -> None: ...
-    def target_error(self, version: int) -> None: ...  # failed or timed-out call, per version (rollout analysis)
+    def rejection(self, tier: str, reason: str, count: int = 1) -> None: ...
+    def target_error(self, version: int, count: int = 1) -> None: ...  # failed or timed-out calls (rollout analysis)
     def queue_time(self, tier: str, seconds: float) -> None: ...
     def latency(self, tier: str, version: int, seconds: float) -> None: ...
     def shadow(self, version: int, outcome: str, seconds: float | None) -> None: ...
@@ -87,12 +88,15 @@ class RouterMetrics:
 
 
 class _DeferredMetrics:
-    """Hands metric calls to a background thread, off the request's path (each pb_utils metric
-    update is a round trip to the Triton process)."""
+    """Hands metric calls to a background thread that applies them in batches every
+    ``flush_s``: each pb_utils metric update is an IPC round trip to the Triton process, which
+    would otherwise compete with the request's own response for the stub's channel."""
 
-    def __init__(self, target: RouterMetrics):
+    def __init__(self, target: RouterMetrics, flush_s: float = 0.25):
         self._target = target
+        self._flush_s = flush_s
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._drain, name="router-metrics", daemon=True)
         self._thread.start()
 
@@ -102,15 +106,22 @@ class _DeferredMetrics:
         return record
 
     def _drain(self) -> None:
-        while (call := self._calls.get()) is not None:
-            name, args = call
-            try:
-                getattr(self._target, name)(*args)
-            except Exception:
-                log.exception("metric update %s failed", name)
+        while True:
+            closed = self._closed.wait(self._flush_s)
+            while True:
+                try:
+                    name, args = self._calls.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    getattr(self._target, name)(*args)
+                except Exception:
+                    log.exception("metric update %s failed", name)
+            if closed:
+                return
 
     def close(self, timeout_s: float = 5.0) -> None:
-        self._calls.put(None)
+        self._closed.set()
         self._thread.join(timeout_s)
 
 
@@ -123,7 +134,7 @@ class StageTimes:
         self._stages: dict[str, deque] = {}
 
     def add(self, stage: str, seconds: float) -> None:
-        self._stages.setdefault(stage, deque(maxlen=20_000)).append(seconds)
+        self._stages.setdefault(stage, deque(maxlen=2000)).append(seconds)
 
     def dump(self) -> None:
         summary = {stage: {"p50_ms": 1000 * median(values), "n": len(values)}
@@ -135,7 +146,6 @@ class StageTimes:
 class _Routed:
     job: Job
     version: int
-    key: str
     shadow: bool
     timeout_s: float
 
@@ -157,7 +167,6 @@ class Inline:
 
     tier: str
     version: int
-    key: str
     shadow: bool
     timeout_s: float
     started: float
@@ -166,8 +175,13 @@ class Inline:
 class RouterCore:
     """One router: its queues, version split and shadow, served by lane threads.
 
+    ``IDLE_LANE_S``: an idle lane looks at the queues at least this often (a safety net; lanes
+    are woken when work arrives).
+
     ``target_instances`` (from the target's config) sizes ``max_inflight: auto``.
     """
+
+    IDLE_LANE_S = 1.0
 
     def __init__(
         self,
@@ -198,10 +212,13 @@ class RouterCore:
         self._wake_clock = threading.Condition(self._lock)
         self._clock_due = float("inf")  # when the clock thread wakes next
         self._calls: list[tuple[float, int, _Call]] = []  # heap of (timeout at, seq, call)
-        self._running: dict[int, float] = {}  # primary calls at the target: seq -> start
-        self._completed = 0  # primary calls that returned (the latency estimate exists)
+        self._running: dict[int, tuple[float, int]] = {}  # primary calls at the target: seq -> (start, version)
+        self._completed = 0  # primary calls that returned
+        self._version_s: dict[int, float] = {}  # EWMA of each version's call latency (the hand-off lead)
         self._seq = itertools.count()
         self._counts: Counter[tuple[str, int]] = Counter()  # dispatches, exported per tick
+        self._rejections: Counter[tuple[str, str]] = Counter()  # (tier, reason), exported per tick
+        self._target_errors: Counter[int] = Counter()  # version -> failed or timed-out calls, per tick
         self._fast_path = 0
         self._shadow_inflight = 0
         self._shadow_logged_at = float("-inf")
@@ -209,7 +226,8 @@ class RouterCore:
         self._stopped = False  # threads exit
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # answers the sender thread sends
         self._threads: list[threading.Thread] = []
-        self._lanes = 0
+        self._lanes = 0  # lane threads started (on demand, at most scheduler.most_inflight)
+        self._idle_lanes = 0
         self._inline_pool = ThreadPoolExecutor(thread_name_prefix=f"{name}-inline")
         self._shadow_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{name}-shadow")
 
@@ -218,8 +236,6 @@ class RouterCore:
     def start(self) -> None:
         for target, label in ((self._clock_loop, "clock"), (self._sender_loop, "sender")):
             self._spawn(target, label)
-        with self._lock:
-            self._add_lanes()
         self.metrics.config_version(self.config.version)
 
     def _spawn(self, target: Callable[[], None], label: str) -> None:
@@ -227,11 +243,16 @@ class RouterCore:
         thread.start()
         self._threads.append(thread)
 
-    def _add_lanes(self) -> None:
-        """One lane per slot (lanes stuck in a hung call keep their slot, so this is enough)."""
-        while self._lanes < self.scheduler.most_inflight:
-            self._lanes += 1
-            threading.Thread(target=self._lane_loop, name=f"{self.name}-lane{self._lanes}", daemon=True).start()
+    def _wake_lanes(self, count: int = 1) -> None:
+        """Under the lock: wake idle lanes for ``count`` dispatches, starting lanes where none is
+        idle (at most one per slot: a lane stuck in a hung call keeps its slot, so that is enough)."""
+        for _ in range(count):
+            if self._idle_lanes > 0:
+                self._idle_lanes -= 1
+                self._work.notify()
+            elif self._lanes < self.scheduler.most_inflight and not self._stopping:
+                self._lanes += 1
+                threading.Thread(target=self._lane_loop, name=f"{self.name}-lane{self._lanes}", daemon=True).start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Answer queued requests (shutdown), let calls in flight finish for up to ``timeout_s``,
@@ -271,9 +292,8 @@ class RouterCore:
             self.config = config
             self.scheduler.reconfigure(config)
             self.splitter = VersionSplitter(config.shares)
-            if not self._stopping:
-                self._add_lanes()
-            self._work.notify_all()
+            if self.scheduler.has_queued():
+                self._wake_lanes(self.scheduler.most_inflight)
         self.metrics.config_version(config.version)
         log.info("%s: routing config version %d applied (shares %s, shadow %s %.3g%%, %d calls in flight "
                  "+ %d for %s)", self.name, config.version, dict(config.shares), config.shadow.version,
@@ -287,24 +307,27 @@ class RouterCore:
         now = self.clock()
         job.submitted_at = now
         key = routing_key(job.user_id, job.request_id)
-        error, label, tier = None, "", job.tier or "unknown"
+        error, label, tier = None, "", "unknown"  # a metric label: never the client's own string
         with self._lock:
             try:
                 if self._stopping:
                     raise self._shutdown_error()
                 tier = self.scheduler.resolve_tier(job.tier)
                 policy = self.config.tiers[tier]
-                routed = _Routed(job, self.splitter.version_for(key), key, self._sampled(key), policy.call_timeout_s)
+                routed = _Routed(job, self.splitter.version_for(key), self._sampled(key), policy.call_timeout_s)
                 pending = self.scheduler.submit(routed, tier, now)
             except RequestError as exc:
-                error, label, tier = exc, "unknown_tier", "unknown"  # not the client's string: bounded labels
+                error, label = exc, "unknown_tier"
             except UnavailableError as exc:
                 error, label = exc, exc.reason
             else:
                 self._refresh_early(now)
+                due = pending.deadline_at
                 if self.scheduler.may_dispatch(tier):
-                    self._work.notify()
-                if pending.deadline_at < self._clock_due:
+                    self._wake_lanes()
+                else:  # the clock sends it early when a running call is about to end
+                    due = min(due, self._next_early(now) or due)
+                if due < self._clock_due:
                     self._wake_clock.notify()
         if error is not None:
             if label == "queue_full":
@@ -323,7 +346,9 @@ class RouterCore:
                     while (pending := None if self._stopped else self._pop(self.clock())) is None:
                         if self._stopped:
                             return
-                        self._work.wait()
+                        self._idle_lanes += 1
+                        if not self._work.wait(self.IDLE_LANE_S):  # timed out: nobody woke this lane
+                            self._idle_lanes -= 1
                 previous_end = None
             try:
                 pending, previous_end = self._serve(pending, previous_end)
@@ -378,23 +403,29 @@ class RouterCore:
         self._refresh_early(now)
         return self.scheduler.pop_next(now)
 
-    def _lead_offset(self) -> float:
-        """How long after its start a running call frees its instance for an early call: its
-        expected latency less the hand-off lead (infinite when the lead is off)."""
+    def _ends_within_lead(self, now: float) -> list[float]:
+        """Under the lock: for each running call, when it comes within the hand-off lead of its
+        expected end (its start plus its version's average latency, less the lead)."""
         lead = self.config.handoff_lead_ms / 1000
-        return self.target_ms / 1000 - lead if lead > 0 else float("inf")
+        if lead <= 0:
+            return []
+        return [start + self._version_s[version] - lead for start, version in self._running.values()
+                if version in self._version_s]
 
     def _refresh_early(self, now: float) -> None:
         """Under the lock: how many running calls are about to end, i.e. within the lead of their
         expected latency and not later than that by more than the lead (a slow or hung call
         frees nothing): the scheduler may send that many further calls, which reach the target's
         queue as its instances free up."""
-        offset, lead = self._lead_offset(), self.config.handoff_lead_ms / 1000
-        if not self._completed:
-            self.scheduler.early = 0  # no estimate of the target's latency yet
-            return
-        self.scheduler.early = sum(start + offset <= now <= start + offset + 2 * lead
-                                   for start in self._running.values())
+        lead = self.config.handoff_lead_ms / 1000
+        self.scheduler.early = sum(at <= now <= at + 2 * lead for at in self._ends_within_lead(now))
+
+    def _next_early(self, now: float) -> float | None:
+        """Under the lock: when the next running call comes within the hand-off lead of its
+        expected end (None when nothing is queued: then nothing would go out early)."""
+        if not self.scheduler.has_queued():
+            return None
+        return min((at for at in self._ends_within_lead(now) if at > now), default=None)
 
     def _client_gone(self, job: Job) -> bool:
         try:
@@ -408,9 +439,7 @@ class RouterCore:
         start = self.clock()
         seq = next(self._seq)
         with self._lock:
-            self._running[seq] = start
-            if start + self._lead_offset() < self._clock_due:
-                self._wake_clock.notify()
+            self._running[seq] = (start, version)
         try:
             outputs = self.target.call(payload, version, timeout_s)
         except DsparkError as exc:
@@ -420,8 +449,10 @@ class RouterCore:
         finally:
             elapsed = self.clock() - start
             with self._lock:
-                # the first call sets the estimate; later ones move it by _EWMA_ALPHA
+                # the first call sets an estimate; later ones move it by _EWMA_ALPHA
                 self.target_ms += (_EWMA_ALPHA if self._completed else 1.0) * (1000 * elapsed - self.target_ms)
+                known = self._version_s.get(version, elapsed)
+                self._version_s[version] = known + _EWMA_ALPHA * (elapsed - known)
                 del self._running[seq]
                 self._completed += 1
             if self.stages is not None:
@@ -432,18 +463,26 @@ class RouterCore:
                 label: str) -> None:
         start = self.clock()
         if error is not None:
-            if self._reject(job, tier, error, label) and label == "target_error":
-                self.metrics.target_error(version)
+            self._reject(job, tier, error, label, version)
         elif self._respond(job, outputs, None):
             self.metrics.latency(tier, version, self.clock() - job.submitted_at)
         if self.stages is not None:
             self.stages.add("answer (response sender)", self.clock() - start)
 
-    def _reject(self, job: Job, tier: str, error: DsparkError, label: str) -> bool:
+    def _reject(self, job: Job, tier: str, error: DsparkError, label: str, version: int | None = None) -> bool:
         if self._respond(job, None, error):
-            self.metrics.rejection(tier, label)
+            self._count_rejection(tier, label, version)
             return True
         return False
+
+    def _count_rejection(self, tier: str, reason: str, version: int | None = None) -> None:
+        """Counted here, exported once per tick (_export_counts). A failed or timed-out target
+        call also counts against its version: Triton counts a Python model's error responses as
+        successes, so this is the per-version error rate a rollout reads."""
+        with self._lock:
+            self._rejections[(tier, reason)] += 1
+            if version is not None and reason in TARGET_FAILURES:
+                self._target_errors[version] += 1
 
     def _respond(self, job: Job, outputs: Any, error: DsparkError | None) -> bool:
         """Answer a job unless it was answered already (a timed-out call that returned later)."""
@@ -478,13 +517,10 @@ class RouterCore:
                 early = self.scheduler.early
                 self._refresh_early(now)
                 if self.scheduler.early > early and self.scheduler.has_queued():
-                    self._work.notify(self.scheduler.early - early)  # calls about to end: send the next ones
+                    self._wake_lanes(self.scheduler.early - early)  # calls about to end: send the next ones
                 if not expired and not overdue and now < next_tick:
-                    offset = self._lead_offset()
                     heads = [t for t in (self.scheduler.next_deadline(), self._calls[0][0] if self._calls else None,
-                                         min((start + offset for start in self._running.values()
-                                              if start + offset > now), default=None))
-                             if t is not None]
+                                         self._next_early(now)) if t is not None]
                     self._clock_due = min([next_tick, *heads])
                     self._wake_clock.wait(max(0.0, self._clock_due - now))
                     self._clock_due = float("-inf")  # awake: no need to be woken
@@ -495,6 +531,8 @@ class RouterCore:
                 for call in overdue:
                     self._time_out(call)
                 if now >= next_tick:
+                    if now - next_tick > 1.0:
+                        log.warning("%s: the router's clock ran %.1f s late (CPU starved?)", self.name, now - next_tick)
                     next_tick = now + self.poll_interval_s
                     self._tick()
             except Exception:  # the clock must outlive any bug: deadlines depend on it
@@ -511,17 +549,16 @@ class RouterCore:
     def _expire(self, pending: Pending[_Routed], now: float) -> None:
         deadline_ms = (pending.deadline_at - pending.enqueued_at) * 1000
         waited_ms = (now - pending.enqueued_at) * 1000
-        self._reject(pending.item.job, pending.tier, UnavailableError(
+        self._outbox.put((pending.item.job, pending.tier, pending.item.version, None, UnavailableError(
             f"router '{self.name}': request waited {waited_ms:.0f} ms in the '{pending.tier}' queue, "
-            f"past the tier's queue deadline of {deadline_ms:.0f} ms", reason="deadline"), "deadline")
+            f"past the tier's queue deadline of {deadline_ms:.0f} ms", reason="deadline"), "deadline"))
 
     def _time_out(self, call: _Call) -> None:
         """A call overran its tier's timeout: answer the client now; the call keeps its slot
         until the target returns, and the fast path closes."""
         self.target_ms = max(self.target_ms, 1000 * call.timeout_s)
-        if self._reject(call.job, call.tier, self._timeout_error(call.tier, call.version, call.timeout_s),
-                        "target_timeout"):
-            self.metrics.target_error(call.version)
+        self._outbox.put((call.job, call.tier, call.version, None,
+                          self._timeout_error(call.tier, call.version, call.timeout_s), "target_timeout"))
 
     def _timeout_error(self, tier: str, version: int, timeout_s: float) -> UnavailableError:
         return UnavailableError(
@@ -546,13 +583,19 @@ class RouterCore:
             self.stages.dump()
 
     def _export_counts(self) -> None:
-        """Dispatch counters reach the metrics once per tick: each metric update is an IPC round
-        trip that would otherwise compete with the next request."""
+        """Counters reach the metrics once per tick: each metric update is an IPC round trip that
+        would otherwise compete with the next request."""
         with self._lock:
             counts, self._counts = self._counts, Counter()
+            rejections, self._rejections = self._rejections, Counter()
+            target_errors, self._target_errors = self._target_errors, Counter()
             fast, self._fast_path = self._fast_path, 0
         for (tier, version), n in counts.items():
             self.metrics.request(tier, version, n)
+        for (tier, reason), n in rejections.items():
+            self.metrics.rejection(tier, reason, n)
+        for version, n in target_errors.items():
+            self.metrics.target_error(version, n)
         if fast:
             self.metrics.fast_path(fast)
 
@@ -582,7 +625,7 @@ class RouterCore:
             self._counts[(tier, version)] += 1
             self._fast_path += 1
             timeout_s = self.config.tiers[tier].call_timeout_s
-        return Inline(tier, version, key, self._sampled(key), timeout_s, now)
+        return Inline(tier, version, self._sampled(key), timeout_s, now)
 
     def run_inline(self, ticket: Inline, payload: Any) -> Any:
         """Call the target for a fast-path ticket on a pool thread and wait for it up to the
@@ -593,12 +636,10 @@ class RouterCore:
             outputs, error = future.result(timeout=ticket.timeout_s)
         except FutureTimeout:
             self.target_ms = max(self.target_ms, 1000 * ticket.timeout_s)
-            self.metrics.rejection(ticket.tier, "target_timeout")
-            self.metrics.target_error(ticket.version)
+            self._count_rejection(ticket.tier, "target_timeout", ticket.version)
             raise self._timeout_error(ticket.tier, ticket.version, ticket.timeout_s) from None
         if error is not None:
-            self.metrics.rejection(ticket.tier, "target_error")
-            self.metrics.target_error(ticket.version)
+            self._count_rejection(ticket.tier, "target_error", ticket.version)
             raise error
         self.metrics.latency(ticket.tier, ticket.version, self.clock() - ticket.started)
         if ticket.shadow:
@@ -613,8 +654,10 @@ class RouterCore:
         finally:
             with self._lock:
                 self.scheduler.release()
-                if self.scheduler.has_queued() or self._stopping:
+                if self._stopping:
                     self._work.notify_all()
+                elif self.scheduler.has_queued():
+                    self._wake_lanes()
 
     # --- shadow ------------------------------------------------------------------------
 

@@ -63,6 +63,14 @@ def metric(server, name, **labels):
                if n == name and all(l.get(k) == str(w) for k, w in labels.items()))
 
 
+def eventually_metric(server, name, expected, timeout_s=5.0, **labels):
+    """The metric once it reaches ``expected`` (counters are exported every 0.5 s), else its last value."""
+    deadline = time.monotonic() + timeout_s
+    while (value := metric(server, name, **labels)) < expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return value
+
+
 def apply(server, **changes) -> RoutingConfig:
     """Write a new routing.yaml and wait until the router reports it in effect."""
     path = server.repo / "router_demo" / "routing.yaml"
@@ -178,7 +186,8 @@ def test_diamond_overtakes_standard_and_deadlines_explain_rejections(live):
     for exc in rejected:
         assert "past the tier's queue deadline of 700 ms" in exc.message()
         assert exc.status() == "StatusCode.UNAVAILABLE"
-    assert metric(live, "dspark_router_rejections_total", tier="standard", reason="deadline") >= len(rejected)
+    assert eventually_metric(live, "dspark_router_rejections_total", len(rejected), tier="standard",
+                             reason="deadline") >= len(rejected)
 
 
 def test_reconfiguration_under_load_fails_no_request(live):
@@ -303,7 +312,7 @@ def test_queue_full_is_unavailable_end_to_end(live):
         assert exc.status() == "400" or exc.status() == "UNAVAILABLE" or "503" in str(exc.status())
         assert "router 'router_demo': tier 'standard' queue is full (1 waiting, max_queue 1)" in exc.message()
     assert time.monotonic() - start < 4.0
-    assert metric(live, "dspark_router_rejections_total", tier="standard", reason="queue_full") >= 3
+    assert eventually_metric(live, "dspark_router_rejections_total", 3, tier="standard", reason="queue_full") >= 3
 
 
 def test_a_cancelled_grpc_request_is_not_sent_to_the_target(live):
@@ -316,14 +325,14 @@ def test_a_cancelled_grpc_request_is_not_sent_to_the_target(live):
     tensor = grpcclient.InferInput("x", [3], "FP32")
     tensor.set_data_from_numpy(X)
     done = {}
-    running = client.async_infer("router_demo", [tensor], callback=lambda result, error: done.setdefault("running", (result, error)))
-    time.sleep(0.2)
+    client.async_infer("router_demo", [tensor], callback=lambda result, error: done.setdefault("running", (result, error)))
+    time.sleep(0.1)
     queued = client.async_infer("router_demo", [tensor], callback=lambda result, error: done.setdefault("queued", (result, error)))
-    time.sleep(0.2)
-    queued.cancel()
+    time.sleep(0.05)
+    queued.cancel()  # Triton takes a few hundred ms to mark it; it waits ~0.9 s for the running call
     deadline = time.monotonic() + 5
-    while metric(live, "dspark_router_rejections_total", reason="cancelled") == cancelled_before:
-        assert time.monotonic() < deadline, "the router never noticed the cancelled request"
+    while metric(live, "dspark_router_rejections_total", reason="cancelled") == cancelled_before or "running" not in done:
+        assert time.monotonic() < deadline, f"the router never noticed the cancelled request: {done}"
         time.sleep(0.1)
     assert done["running"][1] is None and done["running"][0].as_numpy("y").tolist() == (2 * X).tolist()
     time.sleep(1.1)
@@ -348,7 +357,7 @@ def test_a_hanging_target_answers_unavailable_naming_the_timeout(live):
     start = time.monotonic()
     assert int(infer(live, parameters={"tier": "diamond"}).as_numpy("version")[0]) == 1
     assert time.monotonic() - start < 1.5
-    assert metric(live, "dspark_router_rejections_total", tier="standard", reason="target_timeout") == 2
+    assert eventually_metric(live, "dspark_router_rejections_total", 2, tier="standard", reason="target_timeout") == 2
     time.sleep(3.0)  # the hung calls return (and are dropped): the next test starts clean
 
 

@@ -152,3 +152,43 @@ def test_route_set_changes_the_fast_path_threshold(tmp_path):
     assert RoutingConfig.load(tmp_path / "router_demo" / "routing.yaml").inline_max_ms == 0
     shown = CliRunner().invoke(route, ["show", "-r", str(tmp_path), "-m", "router_demo"])
     assert "fast path while the target answers within 0 ms" in shown.output
+
+
+@pytest.mark.parametrize("raw, tier, user", [
+    (None, None, None),
+    ("", None, None),
+    ('{"tier": "gold", "user_id": "alice"}', "gold", "alice"),
+    ('{"dspark-tier": "diamond", "dspark-user-id": 42}', "diamond", "42"),
+    ('{"tier": "gold", "dspark-tier": "diamond"}', "gold", None),  # a parameter wins over a header
+    ('{"tier": "", "dspark-tier": "diamond", "other": [1, 2]}', "diamond", None),
+])
+def test_request_parameters(raw, tier, user):
+    from dspark.routing.request import parse_parameters
+
+    fields = parse_parameters(raw)
+    assert (fields.tier, fields.user_id) == (tier, user)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ('{"tier": 5}', "parameters.tier: Input should be a valid string (got 5)"),
+    ('{"dspark-tier": true}', "parameters.dspark-tier: Input should be a valid string (got True)"),
+    ('{"user_id": 1.5}', "parameters.user_id: Input should be a valid string (got 1.5)"),
+    ('[1, 2]', "parameters: Input should be a valid dictionary"),
+    ('{"tier": ', "parameters: not valid JSON"),
+])
+def test_bad_request_parameters_name_the_field(raw, message):
+    from dspark.errors import RequestError
+    from dspark.routing.request import parse_parameters
+
+    with pytest.raises(RequestError) as info:
+        parse_parameters(raw)
+    assert message in str(info.value) and info.value.code == "INVALID_ARG"
+
+
+def test_router_parameters_name_the_bad_one(tmp_path):
+    from dspark.routing.config import router_parameters
+
+    path, versions = router_parameters({"target_versions": "1, 2", "routing_file": "r.yaml"}, tmp_path)
+    assert (path, versions) == (tmp_path / "r.yaml", {1, 2})
+    with pytest.raises(ConfigError, match="parameter 'target_versions': must list version numbers, e.g. \"1,2\", or \"\\*\" for any; got '1,x'"):
+        router_parameters({"target_versions": "1,x"}, tmp_path)

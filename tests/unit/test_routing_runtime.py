@@ -24,7 +24,9 @@ class Recorder(RouterMetrics):
     def request(self, tier, version, count=1):
         for _ in range(count):
             self._add("request", tier, version)
-    def rejection(self, tier, reason): self._add("rejection", tier, reason)
+    def rejection(self, tier, reason, count=1):
+        for _ in range(count):
+            self._add("rejection", tier, reason)
     def shadow(self, version, outcome, seconds): self._add("shadow", version, outcome)
     def config_version(self, version): self._add("config_version", version)
     def fast_path(self, count): self._add("fast_path", count)
@@ -203,7 +205,7 @@ def test_the_next_call_goes_out_just_before_a_running_call_ends(run_core):
         core.submit(client.job(f"r{i}"))
     client.wait()
     gaps = [b - a for a, b in zip(starts, starts[1:])]
-    assert all(0.055 < gap < 0.095 for gap in gaps), gaps
+    assert all(0.04 < gap < 0.099 for gap in gaps), gaps  # ~70 ms: before the 100 ms call ends
     assert target.most_running == 2
 
 
@@ -281,7 +283,7 @@ def test_a_hanging_target_times_out_with_unavailable_and_keeps_its_slot(run_core
     assert queued.reason == "deadline" and target.calls == [1]
     release.set()
     assert eventually(lambda: core.scheduler.inflight == 0)
-    assert metrics.count("rejection", "gold", "target_timeout") == 1
+    assert eventually(lambda: metrics.count("rejection", "gold", "target_timeout") == 1)
     client.wait(settle=0.1)  # the late answer of the hung call is dropped, not sent twice
 
 
@@ -484,3 +486,14 @@ def test_fast_path_shadow_runs_after_the_answer_and_errors_count(run_core):
     assert core.scheduler.inflight == 0
     assert eventually(lambda: metrics.count("request", "diamond", 1) == 1 and metrics.count("request", "diamond", 3) == 1)
     assert eventually(lambda: sum(e[1] for e in metrics.events if e[0] == "fast_path") == 2)
+
+
+def test_lanes_start_on_demand(run_core):
+    """A large max_inflight costs no threads until calls need them."""
+    before = threading.active_count()
+    core = run_core(config(max_inflight=500, inline_max_ms=0), FakeTarget(service_s=0.05))
+    client = Client()
+    for i in range(6):
+        core.submit(client.job(f"r{i}"))
+    client.wait()
+    assert threading.active_count() - before < 20
