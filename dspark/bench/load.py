@@ -1,0 +1,208 @@
+"""The load generator behind `bench model` and `bench system`: closed loop at a concurrency or
+open loop at a request rate, a warm-up, then measurement windows until the last few agree.
+
+Like perf_analyzer, a point is measured in consecutive windows (``window_s``); once the last
+``stable_windows`` windows' throughput and mean latency are each within ``stability`` of their
+mean, the point is stable and its figures are computed over those windows' requests (a window
+holds the requests that *completed* in it). A point that does not settle within ``max_windows``
+is reported with ``stable: false``. The spread of each metric over those windows is its noise
+band, which `bench compare` uses.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from dspark.bench.client import Record, Transport
+from dspark.bench.results import relative_band
+from dspark.errors import ConfigError
+
+MODES = ("concurrency", "rate")
+BAND_METRICS = ("qps", "mean_ms", "p50_ms", "p90_ms", "p95_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms",
+                "itl_p50_ms", "itl_p99_ms")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A model and the prepared requests sent to it (round-robin), with its share of the traffic."""
+
+    model: str
+    payloads: Sequence[Any]
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    warmup_s: float = 2.0
+    window_s: float = 2.0
+    stable_windows: int = 3
+    stability: float = 0.10
+    max_windows: int = 10
+    arrivals: str = "constant"   # rate mode: "constant" or "poisson"
+    max_inflight: int = 1024     # rate mode: arrivals beyond this many outstanding are not sent
+    drain_s: float = 30.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.stable_windows < 1 or self.max_windows < self.stable_windows:
+            raise ConfigError("max-windows", f"must be >= stable windows ({self.stable_windows})")
+        if self.arrivals not in ("constant", "poisson"):
+            raise ConfigError("arrivals", f"{self.arrivals!r}: expected constant or poisson")
+
+
+@dataclass
+class Point:
+    """One measured level: the requests of the measured windows and each window's summary."""
+
+    mode: str
+    level: float
+    records: list[Record]
+    windows: list[dict]
+    stable: bool
+    duration_s: float
+    started: float         # perf_counter at the start of the first measured window
+    bounds: tuple[float, float] = (0.0, 0.0)  # perf_counter span of the measured windows
+    all_records: list[Record] = field(default_factory=list)
+    edges: list[float] = field(default_factory=list)  # window boundaries (perf_counter)
+
+    def windows_of(self, model: str) -> list[dict]:
+        """Each window's summary of one model's requests (in a mix)."""
+        return [summarize([r for r in self.all_records if r.model == model and lo <= r.done < hi], hi - lo)
+                for lo, hi in zip(self.edges, self.edges[1:])]
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def summarize(records: Sequence[Record], duration_s: float) -> dict:
+    """Throughput, latency percentiles (ms), error rate and kinds; TTFT/ITL when streamed."""
+    ok = [r for r in records if r.error is None]
+    latencies = [1e3 * r.latency for r in ok]
+    kinds = Counter(r.error for r in records if r.error is not None)
+    out = {
+        "requests": len(records), "ok": len(ok), "qps": len(ok) / duration_s if duration_s > 0 else 0.0,
+        "error_rate": (len(records) - len(ok)) / len(records) if records else 0.0, "errors": dict(kinds),
+        "mean_ms": statistics.fmean(latencies) if latencies else float("nan"),
+        "p50_ms": _pct(latencies, 50), "p90_ms": _pct(latencies, 90), "p95_ms": _pct(latencies, 95),
+        "p99_ms": _pct(latencies, 99), "max_ms": max(latencies) if latencies else float("nan"),
+        "send_lag_p99_ms": _pct([1e3 * (r.sent - r.scheduled) for r in records], 99),
+    }
+    ttft = [1e3 * (r.first - r.sent) for r in ok if r.first is not None]
+    if ttft:
+        gaps = [1e3 * g for r in ok for g in r.gaps]
+        out.update({"ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99),
+                    "itl_p50_ms": _pct(gaps, 50), "itl_p99_ms": _pct(gaps, 99),
+                    "responses_per_s": (len(ttft) + len(gaps)) / duration_s if duration_s > 0 else 0.0})
+    return out
+
+
+def is_stable(windows: Sequence[dict], count: int, tolerance: float) -> bool:
+    """The last ``count`` windows' qps and mean latency each within ``tolerance`` of their mean."""
+    if len(windows) < count:
+        return False
+    last = windows[-count:]
+    for key in ("qps", "mean_ms"):
+        values = [w[key] for w in last]
+        if any(v != v for v in values):
+            return False
+        mean = statistics.fmean(values)
+        if mean <= 0 or any(abs(v - mean) > tolerance * mean for v in values):
+            return False
+    return True
+
+
+def bands(windows: Sequence[dict]) -> dict[str, float]:
+    return {k: relative_band([w[k] for w in windows]) for k in BAND_METRICS if all(k in w for w in windows)}
+
+
+class LoadGenerator:
+    """Drives a transport with a traffic mix; ``run_point`` measures one level."""
+
+    def __init__(self, transport: Transport, targets: Sequence[Target], settings: LoadSettings,
+                 on_window: Callable[[str, float, int, dict], None] | None = None):
+        if not targets:
+            raise ConfigError("model", "no model to send requests to")
+        self.transport, self.targets, self.settings = transport, list(targets), settings
+        self.on_window = on_window or (lambda *_: None)
+        self.rng = random.Random(settings.seed)
+        self.cursor = {t.model: 0 for t in self.targets}
+
+    def _pick(self) -> tuple[str, Any]:
+        target = self.targets[0] if len(self.targets) == 1 else \
+            self.rng.choices(self.targets, weights=[t.weight for t in self.targets])[0]
+        i = self.cursor[target.model]
+        self.cursor[target.model] = i + 1
+        return target.model, target.payloads[i % len(target.payloads)]
+
+    async def run_point(self, mode: str, level: float) -> Point:
+        if mode not in MODES:
+            raise ConfigError("mode", f"{mode!r}: expected concurrency or rate")
+        if level <= 0:
+            raise ConfigError(mode, f"{level:g} must be > 0")
+        s = self.settings
+        records: list[Record] = []
+        stop = asyncio.Event()
+        inflight: set[asyncio.Task] = set()
+
+        async def one(scheduled: float) -> None:
+            model, payload = self._pick()
+            records.append(await self.transport.send(model, payload, scheduled))
+
+        async def closed_loop() -> None:
+            while not stop.is_set():
+                await one(time.perf_counter())
+
+        async def open_loop() -> None:
+            next_at = time.perf_counter()
+            while not stop.is_set():
+                next_at += self.rng.expovariate(level) if s.arrivals == "poisson" else 1.0 / level
+                delay = next_at - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if stop.is_set():
+                    return
+                if len(inflight) >= s.max_inflight:
+                    now = time.perf_counter()
+                    records.append(Record(self._pick()[0], next_at, now, now, error="client_inflight_cap"))
+                    continue
+                task = asyncio.ensure_future(one(next_at))
+                inflight.add(task)
+                task.add_done_callback(inflight.discard)
+
+        drivers = ([asyncio.ensure_future(closed_loop()) for _ in range(int(level))] if mode == "concurrency"
+                   else [asyncio.ensure_future(open_loop())])
+        try:
+            await asyncio.sleep(s.warmup_s)
+            started = window_start = time.perf_counter()
+            windows: list[dict] = []
+            edges = [started]
+            stable = False
+            while len(windows) < s.max_windows:
+                await asyncio.sleep(s.window_s)
+                now = time.perf_counter()
+                window = summarize([r for r in records if window_start <= r.done < now], now - window_start)
+                windows.append(window)
+                edges.append(now)
+                window_start = now
+                self.on_window(mode, level, len(windows), window)
+                if is_stable(windows, s.stable_windows, s.stability):
+                    stable = True
+                    break
+        finally:
+            stop.set()
+            pending = [*drivers, *inflight]
+            if pending:
+                done, not_done = await asyncio.wait(pending, timeout=s.drain_s)
+                for task in not_done:
+                    task.cancel()
+        lo, hi = edges[-1 - s.stable_windows] if len(windows) >= s.stable_windows else edges[0], edges[-1]
+        measured = [r for r in records if lo <= r.done < hi]
+        return Point(mode, level, measured, windows, stable, hi - lo, started, (lo, hi), records, edges)
