@@ -52,6 +52,9 @@ def error_kind(error: BaseException) -> str:
         return {"400": "INVALID_ARG", "INVALID_ARGUMENT": "INVALID_ARG", "503": "UNAVAILABLE", "500": "INTERNAL",
                 "404": "NOT_FOUND", "499": "CANCELLED", "429": "UNAVAILABLE", "504": "DEADLINE_EXCEEDED"}.get(text, text)
     message = str(error).lower()
+    if getattr(error, "kind", None):
+        status_words = [k for w, k in (("unavailable", "UNAVAILABLE"), ("invalid", "INVALID_ARG")) if w in message]
+        return status_words[0] if status_words else error.kind
     for word, kind in (("unavailable", "UNAVAILABLE"), ("invalid", "INVALID_ARG"), ("timed out", "timeout"),
                        ("timeout", "timeout"), ("deadline", "DEADLINE_EXCEEDED"), ("cancel", "CANCELLED")):
         if word in message:
@@ -205,8 +208,9 @@ class _Lane:
 
 
 class _StreamError(Exception):
-    def __init__(self, message: str):
-        super().__init__(message)
+    """An error response on the stream (Triton sends a message without a status code)."""
+
+    kind = "stream_error"
 
 
 class GrpcStreamTransport(Transport):
@@ -251,7 +255,11 @@ class GrpcStreamTransport(Transport):
                 continue
             array = arrays[spec.name]
             request.inputs.add(name=spec.name, datatype=spec.wire_type, shape=list(array.shape))
-            raw = serialize_byte_tensor(array).tobytes() if spec.wire_type == "BYTES" else np.ascontiguousarray(array).tobytes()
+            if spec.wire_type == "BYTES":
+                serialized = serialize_byte_tensor(array)
+                raw = serialized.item() if serialized.size else b""
+            else:
+                raw = np.ascontiguousarray(array).tobytes()
             request.raw_input_contents.append(raw)
         if info.decoupled:
             request.parameters["triton_enable_empty_final_response"].bool_param = True

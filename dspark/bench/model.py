@@ -92,8 +92,10 @@ ROW_COLUMNS = [
     Column("p50_ms", "p50 ms", ".2f"), Column("p90_ms", "p90 ms", ".2f"), Column("p95_ms", "p95 ms", ".2f"),
     Column("p99_ms", "p99 ms", ".2f"), Column("error_rate", "errors", ".1%"), Column("stable", "stable"),
     Column("qps_band", "± req/s", ".1%"), Column("p99_band", "± p99", ".1%"),
-    Column("server_cpu_pct", "server CPU %", ".0f"), Column("stubs_cpu_pct", "stubs CPU %", ".0f"),
-    Column("stubs_rss_mib", "stubs MiB", ".0f"),
+    Column("server_queue_ms", "server queue ms", ".2f"), Column("server_compute_ms", "server compute ms", ".2f"),
+    Column("server_batch", "batch formed", ".2f"), Column("server_cpu_pct", "server CPU %", ".0f"),
+    Column("model_stubs_cpu_pct", "model stubs CPU %", ".0f"), Column("model_stubs_rss_mib", "model stubs MiB", ".0f"),
+    Column("stubs_cpu_pct", "all stubs CPU %", ".0f"),
 ]
 STREAM_COLUMNS = [Column("ttft_p50_ms", "TTFT p50 ms", ".1f"), Column("ttft_p99_ms", "TTFT p99 ms", ".1f"),
                   Column("itl_p50_ms", "ITL p50 ms", ".2f"), Column("itl_p99_ms", "ITL p99 ms", ".2f")]
@@ -150,7 +152,7 @@ async def _run(settings: LoadBenchSettings, progress: Progress) -> tuple[list[di
                 point = await generator.run_point(settings.mode, level)
                 after = scrape(settings.metrics_url) if settings.metrics_url else None
                 progress.advance()
-                use = summarize_samples(sampler.between(*point.bounds)) if sampler else {}
+                samples = sampler.between(*point.bounds) if sampler else []
                 spans.append({"level": level, "start": point.bounds[0] - (sampler.t0 if sampler else point.started),
                               "end": point.bounds[1] - (sampler.t0 if sampler else point.started)})
                 names = [t.model for t in targets]
@@ -159,12 +161,16 @@ async def _run(settings: LoadBenchSettings, progress: Progress) -> tuple[list[di
                     row = _row(name, settings, point, mine, point.windows if len(names) == 1 else point.windows_of(name))
                     if before is not None and after is not None:
                         row["server"] = model_counters(before, after, name)
-                    if len(names) == 1:
-                        row.update(use)
+                        for key, short in (("server_queue_us_per_request", "server_queue_ms"),
+                                           ("server_compute_us_per_request", "server_compute_ms")):
+                            if key in row["server"]:
+                                row[short] = row["server"][key] / 1e3
+                        row["server_batch"] = row["server"].get("server_mean_batch")
+                    row.update(summarize_samples(samples, name))
                     rows.append(row)
                 if len(names) > 1:
                     total = _row(TOTAL, settings, point, point.records, point.windows)
-                    total.update(use)
+                    total.update(summarize_samples(samples))
                     rows.append(total)
         finally:
             resources = {"pid": pid, "process": sampler.server_name if sampler else None,
@@ -183,8 +189,7 @@ def run_load_bench(settings: LoadBenchSettings, progress: Progress | None = None
     columns = [Column(c.key, level_title, c.fmt) if c.key == "level" else c for c in ROW_COLUMNS]
     if streaming:
         columns[9:9] = STREAM_COLUMNS
-    if not series["resources"]["samples"]:
-        columns = [c for c in columns if "cpu" not in c.key and "rss" not in c.key]
+    columns = [c for c in columns if any(c.key in r for r in rows)]
     notes = [f"{settings.protocol} to {settings.url}; {settings.mode} {', '.join(f'{v:g}' for v in settings.levels)}; "
              f"batch {settings.batch}; windows of {settings.load.window_s:g} s until {settings.load.stable_windows} "
              f"agree within {settings.load.stability:.0%} (at most {settings.load.max_windows}), "

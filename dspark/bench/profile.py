@@ -19,6 +19,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dspark.bench.resources import serves, stub_instance
+
 SOFTWARE_EVENTS = ("task-clock", "context-switches", "cpu-migrations", "page-faults")
 HARDWARE_EVENTS = ("cycles", "instructions", "cache-misses", "branch-misses")
 
@@ -43,11 +45,6 @@ class ProfileReport:
         return asdict(self)
 
 
-def stub_instance(cmdline: list[str]) -> str:
-    """The model instance a triton_python_backend_stub serves (its 9th argument)."""
-    return cmdline[8] if len(cmdline) > 8 else "?"
-
-
 def find_processes(server: int, model: str | None = None) -> list[ProfiledProcess]:
     import psutil
 
@@ -58,7 +55,7 @@ def find_processes(server: int, model: str | None = None) -> list[ProfiledProces
             stubs.append(ProfiledProcess(child.pid, "stub", stub_instance(child.cmdline())))
         except psutil.Error:
             continue
-    mine = [s for s in stubs if model and (s.name == model or s.name.startswith(f"{model}_"))]
+    mine = [s for s in stubs if model and serves(s.name, model)]
     return found + (mine or stubs)
 
 

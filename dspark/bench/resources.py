@@ -59,14 +59,20 @@ class ResourceSampler:
         self._thread = threading.Thread(target=self._run, name="dspark-resources", daemon=True)
         self.t0 = time.perf_counter()
 
-    def _stubs(self) -> list:
+    def _stubs(self) -> list[tuple[str, object]]:
+        """(model instance, process) of every stub now; processes kept so cpu_percent has a base."""
         try:
             children = self.server.children(recursive=True)
         except self._psutil.Error:
             return []
         current = {}
         for child in children:
-            current[child.pid] = self._known.get(child.pid, child)
+            if child.pid not in self._known:
+                try:
+                    self._known[child.pid] = (stub_instance(child.cmdline()), child)
+                except self._psutil.Error:
+                    continue
+            current[child.pid] = self._known[child.pid]
         self._known = current
         return list(current.values())
 
@@ -74,19 +80,21 @@ class ResourceSampler:
         psutil = self._psutil
         row = {"t": time.perf_counter() - self.t0, "server_cpu": 0.0, "stubs_cpu": 0.0,
                "server_rss_mib": 0.0, "stubs_rss_mib": 0.0, "stubs": 0,
-               "machine_cpu": psutil.cpu_percent(interval=None)}
+               "machine_cpu": psutil.cpu_percent(interval=None), "per_stub": {}}
         try:
             row["server_cpu"] = self.server.cpu_percent(interval=None)
             row["server_rss_mib"] = self.server.memory_info().rss / 2**20
         except psutil.Error:
             pass
-        for stub in self._stubs():
+        for instance, stub in self._stubs():
             try:
-                row["stubs_cpu"] += stub.cpu_percent(interval=None)
-                row["stubs_rss_mib"] += stub.memory_info().rss / 2**20
-                row["stubs"] += 1
+                cpu, rss = stub.cpu_percent(interval=None), stub.memory_info().rss / 2**20
             except psutil.Error:
                 continue
+            row["stubs_cpu"] += cpu
+            row["stubs_rss_mib"] += rss
+            row["stubs"] += 1
+            row["per_stub"][f"{instance}:{stub.pid}"] = [round(cpu, 1), round(rss, 1)]
         return row
 
     def _run(self) -> None:
@@ -108,16 +116,33 @@ class ResourceSampler:
         return [s for s in self.samples if start - self.t0 <= s["t"] <= end - self.t0]
 
 
-def summarize_samples(samples: Iterable[dict]) -> dict:
+def stub_instance(cmdline: list[str]) -> str:
+    """The model instance a triton_python_backend_stub serves (its 9th argument, e.g. mlp_classifier_0_0)."""
+    return cmdline[8] if len(cmdline) > 8 else "?"
+
+
+def serves(instance: str, model: str) -> bool:
+    return instance == model or instance.startswith(f"{model}_")
+
+
+def summarize_samples(samples: Iterable[dict], model: str | None = None) -> dict:
+    """Mean CPU (% of one core) and peak RSS over samples: server, all stubs, and the model's own
+    stubs (its instances) when ``model`` is given."""
     samples = list(samples)
     if not samples:
         return {}
     n = len(samples)
-    return {"server_cpu_pct": sum(s["server_cpu"] for s in samples) / n,
-            "stubs_cpu_pct": sum(s["stubs_cpu"] for s in samples) / n,
-            "server_rss_mib": max(s["server_rss_mib"] for s in samples),
-            "stubs_rss_mib": max(s["stubs_rss_mib"] for s in samples),
-            "machine_cpu_pct": sum(s["machine_cpu"] for s in samples) / n}
+    out = {"server_cpu_pct": sum(s["server_cpu"] for s in samples) / n,
+           "stubs_cpu_pct": sum(s["stubs_cpu"] for s in samples) / n,
+           "server_rss_mib": max(s["server_rss_mib"] for s in samples),
+           "stubs_rss_mib": max(s["stubs_rss_mib"] for s in samples),
+           "machine_cpu_pct": sum(s["machine_cpu"] for s in samples) / n}
+    if model:
+        mine = [[v for k, v in s.get("per_stub", {}).items() if serves(k.rpartition(":")[0], model)] for s in samples]
+        if any(mine):
+            out["model_stubs_cpu_pct"] = sum(sum(v[0] for v in m) for m in mine) / n
+            out["model_stubs_rss_mib"] = max(sum(v[1] for v in m) for m in mine)
+    return out
 
 
 # --- Triton's /metrics -------------------------------------------------------------------------
@@ -133,13 +158,15 @@ COUNTERS = {  # Triton's per-model counters: what a run adds to each
 
 
 def parse_metrics(text: str) -> dict[Sample, float]:
-    """Prometheus text exposition -> {(sample name, sorted labels): value}, with prometheus_client's parser."""
+    """Prometheus text exposition -> {(sample name, sorted labels): value}, with prometheus_client's
+    parser. Counters keep the name the server wrote (the parser adds ``_total``; Triton's have none)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     values: dict[Sample, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            values[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
+            name = family.name if family.type == "counter" and sample.name == f"{family.name}_total" else sample.name
+            values[(name, tuple(sorted(sample.labels.items())))] = float(sample.value)
     return values
 
 
