@@ -1,0 +1,231 @@
+"""dspark/bench building blocks: machine peak, table, result schema, inputs, windows, metrics,
+perf output, docs markers."""
+import base64
+import json
+
+import numpy as np
+import pytest
+
+from dspark.bench import docs, inputs
+from dspark.bench.client import Record, error_kind
+from dspark.bench.load import LoadSettings, is_stable, summarize
+from dspark.bench.machine import detect
+from dspark.bench.model import ModelSpec, parse_levels
+from dspark.bench.profile import parse_perf_csv
+from dspark.bench.resources import model_counters, parse_metrics, summarize_samples
+from dspark.bench.results import BenchResult, load
+from dspark.bench.table import Column, format_table
+from dspark.errors import ConfigError
+
+ZEN3 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel name\t: AMD EPYC 7B13\n"
+        "cpu MHz\t\t: 2450.000\nflags\t\t: sse4_2 avx fma avx2\n\nprocessor\t: 1\n")
+ZEN4 = "vendor_id : AuthenticAMD\ncpu family : 25\nmodel name : AMD EPYC 9B14\ncpu MHz : 2600.0\nflags : avx fma avx2 avx512f avx512_bf16\n"
+SPR = ("vendor_id : GenuineIntel\ncpu family : 6\nmodel name : Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz\n"
+       "cpu MHz : 2699.9\nflags : avx fma avx2 avx512f amx_bf16 amx_int8\n")
+
+
+def test_fma_peak_from_the_instruction_set_and_the_clock(monkeypatch):
+    monkeypatch.delenv("DSPARK_CPU_GHZ", raising=False)
+    monkeypatch.delenv("DSPARK_FLOP_PER_CYCLE", raising=False)
+    zen3, zen4, spr = detect(ZEN3), detect(ZEN4), detect(SPR)
+    assert (zen3.fp32_flop_per_cycle, zen4.fp32_flop_per_cycle, spr.fp32_flop_per_cycle) == (32, 32, 64)
+    assert zen3.clock_ghz == 2.45 and "cpu MHz" in zen3.clock_source
+    assert spr.clock_ghz == 2.7 and "model name" in spr.clock_source  # the base clock, not the current MHz
+    assert spr.fp32_peak_gflops(1) == pytest.approx(2.7 * 64)
+    assert spr.fp32_peak_gflops(2) == pytest.approx(2 * 2.7 * 64)
+    assert "2.70 GHz x 64 FLOP/cycle" in spr.peak_basis and "AVX-512" in spr.peak_basis
+    assert "amx_bf16" in spr.isa and "avx512f" not in zen3.isa
+    monkeypatch.setenv("DSPARK_CPU_GHZ", "3.0")
+    monkeypatch.setenv("DSPARK_FLOP_PER_CYCLE", "16")
+    assert detect(ZEN3).fp32_peak_gflops(1) == pytest.approx(48.0)
+
+
+def test_one_table_printer_text_and_markdown():
+    rows = [{"name": "a", "ms": 1.23456, "share": 0.5, "pair": [83.2, 65.0]}, {"name": "bb", "ms": None}]
+    columns = [Column("name"), Column("ms", "ms", ".2f"), Column("share", "%", ".0%"), Column("pair", "b/m", ".0f")]
+    text = format_table(rows, columns).splitlines()
+    assert text[0] == "name |   ms |   % |   b/m"
+    assert text[2] == "   a | 1.23 | 50% | 83/65"
+    assert text[3] == "  bb |    - |   - |     -"
+    md = format_table(rows, columns, markdown=True).splitlines()
+    assert md[:3] == ["| name | ms | % | b/m |", "|---|---|---|---|", "| a | 1.23 | 50% | 83/65 |"]
+
+
+def test_results_round_trip_and_refuse_other_versions(tmp_path):
+    result = BenchResult("micro/x", {"n": 1}, [{"k": 1, "v": np.float32(2.5)}], [Column("v", "v", ".1f")], ["k"])
+    path = result.save(tmp_path / "r.json")
+    data = json.loads(path.read_text())
+    assert data["schema"] == "dspark-bench" and data["schema_version"] == 1
+    assert {"cpu_model", "isa", "cores", "fp32_peak_gflops_per_core"} <= set(data["machine"])
+    assert "commit" in data["git"]
+    back = load(path)
+    assert back.rows == [{"k": 1, "v": 2.5}] and back.table() == result.table()
+    data["schema_version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="schema_version: 99 is not supported"):
+        load(path)
+
+
+MODEL = inputs.ModelInfo.from_config({
+    "name": "m", "max_batch_size": 8,
+    "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": ["4"]},
+              {"name": "ids", "data_type": "TYPE_INT64", "dims": ["-1"]},
+              {"name": "text", "data_type": "TYPE_STRING", "dims": ["1"]},
+              {"name": "flag", "data_type": "TYPE_BOOL", "dims": ["1"], "optional": True}],
+    "output": [{"name": "y"}]})
+
+
+def test_inputs_generated_from_the_config():
+    arrays = inputs.generated(MODEL, batch=2, shapes=inputs.parse_shapes(["ids:5"]))[0]
+    assert arrays["x"].shape == (2, 4) and arrays["x"].dtype == np.float32
+    assert arrays["ids"].shape == (2, 5) and arrays["ids"].dtype == np.int64 and arrays["ids"].max() < 8
+    assert arrays["text"].dtype == object and isinstance(arrays["text"][0, 0], bytes)
+    assert "flag" not in arrays  # optional inputs are left out
+    with pytest.raises(ConfigError, match="ids:5,5 does not fit"):
+        inputs.generated(MODEL, 1, {"ids": [5, 5]})
+    with pytest.raises(ConfigError, match="expected NAME:d1,d2"):
+        inputs.parse_shapes(["ids"])
+
+
+def test_inputs_from_a_perf_analyzer_file(tmp_path):
+    raw = base64.b64encode(np.arange(4, dtype="<f4").tobytes()).decode()
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps({"data": [
+        {"x": [[1, 2], [3, 4]], "ids": {"content": [7, 8, 9], "shape": [3]}, "text": ["hello"]},
+        {"x": {"b64": raw}, "ids": {"content": [1, 2, 3], "shape": [3]}, "text": [{"a": 1}]},
+        {"x": [0, 0, 0, 0], "ids": {"content": [5, 5, 5]}, "text": ["third"]}]}))
+    requests = inputs.from_file(path, MODEL, batch=2, shapes={"ids": [3]})
+    assert len(requests) == 2  # entries 0+1, then 2+0 (round-robin)
+    assert requests[0]["x"].tolist() == [[1, 2, 3, 4], [0, 1, 2, 3]]
+    assert requests[0]["ids"].tolist() == [[7, 8, 9], [1, 2, 3]]
+    assert requests[0]["text"].tolist() == [[b"hello"], [b'{"a": 1}']]
+    assert requests[1]["text"][1, 0] == b"hello"
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"rows": []}, "expected {\"data\""),
+    ({"data": [{"nope": [1]}]}, "data\\[0\\]: model m has no input 'nope'"),
+    ({"data": [{"x": [1, 2, 3]}]}, "input 'ids' is missing"),
+    ({"data": [{"x": [1, 2, 3], "ids": [1], "text": ["a"]}]}, "data\\[0\\].x: 3 values do not fill shape \\[4\\]"),
+])
+def test_bad_input_files_are_named(tmp_path, data, message):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=message) as caught:
+        inputs.from_file(path, MODEL, 1)
+    assert "bad.json" in str(caught.value)
+
+
+def records(latencies_ms, errors=()):
+    out = [Record("m", 0.0, 0.0, done=ms / 1e3) for ms in latencies_ms]
+    return out + [Record("m", 0.0, 0.0, done=0.001, error=kind) for kind in errors]
+
+
+def test_summaries_percentiles_errors_and_streaming():
+    s = summarize(records(range(1, 101), errors=("UNAVAILABLE", "UNAVAILABLE", "timeout")), duration_s=2.0)
+    assert s["qps"] == 50.0 and s["requests"] == 103
+    assert s["p50_ms"] == pytest.approx(50.5) and s["p99_ms"] == pytest.approx(99.01)
+    assert s["errors"] == {"UNAVAILABLE": 2, "timeout": 1} and s["error_rate"] == pytest.approx(3 / 103)
+    streamed = Record("m", 0.0, 0.0, done=0.1, first=0.02, gaps=[0.01, 0.03])
+    s = summarize([streamed], 1.0)
+    assert s["ttft_p50_ms"] == pytest.approx(20.0) and s["itl_p50_ms"] == pytest.approx(20.0)
+    assert s["responses_per_s"] == 3.0
+
+
+def test_windows_are_stable_when_the_last_ones_agree():
+    w = lambda qps, ms: {"qps": qps, "mean_ms": ms}  # noqa: E731
+    assert is_stable([w(50, 9), w(100, 5), w(104, 5.2), w(98, 4.9)], 3, 0.10)
+    assert not is_stable([w(100, 5), w(104, 5.2), w(80, 4.9)], 3, 0.10)
+    assert not is_stable([w(100, 5), w(100, 5)], 3, 0.10)
+    with pytest.raises(ConfigError, match="max-windows"):
+        LoadSettings(stable_windows=4, max_windows=3)
+
+
+def test_levels_and_model_specs():
+    assert parse_levels("1,2,4") == [1, 2, 4]
+    assert parse_levels("2:8:2") == [2, 4, 6, 8]
+    assert parse_levels("10:30:10") == [10, 20, 30]
+    with pytest.raises(ConfigError, match="START:END"):
+        parse_levels("8:2")
+    assert ModelSpec.parse("a:3:in.json") == ModelSpec("a", 3.0, __import__("pathlib").Path("in.json"))
+    with pytest.raises(ConfigError, match="WEIGHT > 0"):
+        ModelSpec.parse("a:0")
+
+
+def test_error_kinds():
+    class Err(Exception):
+        def __init__(self, status):
+            self._status = status
+
+        def status(self):
+            return self._status
+    assert error_kind(Err("StatusCode.UNAVAILABLE")) == "UNAVAILABLE"
+    assert error_kind(Err("400")) == "INVALID_ARG"
+    assert error_kind(__import__("asyncio").TimeoutError()) == "timeout"
+    assert error_kind(ConnectionRefusedError()) == "connection"
+
+
+METRICS_TEXT = """# HELP nv_inference_request_success Number of successful inference requests
+# TYPE nv_inference_request_success counter
+nv_inference_request_success{model="m",version="1"} 110
+nv_inference_request_success{model="other",version="1"} 5
+# TYPE nv_inference_request_failure counter
+nv_inference_request_failure{model="m",reason="BACKEND",version="1"} 2
+# TYPE nv_inference_count counter
+nv_inference_count{model="m",version="1"} 200
+# TYPE nv_inference_exec_count counter
+nv_inference_exec_count{model="m",version="1"} 50
+# TYPE nv_inference_queue_duration_us counter
+nv_inference_queue_duration_us{model="m",version="1"} 3000
+# TYPE nv_inference_compute_infer_duration_us counter
+nv_inference_compute_infer_duration_us{model="m",version="1"} 12000
+"""
+
+
+def test_triton_metrics_before_and_after():
+    after = parse_metrics(METRICS_TEXT)
+    before = parse_metrics(METRICS_TEXT.replace(" 110", " 10").replace(" 200", " 100").replace(" 50\n", " 25\n")
+                           .replace(" 3000", " 1000").replace(" 12000", " 2000").replace(" 2\n", " 0\n"))
+    delta = model_counters(before, after, "m")
+    assert delta["success"] == 100 and delta["failure"] == 2
+    assert delta["server_queue_us_per_request"] == pytest.approx(2000 / 102)
+    assert delta["server_compute_us_per_request"] == pytest.approx(10000 / 102)
+    assert delta["server_mean_batch"] == 4.0
+
+
+def test_resource_samples_per_model_instance():
+    samples = [{"server_cpu": 10, "stubs_cpu": 60, "server_rss_mib": 50, "stubs_rss_mib": 900, "machine_cpu": 80,
+                "per_stub": {"m_0_0:11": [40, 100], "m_1_0:12": [10, 120], "mm_0_0:13": [10, 680]}}] * 2
+    use = summarize_samples(samples, "m")
+    assert use["model_stubs_cpu_pct"] == 50 and use["model_stubs_rss_mib"] == 220
+    assert use["stubs_cpu_pct"] == 60 and use["server_cpu_pct"] == 10
+
+
+def test_perf_stat_output_with_unsupported_hardware_events():
+    counters, unsupported = parse_perf_csv(
+        "# started on x\n\n1234.5,msec,task-clock,1234500,100.00,0.617,CPUs utilized\n"
+        "42,,context-switches,1234500,100.00,34.0,/sec\n<not supported>,,cycles,0,100.00,,\n"
+        "<not counted>,,instructions,0,0.00,,\n")
+    assert [c["event"] for c in counters] == ["task-clock", "context-switches"]
+    assert counters[0]["value"] == 1234.5 and counters[0]["unit"] == "msec"
+    assert unsupported == ["cycles (not supported)", "instructions (not counted)"]
+
+
+def test_docs_blocks_are_rewritten_between_markers(tmp_path):
+    (tmp_path / "docs").mkdir()
+    doc = tmp_path / "docs" / "kernels.md"
+    doc.write_text("intro\n<!-- bench:kernels -->\nold table\n<!-- /bench:kernels -->\nafter\n")
+    results = tmp_path / "results"
+    BenchResult("micro/fused", {}, [{"rows": 16, "x": 1.5}], [Column("rows"), Column("x", "x ORT", ".2f")],
+                notes=["a note"]).save(results / "kernels.json")
+    changed = docs.refresh(docs.select(["kernels"]), None, results, root=tmp_path, echo=lambda _: None)
+    text = doc.read_text()
+    assert changed == [doc] and "old table" not in text
+    assert "| rows | x ORT |\n|---|---|\n| 16 | 1.50 |" in text and "- a note" in text
+    assert text.startswith("intro\n<!-- bench:kernels -->\n`dspark bench kernels --json ")
+    assert text.endswith("<!-- /bench:kernels -->\nafter\n")
+    doc.write_text("no markers here\n")
+    with pytest.raises(ConfigError, match="bench:kernels -->: marker pair not found"):
+        docs.refresh(docs.select(["kernels"]), None, results, root=tmp_path, echo=lambda _: None)
+    with pytest.raises(ConfigError, match="no docs table 'nope'"):
+        docs.select(["nope"])
