@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 MODEL_BUILDERS := build_demo_models.py build_fused_transformer.py build_spec_models.py
 DEMO_ARGS ?=
 
-.PHONY: setup models demo test clean
+.PHONY: setup models demo test clean bench-docs
 setup: $(VENV)/.installed models
 
 $(VENV)/.installed: requirements.txt setup.py pyproject.toml $(wildcard cython_ext/*)
@@ -24,6 +24,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest tests -q
+
+# Re-measure the tables the docs hold between <!-- bench:NAME --> markers, at HEAD, and rewrite them
+# (docs/bench.md; `dspark bench all --list` names each table's command).
+bench-docs: setup
+	nice $(VENV)/bin/dspark bench all
 
 clean:
 	rm -rf $(VENV) build *.egg-info dspark/_ext/*.so

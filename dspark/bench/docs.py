@@ -34,6 +34,7 @@ DOC_TABLES: tuple[DocTable, ...] = (
     DocTable("sgemm", "docs/kernels.md", ("bench", "micro", "sgemm", "--out", "{dir}")),
     DocTable("pool", "docs/kernels.md", ("bench", "pool", "--json", "{json}")),
     DocTable("gemm", "docs/accelerators.md", ("bench", "gemm", "--rounds", "31", "--json-out", "{json}")),
+    DocTable("crosscheck", "docs/bench.md", ("bench", "crosscheck", "--repeats", "3", "--json", "{json}")),
 )
 
 

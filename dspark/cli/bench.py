@@ -285,3 +285,37 @@ def bench_all(tables, measure: bool, results_dir: Path, list_only: bool) -> None
 
     for path in docs.refresh(selected, run if measure else None, results_dir, echo=progress_log):
         click.echo(f"rewrote {path}")
+
+
+# --- bench crosscheck ---------------------------------------------------------------------------
+@bench.command("crosscheck")
+@click.option("--model", default="mlp_classifier", show_default=True)
+@click.option("--http-url", default=None, help="A running server's HTTP address  [default: start the demo server]")
+@click.option("--grpc-url", default=None, help="A running server's gRPC address  [default: start the demo server]")
+@click.option("--concurrency", default="1,4", show_default=True)
+@click.option("--repeats", default=2, show_default=True, help="Alternating runs of each side.")
+@click.option("--seconds", default=6.0, show_default=True, help="Measured seconds per run.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=Path("bench-results/crosscheck.json"),
+              show_default=True)
+@bench_errors
+def crosscheck(model: str, http_url: Optional[str], grpc_url: Optional[str], concurrency: str, repeats: int,
+               seconds: float, json_path: Path) -> None:
+    """`bench model` against a plain tritonclient loop, alternately, on the same server and model."""
+    from dspark.bench.crosscheck import run_crosscheck
+    from dspark.bench.model import parse_levels
+
+    levels = [int(v) for v in parse_levels(concurrency)]
+    server = None
+    if not (http_url or grpc_url):
+        from dspark.paths import demo_repositories
+        from dspark.triton.server import TritonServer
+
+        server = TritonServer(demo_repositories(), model_control="explicit", load_models=[model])
+        server.start()
+        http_url, grpc_url = server.http_url, server.grpc_url
+    try:
+        urls = {p: u for p, u in (("http", http_url), ("grpc", grpc_url)) if u}
+        emit(run_crosscheck(urls, model, levels, repeats, seconds, log=progress_log), json_path)
+    finally:
+        if server is not None:
+            server.stop()
