@@ -32,7 +32,7 @@ PROTOCOLS = ("http", "grpc", "grpc-stream")
 class Record:
     """One request as the client saw it. Times are time.perf_counter() seconds."""
 
-    model: str
+    target: str              # the model, or the label of its traffic class (a tier, say)
     scheduled: float         # when the load generator meant to send it
     sent: float
     done: float = 0.0
@@ -88,12 +88,12 @@ class Transport:
     async def model_config(self, model: str) -> dict:
         raise NotImplementedError
 
-    def prepare(self, info: ModelInfo, arrays: dict[str, np.ndarray]) -> Any:
-        """What ``send`` needs for one input set, built once and reused."""
+    def prepare(self, info: ModelInfo, arrays: dict[str, np.ndarray], parameters: dict | None = None) -> Any:
+        """What ``send`` needs for one input set (and request parameters), built once and reused."""
         raise NotImplementedError
 
-    async def send(self, model: str, prepared: Any, scheduled: float) -> Record:
-        record = Record(model, scheduled, time.perf_counter())
+    async def send(self, target: str, model: str, prepared: Any, scheduled: float) -> Record:
+        record = Record(target, scheduled, time.perf_counter())
         try:
             await asyncio.wait_for(self._infer(model, prepared, record), self.timeout_s)
         except Exception as error:  # counted by kind; the load goes on
@@ -151,7 +151,7 @@ class HttpTransport(Transport):
                  *(f"{k}: {v}" for k, v in {**self.headers, **headers}.items())]
         return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
-    def prepare(self, info: ModelInfo, arrays: dict[str, np.ndarray]) -> Any:
+    def prepare(self, info: ModelInfo, arrays: dict[str, np.ndarray], parameters: dict | None = None) -> Any:
         tensors, blobs = [], []
         for spec in info.inputs:
             if spec.name in arrays:
@@ -159,7 +159,7 @@ class HttpTransport(Transport):
                 tensors.append({"name": spec.name, "shape": list(arrays[spec.name].shape), "datatype": spec.wire_type,
                                 "parameters": {"binary_data_size": len(raw)}})
                 blobs.append(raw)
-        header = json.dumps({"inputs": tensors, "parameters": {"binary_data_output": True}}).encode()
+        header = json.dumps({"inputs": tensors, "parameters": {**(parameters or {}), "binary_data_output": True}}).encode()
         body = header + b"".join(blobs)
         return self._head("POST", f"/v2/models/{info.name}/infer",
                           {"Inference-Header-Content-Length": str(len(header)),
@@ -238,9 +238,13 @@ class GrpcTransport(Transport):
         response = await self.stub.ModelConfig(self.pb.ModelConfigRequest(name=model), metadata=self.metadata)
         return json_format.MessageToDict(response, preserving_proto_field_name=True)["config"]
 
-    def prepare(self, info: ModelInfo, arrays: dict[str, np.ndarray]) -> Any:
+    def prepare(self, info: ModelInfo, arrays: dict[str, np.ndarray], parameters: dict | None = None) -> Any:
         self.decoupled[info.name] = info.decoupled
         request = self.pb.ModelInferRequest(model_name=info.name)
+        for key, value in (parameters or {}).items():
+            field = ("bool_param" if isinstance(value, bool) else "int64_param" if isinstance(value, int)
+                     else "double_param" if isinstance(value, float) else "string_param")
+            setattr(request.parameters[key], field, value if field != "string_param" else str(value))
         for spec in info.inputs:
             if spec.name in arrays:
                 request.inputs.add(name=spec.name, datatype=spec.wire_type, shape=list(arrays[spec.name].shape))

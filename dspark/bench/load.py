@@ -31,11 +31,18 @@ BAND_METRICS = ("qps", "mean_ms", "p50_ms", "p90_ms", "p95_ms", "p99_ms", "ttft_
 
 @dataclass(frozen=True)
 class Target:
-    """A model and the prepared requests sent to it (round-robin), with its share of the traffic."""
+    """A model and the prepared requests sent to it (round-robin), with its share of the traffic.
+    ``label`` names a traffic class when one model gets several (e.g. a router's tiers, each with
+    its own request parameters); results are per label."""
 
     model: str
     payloads: Sequence[Any]
     weight: float = 1.0
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.label or self.model
 
 
 @dataclass(frozen=True)
@@ -72,9 +79,9 @@ class Point:
     all_records: list[Record] = field(default_factory=list)
     edges: list[float] = field(default_factory=list)  # window boundaries (perf_counter)
 
-    def windows_of(self, model: str) -> list[dict]:
-        """Each window's summary of one model's requests (in a mix)."""
-        return [summarize([r for r in self.all_records if r.model == model and lo <= r.done < hi], hi - lo)
+    def windows_of(self, target: str) -> list[dict]:
+        """Each window's summary of one target's requests (in a mix)."""
+        return [summarize([r for r in self.all_records if r.target == target and lo <= r.done < hi], hi - lo)
                 for lo, hi in zip(self.edges, self.edges[1:])]
 
 
@@ -133,16 +140,20 @@ class LoadGenerator:
         self.transport, self.targets, self.settings = transport, list(targets), settings
         self.on_window = on_window or (lambda *_: None)
         self.rng = random.Random(settings.seed)
-        self.cursor = {t.model: 0 for t in self.targets}
+        if len({t.name for t in self.targets}) != len(self.targets):
+            raise ConfigError("model", "each model (or label) may appear once in a mix")
+        self.cursor = {t.name: 0 for t in self.targets}
 
-    def _pick(self) -> tuple[str, Any]:
+    def _pick(self) -> tuple[Target, Any]:
         target = self.targets[0] if len(self.targets) == 1 else \
             self.rng.choices(self.targets, weights=[t.weight for t in self.targets])[0]
-        i = self.cursor[target.model]
-        self.cursor[target.model] = i + 1
-        return target.model, target.payloads[i % len(target.payloads)]
+        i = self.cursor[target.name]
+        self.cursor[target.name] = i + 1
+        return target, target.payloads[i % len(target.payloads)]
 
-    async def run_point(self, mode: str, level: float) -> Point:
+    async def run_point(self, mode: str, level: float, rate_at: Callable[[float], float] | None = None) -> Point:
+        """Measure one level. In rate mode ``rate_at(t)`` (t: seconds since the start, <= level)
+        shapes the rate over time (Poisson arrivals thinned to it), e.g. bursts."""
         if mode not in MODES:
             raise ConfigError("mode", f"{mode!r}: expected concurrency or rate")
         if level <= 0:
@@ -153,25 +164,28 @@ class LoadGenerator:
         inflight: set[asyncio.Task] = set()
 
         async def one(scheduled: float) -> None:
-            model, payload = self._pick()
-            records.append(await self.transport.send(model, payload, scheduled))
+            target, payload = self._pick()
+            records.append(await self.transport.send(target.name, target.model, payload, scheduled))
 
         async def closed_loop() -> None:
             while not stop.is_set():
                 await one(time.perf_counter())
 
         async def open_loop() -> None:
-            next_at = time.perf_counter()
+            begin = next_at = time.perf_counter()
             while not stop.is_set():
-                next_at += self.rng.expovariate(level) if s.arrivals == "poisson" else 1.0 / level
+                poisson = s.arrivals == "poisson" or rate_at is not None
+                next_at += self.rng.expovariate(level) if poisson else 1.0 / level
                 delay = next_at - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
                 if stop.is_set():
                     return
+                if rate_at is not None and self.rng.random() * level > rate_at(next_at - begin):
+                    continue
                 if len(inflight) >= s.max_inflight:
                     now = time.perf_counter()
-                    records.append(Record(self._pick()[0], next_at, now, now, error="client_inflight_cap"))
+                    records.append(Record(self._pick()[0].name, next_at, now, now, error="client_inflight_cap"))
                     continue
                 task = asyncio.ensure_future(one(next_at))
                 inflight.add(task)

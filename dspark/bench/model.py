@@ -58,6 +58,7 @@ class LoadBenchSettings:
     metrics_url: str | None = None
     server_pid: int | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    parameters: dict = field(default_factory=dict)   # request parameters sent with every request
     sample_interval_s: float = 0.5
 
     def to_json(self) -> dict:
@@ -134,7 +135,8 @@ async def _run(settings: LoadBenchSettings, progress: Progress) -> tuple[list[di
                                   f"{info.max_batch_size}")
             arrays = (input_data.from_file(spec.input_data, info, settings.batch, settings.shapes)
                       if spec.input_data else input_data.generated(info, settings.batch, settings.shapes))
-            targets.append(Target(spec.name, [transport.prepare(info, a) for a in arrays], spec.weight))
+            targets.append(Target(spec.name, [transport.prepare(info, a, settings.parameters) for a in arrays],
+                                  spec.weight))
             infos[spec.name] = info
 
         def on_window(mode: str, level: float, index: int, window: dict) -> None:
@@ -155,9 +157,9 @@ async def _run(settings: LoadBenchSettings, progress: Progress) -> tuple[list[di
                 samples = sampler.between(*point.bounds) if sampler else []
                 spans.append({"level": level, "start": point.bounds[0] - (sampler.t0 if sampler else point.started),
                               "end": point.bounds[1] - (sampler.t0 if sampler else point.started)})
-                names = [t.model for t in targets]
+                names = [t.name for t in targets]
                 for name in names:
-                    mine = [r for r in point.records if r.model == name]
+                    mine = [r for r in point.records if r.target == name]
                     row = _row(name, settings, point, mine, point.windows if len(names) == 1 else point.windows_of(name))
                     if before is not None and after is not None:
                         row["server"] = model_counters(before, after, name)

@@ -83,6 +83,8 @@ def load_options(command):
                      help="Triton's metrics endpoint  [default: http://HOST:8002/metrics; 'none' to skip]"),
         click.option("--server-pid", type=int, default=None,
                      help="The server's pid for CPU/memory sampling  [default: the process listening on --url]"),
+        click.option("--parameter", "parameters", multiple=True, metavar="KEY=VALUE",
+                     help="A request parameter sent with every request (JSON value or text), e.g. tier=gold."),
         click.option("--api-key", default=None, help=f"Sent as the {API_KEY_HEADER} header  [default: ${API_KEY_ENV}]"),
         click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
                      help="Folder for result.json and the plots  [default: bench-results/<command>-<time>]"),
@@ -94,9 +96,24 @@ def load_options(command):
     return command
 
 
+def parse_parameters(texts) -> dict:
+    parameters = {}
+    for text in texts:
+        key, sep, value = text.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{text!r}: expected KEY=VALUE", param_hint="--parameter")
+        try:
+            parameters[key] = json.loads(value)
+        except ValueError:
+            parameters[key] = value
+        if not isinstance(parameters[key], (str, int, float, bool)):
+            parameters[key] = value
+    return parameters
+
+
 def _run_load(kind: str, models, url, protocol, concurrency, request_rate, arrivals, batch, shapes, warmup_s,
-              window_s, stable_windows, stability, max_windows, timeout_s, metrics_url, server_pid, api_key,
-              out_dir, plots, progress) -> None:
+              window_s, stable_windows, stability, max_windows, timeout_s, metrics_url, server_pid, parameters,
+              api_key, out_dir, plots, progress) -> None:
     import time
 
     from dspark.bench.inputs import parse_shapes
@@ -122,7 +139,7 @@ def _run_load(kind: str, models, url, protocol, concurrency, request_rate, arriv
         load=LoadSettings(warmup_s=warmup_s, window_s=window_s, stable_windows=stable_windows,
                           stability=stability / 100, max_windows=max_windows, arrivals=arrivals),
         timeout_s=timeout_s, metrics_url=None if metrics_url == "none" else metrics_url, server_pid=server_pid,
-        headers={API_KEY_HEADER: api_key} if api_key else {})
+        headers={API_KEY_HEADER: api_key} if api_key else {}, parameters=parse_parameters(parameters))
     out_dir = out_dir or Path("bench-results") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
     with Progress(len(levels), f"bench {kind}", progress, echo=progress_log) as bar:
         result = run_load_bench(settings, bar)

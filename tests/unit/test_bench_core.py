@@ -229,3 +229,86 @@ def test_docs_blocks_are_rewritten_between_markers(tmp_path):
         docs.refresh(docs.select(["kernels"]), None, results, root=tmp_path, echo=lambda _: None)
     with pytest.raises(ConfigError, match="no docs table 'nope'"):
         docs.select(["nope"])
+
+
+class FakeTransport:
+    """Answers every request after ``service_s``; counts requests in flight."""
+
+    def __init__(self, service_s: float):
+        self.service_s, self.inflight, self.most = service_s, 0, 0
+
+    async def send(self, target, model, prepared, scheduled):
+        import asyncio
+        import time
+
+        record = Record(target, scheduled, time.perf_counter())
+        self.inflight += 1
+        self.most = max(self.most, self.inflight)
+        await asyncio.sleep(self.service_s)
+        self.inflight -= 1
+        record.done = time.perf_counter()
+        return record
+
+
+def point(transport, targets, mode, level, rate_at=None):
+    import asyncio
+
+    from dspark.bench.load import LoadGenerator
+
+    settings = LoadSettings(warmup_s=0.1, window_s=0.3, stable_windows=2, max_windows=2, seed=3)
+    return asyncio.run(LoadGenerator(transport, targets, settings).run_point(mode, level, rate_at))
+
+
+def test_closed_loop_keeps_exactly_the_concurrency_outstanding():
+    from dspark.bench.load import Target
+
+    fake = FakeTransport(0.01)
+    result = point(fake, [Target("m", ["p"])], "concurrency", 3)
+    assert fake.most == 3 and result.records and all(r.target == "m" for r in result.records)
+    assert result.duration_s == pytest.approx(0.6, abs=0.2)
+
+
+def test_open_loop_follows_the_rate_and_its_shape_and_labels_split_the_traffic():
+    from dspark.bench.load import Target
+
+    fake = FakeTransport(0.05)  # slower than the spacing: the open loop does not wait for answers
+    targets = [Target("router", ["a"], 3.0, label="gold"), Target("router", ["b"], 1.0, label="standard")]
+    full = point(fake, targets, "rate", 200)
+    assert fake.most > 3
+    assert len(full.records) / full.duration_s == pytest.approx(200, rel=0.5)
+    gold = sum(r.target == "gold" for r in full.records) / len(full.records)
+    assert 0.6 < gold < 0.9
+    quarter = point(FakeTransport(0.001), targets, "rate", 200, rate_at=lambda t: 50.0)
+    assert len(quarter.records) / quarter.duration_s == pytest.approx(50, rel=0.6)
+    with pytest.raises(ConfigError, match="may appear once"):
+        point(fake, [Target("m", ["a"]), Target("m", ["b"])], "rate", 10)
+
+
+def test_request_parameters_travel_in_both_protocols():
+    import asyncio
+
+    from dspark.bench.client import GrpcTransport, HttpTransport
+
+    info = inputs.ModelInfo.from_config({"name": "m", "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": ["2"]}]})
+    arrays = {"x": np.array([1.0, 2.0], np.float32)}
+    http = HttpTransport("127.0.0.1:9", 1.0)
+    asyncio.run(http.open(1))
+    request = http.prepare(info, arrays, {"tier": "gold", "priority_boost": 2})
+    head, _, body = request.partition(b"\r\n\r\n")
+    assert head.startswith(b"POST /v2/models/m/infer HTTP/1.1") and b"Inference-Header-Content-Length" in head
+    header_len = int([line for line in head.split(b"\r\n") if line.startswith(b"Inference-Header")][0].split(b":")[1])
+    header = json.loads(body[:header_len])
+    assert header["parameters"] == {"tier": "gold", "priority_boost": 2, "binary_data_output": True}
+    assert np.frombuffer(body[header_len:], np.float32).tolist() == [1.0, 2.0]
+
+    async def grpc_request():
+        transport = GrpcTransport("127.0.0.1:9", 1.0)
+        await transport.open(1)
+        try:
+            return transport.prepare(info, arrays, {"tier": "gold", "n": 2, "on": True})
+        finally:
+            await transport.close()
+    proto = asyncio.run(grpc_request())
+    assert proto.parameters["tier"].string_param == "gold" and proto.parameters["n"].int64_param == 2
+    assert proto.parameters["on"].bool_param is True
+    assert np.frombuffer(proto.raw_input_contents[0], np.float32).tolist() == [1.0, 2.0]
