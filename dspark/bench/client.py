@@ -47,26 +47,17 @@ class Record:
 
 
 def error_kind(error: BaseException) -> str:
-    """A short, stable label: the Triton/gRPC status name, an HTTP status, timeout or connection."""
+    """A short, stable label: the gRPC status or Triton's name for the HTTP status, ``timeout``
+    (the client's), ``connection``, or an error response on a stream."""
     if isinstance(error, asyncio.TimeoutError):
         return "timeout"
+    if isinstance(error, _StreamError):  # Triton sends no status code on a stream: read the message
+        message = str(error).lower()
+        return next((kind for word, kind in (("unavailable", "UNAVAILABLE"), ("invalid", "INVALID_ARG"))
+                     if word in message), error.kind)
     if isinstance(error, (HttpError, GrpcError)):
         return error.kind
-    status = getattr(error, "status", None)
-    status = status() if callable(status) else status
-    if status:
-        text = str(status).replace("StatusCode.", "")
-        return {"400": "INVALID_ARG", "INVALID_ARGUMENT": "INVALID_ARG", "503": "UNAVAILABLE", "500": "INTERNAL",
-                "404": "NOT_FOUND", "499": "CANCELLED", "429": "UNAVAILABLE", "504": "DEADLINE_EXCEEDED"}.get(text, text)
-    message = str(error).lower()
-    if getattr(error, "kind", None):
-        status_words = [k for w, k in (("unavailable", "UNAVAILABLE"), ("invalid", "INVALID_ARG")) if w in message]
-        return status_words[0] if status_words else error.kind
-    for word, kind in (("unavailable", "UNAVAILABLE"), ("invalid", "INVALID_ARG"), ("timed out", "timeout"),
-                       ("timeout", "timeout"), ("deadline", "DEADLINE_EXCEEDED"), ("cancel", "CANCELLED")):
-        if word in message:
-            return kind
-    if isinstance(error, (ConnectionError, OSError)) or "connect" in message:
+    if isinstance(error, (ConnectionError, OSError, asyncio.IncompleteReadError)):
         return "connection"
     return type(error).__name__
 

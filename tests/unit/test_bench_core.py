@@ -153,16 +153,19 @@ def test_levels_and_model_specs():
 
 
 def test_error_kinds():
-    class Err(Exception):
-        def __init__(self, status):
-            self._status = status
+    import asyncio
 
-        def status(self):
-            return self._status
-    assert error_kind(Err("StatusCode.UNAVAILABLE")) == "UNAVAILABLE"
-    assert error_kind(Err("400")) == "INVALID_ARG"
-    assert error_kind(__import__("asyncio").TimeoutError()) == "timeout"
+    from dspark.bench.client import GrpcError, HttpError, _StreamError
+
+    assert error_kind(GrpcError("UNAVAILABLE", "queue full")) == "UNAVAILABLE"
+    assert error_kind(GrpcError("INVALID_ARGUMENT", "bad")) == "INVALID_ARG"
+    assert error_kind(HttpError(400, "bad")) == "INVALID_ARG" and error_kind(HttpError(503, "x")) == "UNAVAILABLE"
+    assert error_kind(HttpError(418, "teapot")) == "HTTP_418"
+    assert error_kind(_StreamError("model is unavailable now")) == "UNAVAILABLE"
+    assert error_kind(_StreamError("boom")) == "stream_error"
+    assert error_kind(asyncio.TimeoutError()) == "timeout"
     assert error_kind(ConnectionRefusedError()) == "connection"
+    assert error_kind(asyncio.IncompleteReadError(b"", 10)) == "connection"
 
 
 METRICS_TEXT = """# HELP nv_inference_request_success Number of successful inference requests
