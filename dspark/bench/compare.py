@@ -96,7 +96,7 @@ def merge_runs(results: Sequence[BenchResult], where: str) -> BenchResult:
         merged["runs"] = len(rows_of_key)
         rows.append(merged)
     return BenchResult(first.benchmark, first.settings, rows, first.columns, first.key_fields, first.metrics,
-                       first.notes, {}, first.machine, first.git, first.command, first.created)
+                       first.notes, {}, first.group_by, first.machine, first.git, first.command, first.created)
 
 
 def load_side(path: Path) -> BenchResult:
@@ -111,7 +111,7 @@ def load_side(path: Path) -> BenchResult:
 
 
 def _describe(result: BenchResult, row: dict, ignore: Sequence[str]) -> str:
-    return ", ".join(f"{k}={row.get(k)}" for k in result.key_fields if k not in ignore) or "all"
+    return ", ".join(f"{k}={row[k]}" for k in result.key_fields if k not in ignore and row.get(k) is not None) or "all"
 
 
 def compare(base: BenchResult, new: BenchResult, targets: Sequence[Target] = (), min_band: float = 0.02,

@@ -92,7 +92,7 @@ def run_crosscheck(urls: dict[str, str], model: str, levels: Sequence[int], repe
                 "band_qps": max(first["band"].get("qps", 0), second["band"].get("qps", 0)),
                 "band_p99": max(first["band"].get("p99_ms", 0), second["band"].get("p99_ms", 0)),
                 "runs_agree": "yes" if agree else "no",
-                "stable": all(r.rows[0]["stable"] for r in ours),
+                "stable": f"{sum(bool(r.rows[0]['stable']) for r in ours)}/{len(ours)}",
             })
     return BenchResult(
         benchmark="crosscheck", settings={"model": model, "urls": urls, "levels": list(levels), "repeats": repeats,
@@ -104,7 +104,7 @@ def run_crosscheck(urls: dict[str, str], model: str, levels: Sequence[int], repe
                  Column("p99_ms", "dspark p99", ".2f"), Column("plain_p99_ms", "plain p99", ".2f"),
                  Column("runs_qps", "dspark runs req/s", ".0f"), Column("band_qps", "± band", ".1%"),
                  Column("runs_p99", "dspark runs p99", ".1f"), Column("band_p99", "± band", ".1%"),
-                 Column("runs_agree", "runs agree within band")],
+                 Column("stable", "dspark runs stable"), Column("runs_agree", "runs agree within band")],
         key_fields=["protocol", "level"], metrics=[Metric("qps", "higher"), Metric("p99_ms", "lower")],
         notes=[f"{model}: dspark's model bench (asyncio clients, {seconds:g} s of 3 windows after 1 s warm-up, medians "
                f"of {repeats} runs) alternating with a plain loop of tritonclient's sync client in threads "

@@ -89,7 +89,7 @@ def parse_levels(text: str) -> list[float]:
 
 
 ROW_COLUMNS = [
-    Column("model"), Column("protocol", "proto"), Column("level", "conc", "g"), Column("qps", "req/s", ".1f"),
+    Column("model"), Column("label"), Column("protocol", "proto"), Column("level", "conc", "g"), Column("qps", "req/s", ".1f"),
     Column("p50_ms", "p50 ms", ".2f"), Column("p90_ms", "p90 ms", ".2f"), Column("p95_ms", "p95 ms", ".2f"),
     Column("p99_ms", "p99 ms", ".2f"), Column("error_rate", "errors", ".1%"), Column("stable", "stable"),
     Column("qps_band", "± req/s", ".1%"), Column("p99_band", "± p99", ".1%"),
@@ -105,8 +105,9 @@ METRICS = [Metric("qps", "higher"), Metric("p50_ms", "lower"), Metric("p90_ms", 
            Metric("ttft_p99_ms", "lower"), Metric("itl_p50_ms", "lower"), Metric("itl_p99_ms", "lower")]
 
 
-def _row(model: str, settings: LoadBenchSettings, point: Point, records, windows) -> dict:
-    row = {"model": model, "protocol": settings.protocol, "mode": point.mode, "level": point.level,
+def _row(target: Target | None, settings: LoadBenchSettings, point: Point, records, windows) -> dict:
+    row = {"model": target.model if target else TOTAL, **({"label": target.label} if target and target.label else {}),
+           "protocol": settings.protocol, "mode": point.mode, "level": point.level,
            "batch": settings.batch, **summarize(records, point.duration_s), "stable": point.stable,
            "windows": len(point.windows)}
     band = bands(windows[-settings.load.stable_windows:])
@@ -141,7 +142,7 @@ async def _run(settings: LoadBenchSettings, progress: Progress) -> tuple[list[di
 
         def on_window(mode: str, level: float, index: int, window: dict) -> None:
             progress.note(f"{mode} {level:g}: window {index}: {window['qps']:.1f} req/s, p50 {window['p50_ms']:.2f} ms, "
-                     f"p99 {window['p99_ms']:.2f} ms, errors {window['requests'] - window['ok']}")
+                          f"p99 {window['p99_ms']:.2f} ms, errors {window['requests'] - window['ok']}")
 
         generator = LoadGenerator(transport, targets, settings.load, on_window)
         pid = settings.server_pid or server_pid(settings.url)
@@ -157,21 +158,21 @@ async def _run(settings: LoadBenchSettings, progress: Progress) -> tuple[list[di
                 samples = sampler.between(*point.bounds) if sampler else []
                 spans.append({"level": level, "start": point.bounds[0] - (sampler.t0 if sampler else point.started),
                               "end": point.bounds[1] - (sampler.t0 if sampler else point.started)})
-                names = [t.name for t in targets]
-                for name in names:
-                    mine = [r for r in point.records if r.target == name]
-                    row = _row(name, settings, point, mine, point.windows if len(names) == 1 else point.windows_of(name))
+                for target in targets:
+                    mine = [r for r in point.records if r.target == target.name]
+                    row = _row(target, settings, point, mine,
+                               point.windows if len(targets) == 1 else point.windows_of(target.name))
                     if before is not None and after is not None:
-                        row["server"] = model_counters(before, after, name)
+                        row["server"] = model_counters(before, after, target.model)
                         for key, short in (("server_queue_us_per_request", "server_queue_ms"),
                                            ("server_compute_us_per_request", "server_compute_ms")):
                             if key in row["server"]:
                                 row[short] = row["server"][key] / 1e3
                         row["server_batch"] = row["server"].get("server_mean_batch")
-                    row.update(summarize_samples(samples, name))
+                    row.update(summarize_samples(samples, target.model))
                     rows.append(row)
-                if len(names) > 1:
-                    total = _row(TOTAL, settings, point, point.records, point.windows)
+                if len(targets) > 1:
+                    total = _row(None, settings, point, point.records, point.windows)
                     total.update(summarize_samples(samples))
                     rows.append(total)
         finally:
@@ -190,7 +191,7 @@ def run_load_bench(settings: LoadBenchSettings, progress: Progress | None = None
     level_title = "conc" if settings.mode == "concurrency" else "req/s in"
     columns = [Column(c.key, level_title, c.fmt) if c.key == "level" else c for c in ROW_COLUMNS]
     if streaming:
-        columns[9:9] = STREAM_COLUMNS
+        columns[10:10] = STREAM_COLUMNS
     columns = [c for c in columns if any(c.key in r for r in rows)]
     notes = [f"{settings.protocol} to {settings.url}; {settings.mode} {', '.join(f'{v:g}' for v in settings.levels)}; "
              f"batch {settings.batch}; windows of {settings.load.window_s:g} s until {settings.load.stable_windows} "
@@ -204,6 +205,7 @@ def run_load_bench(settings: LoadBenchSettings, progress: Progress | None = None
                      "(figures from the last windows; widen --stability or add --max-windows)")
     return BenchResult(
         benchmark="model" if len(settings.models) == 1 else "system", settings=settings.to_json(), rows=rows,
-        columns=columns, key_fields=["model", "protocol", "mode", "level", "batch"], metrics=METRICS, notes=notes,
+        columns=columns, key_fields=["model", "label", "protocol", "mode", "level", "batch"], metrics=METRICS,
+        notes=notes,
         series=series)
 

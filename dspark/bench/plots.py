@@ -19,11 +19,11 @@ def _pyplot():
 
 
 def _series(result: BenchResult) -> dict[str, list[dict]]:
-    """Rows per model (and protocol when several), in level order."""
+    """Rows per model or label (and protocol when several), in level order."""
     groups: dict[str, list[dict]] = {}
     protocols = {r["protocol"] for r in result.rows}
     for row in result.rows:
-        label = row["model"] + (f" ({row['protocol']})" if len(protocols) > 1 else "")
+        label = (row.get("label") or row["model"]) + (f" ({row['protocol']})" if len(protocols) > 1 else "")
         groups.setdefault(label, []).append(row)
     return {k: sorted(v, key=lambda r: r["level"]) for k, v in groups.items()}
 

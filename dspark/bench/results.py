@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -47,14 +48,24 @@ class BenchResult:
     metrics: list[Metric] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     series: dict = field(default_factory=dict)     # time series and raw data (resources, windows)
+    group_by: str | None = None                     # print one table per value of this field
     machine: dict = field(default_factory=lambda: this_machine().to_json())
     git: dict = field(default_factory=git_revision)
     command: str = field(default_factory=lambda: shlex.join(["dspark", *sys.argv[1:]])
                          if Path(sys.argv[0]).name == "dspark" else shlex.join(sys.argv))
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    load_average: float | None = field(default_factory=lambda: round(os.getloadavg()[0], 1)
+                                       if hasattr(os, "getloadavg") else None)
 
     def table(self, markdown: bool = False) -> str:
-        return format_table(self.rows, self.columns or None, markdown=markdown)
+        """The rows as one table, or one per ``group_by`` value, each with the columns it fills."""
+        if not self.group_by:
+            return format_table(self.rows, self.columns or None, markdown=markdown)
+        groups: dict = {}
+        for row in self.rows:
+            groups.setdefault(row.get(self.group_by), []).append(row)
+        return "\n\n".join(format_table(rows, [c for c in self.columns if any(r.get(c.key) is not None for r in rows)],
+                                         markdown=markdown) for rows in groups.values())
 
     def key_of(self, row: dict) -> tuple:
         return tuple(row.get(k) for k in self.key_fields)
@@ -62,11 +73,11 @@ class BenchResult:
     def to_json(self) -> dict:
         return {
             "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "benchmark": self.benchmark,
-            "created": self.created, "command": self.command, "git": self.git, "machine": self.machine,
+            "created": self.created, "load_average": self.load_average, "command": self.command, "git": self.git, "machine": self.machine,
             "settings": self.settings, "key_fields": self.key_fields,
             "metrics": [[m.key, m.better] for m in self.metrics],
             "columns": [c.to_json() for c in self.columns], "notes": self.notes,
-            "rows": self.rows, "series": self.series,
+            "rows": self.rows, "series": self.series, "group_by": self.group_by,
         }
 
     @classmethod
@@ -84,7 +95,8 @@ class BenchResult:
                 key_fields=list(data.get("key_fields", [])),
                 metrics=[Metric(*m) for m in data.get("metrics", [])], notes=list(data.get("notes", [])),
                 series=data.get("series", {}), machine=data.get("machine", {}), git=data.get("git", {}),
-                command=data.get("command", ""), created=data.get("created", ""))
+                command=data.get("command", ""), created=data.get("created", ""),
+                load_average=data.get("load_average"), group_by=data.get("group_by"))
         except KeyError as missing:
             raise ConfigError(str(missing.args[0]), "missing from the result", path) from None
         except (TypeError, ValueError) as error:
@@ -120,7 +132,8 @@ def header_line(result: BenchResult) -> str:
     """One line naming the machine and revision, printed above every table."""
     m = result.machine
     commit = (result.git.get("commit") or "unknown")[:10] + ("+dirty" if result.git.get("dirty") else "")
-    return f"{m.get('cpu_model', '?')}, {m.get('cores', '?')} cores; git {commit}; {result.created}"
+    load = f"; load average {result.load_average:g}" if result.load_average is not None else ""
+    return f"{m.get('cpu_model', '?')}, {m.get('cores', '?')} cores; git {commit}; {result.created}{load}"
 
 
 def relative_band(values: Sequence[float]) -> float:

@@ -94,7 +94,7 @@ def run_pool(steps: int = 3000, seeds: int = 3, headroom: float = 1.25, rounds: 
                  Column("failed", "did not fit", ".0f"), Column("fragmentation_end", "frag end", ".3f"),
                  Column("fragmentation_mean", "frag mean", ".3f"), Column("req_per_s", "req/s", ".0f"),
                  Column("x_np_empty", "x np.empty", ".2f"), Column("load_ms", "load ms", ".1f")],
-        key_fields=["part", "allocator"],
+        key_fields=["part", "allocator"], group_by="part",
         metrics=[Metric("p99_us", "lower"), Metric("fragmentation_mean", "lower"), Metric("req_per_s", "higher"),
                  Metric("load_ms", "lower")],
         notes=[f"best-fit mean fragmentation vs first-fit: {100 * reduction:.0f}% lower (seed's claim: 76%)",
