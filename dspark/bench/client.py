@@ -37,6 +37,7 @@ class Record:
     sent: float
     done: float = 0.0
     error: str | None = None  # error kind; None when answered
+    detail: str | None = None  # the error's message (the first 300 characters)
     first: float | None = None  # first response carrying outputs (streaming)
     gaps: list[float] = field(default_factory=list)  # between responses carrying outputs (streaming)
     last: float | None = None   # the latest response carrying outputs (streaming)
@@ -88,7 +89,7 @@ class Transport:
         try:
             await asyncio.wait_for(self._infer(model, prepared, record), self.timeout_s)
         except Exception as error:  # counted by kind; the load goes on
-            record.error = error_kind(error)
+            record.error, record.detail = error_kind(error), str(error)[:300]
         record.done = time.perf_counter()
         return record
 

@@ -94,9 +94,14 @@ def summarize(records: Sequence[Record], duration_s: float) -> dict:
     ok = [r for r in records if r.error is None]
     latencies = [1e3 * r.latency for r in ok]
     kinds = Counter(r.error for r in records if r.error is not None)
+    examples: dict[str, str] = {}
+    for r in records:
+        if r.error is not None and r.error not in examples:
+            examples[r.error] = r.detail or ""
     out = {
         "requests": len(records), "ok": len(ok), "qps": len(ok) / duration_s if duration_s > 0 else 0.0,
         "error_rate": (len(records) - len(ok)) / len(records) if records else 0.0, "errors": dict(kinds),
+        "error_examples": examples,
         "mean_ms": statistics.fmean(latencies) if latencies else float("nan"),
         "p50_ms": _pct(latencies, 50), "p90_ms": _pct(latencies, 90), "p95_ms": _pct(latencies, 95),
         "p99_ms": _pct(latencies, 99), "max_ms": max(latencies) if latencies else float("nan"),
@@ -134,11 +139,15 @@ class LoadGenerator:
     """Drives a transport with a traffic mix; ``run_point`` measures one level."""
 
     def __init__(self, transport: Transport, targets: Sequence[Target], settings: LoadSettings,
-                 on_window: Callable[[str, float, int, dict], None] | None = None):
+                 on_window: Callable[[str, float, int, dict], None] | None = None,
+                 classify: Callable[[str, str], str] | None = None):
+        """``classify(kind, message)`` may refine an error's kind from its message (e.g. a router's
+        "queue deadline" vs "queue is full", both UNAVAILABLE)."""
         if not targets:
             raise ConfigError("model", "no model to send requests to")
         self.transport, self.targets, self.settings = transport, list(targets), settings
         self.on_window = on_window or (lambda *_: None)
+        self.classify = classify
         self.rng = random.Random(settings.seed)
         if len({t.name for t in self.targets}) != len(self.targets):
             raise ConfigError("model", "each model (or label) may appear once in a mix")
@@ -165,7 +174,10 @@ class LoadGenerator:
 
         async def one(scheduled: float) -> None:
             target, payload = self._pick()
-            records.append(await self.transport.send(target.name, target.model, payload, scheduled))
+            record = await self.transport.send(target.name, target.model, payload, scheduled)
+            if record.error is not None and self.classify is not None:
+                record.error = self.classify(record.error, record.detail or "")
+            records.append(record)
 
         async def closed_loop() -> None:
             while not stop.is_set():

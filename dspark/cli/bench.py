@@ -144,9 +144,9 @@ def _run_load(kind: str, models, url, protocol, concurrency, request_rate, arriv
     with Progress(len(levels), f"bench {kind}", progress, echo=progress_log) as bar:
         result = run_load_bench(settings, bar)
     emit(result, out_dir / "result.json")
-    errors = {kind: n for row in result.rows for kind, n in row["errors"].items()}
-    if errors:
-        click.echo("errors by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(errors.items())))
+    for row in result.rows:
+        for kind, count in sorted(row["errors"].items()):
+            click.echo(f"errors at {row['level']:g}: {kind} x{count}, e.g. {row['error_examples'].get(kind, '')!r}")
     if plots:
         for path in plot_result(result, out_dir, stem=kind):
             click.echo(f"wrote {path}")

@@ -125,6 +125,7 @@ def test_errors_are_counted_by_kind(bench_server, tmp_path):
     row = json.loads((tmp_path / "result.json").read_text())["rows"][0]
     assert row["error_rate"] == 1.0 and row["ok"] == 0
     assert set(row["errors"]) == {"INTERNAL"} and row["errors"]["INTERNAL"] == row["requests"] > 0
+    assert "configured to fail" in row["error_examples"]["INTERNAL"]  # the server's own message, kept
     # Triton counts a Python-backend response that carries an error as a success: the client's count is the truth
     assert row["server"]["success"] + row["server"]["failure"] >= row["requests"]
 

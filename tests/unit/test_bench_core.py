@@ -118,7 +118,7 @@ def test_bad_input_files_are_named(tmp_path, data, message):
 
 def records(latencies_ms, errors=()):
     out = [Record("m", 0.0, 0.0, done=ms / 1e3) for ms in latencies_ms]
-    return out + [Record("m", 0.0, 0.0, done=0.001, error=kind) for kind in errors]
+    return out + [Record("m", 0.0, 0.0, done=0.001, error=kind, detail=f"{kind} here") for kind in errors]
 
 
 def test_summaries_percentiles_errors_and_streaming():
@@ -126,6 +126,7 @@ def test_summaries_percentiles_errors_and_streaming():
     assert s["qps"] == 50.0 and s["requests"] == 103
     assert s["p50_ms"] == pytest.approx(50.5) and s["p99_ms"] == pytest.approx(99.01)
     assert s["errors"] == {"UNAVAILABLE": 2, "timeout": 1} and s["error_rate"] == pytest.approx(3 / 103)
+    assert s["error_examples"] == {"UNAVAILABLE": "UNAVAILABLE here", "timeout": "timeout here"}
     streamed = Record("m", 0.0, 0.0, done=0.1, first=0.02, gaps=[0.01, 0.03])
     s = summarize([streamed], 1.0)
     assert s["ttft_p50_ms"] == pytest.approx(20.0) and s["itl_p50_ms"] == pytest.approx(20.0)
@@ -315,3 +316,21 @@ def test_request_parameters_travel_in_both_protocols():
     assert proto.parameters["tier"].string_param == "gold" and proto.parameters["n"].int64_param == 2
     assert proto.parameters["on"].bool_param is True
     assert np.frombuffer(proto.raw_input_contents[0], np.float32).tolist() == [1.0, 2.0]
+
+
+def test_a_classifier_refines_error_kinds_from_their_messages():
+    import asyncio
+
+    from dspark.bench.load import LoadGenerator, Target
+
+    class Failing(FakeTransport):
+        async def send(self, target, model, prepared, scheduled):
+            record = await super().send(target, model, prepared, scheduled)
+            record.error, record.detail = "UNAVAILABLE", f"request waited past its queue deadline ({prepared})"
+            return record
+
+    settings = LoadSettings(warmup_s=0.05, window_s=0.2, stable_windows=1, max_windows=1)
+    generator = LoadGenerator(Failing(0.005), [Target("m", ["gold"])], settings,
+                              classify=lambda kind, message: "deadline" if "queue deadline" in message else kind)
+    records = asyncio.run(generator.run_point("concurrency", 1)).records
+    assert records and {r.error for r in records} == {"deadline"}
