@@ -16,7 +16,7 @@ import numpy as np
 from dspark.errors import DsparkError
 
 API_KEY_ENV = "DSPARK_API_KEY"
-API_KEY_HEADER = "dspark-api-key"
+API_KEY_HEADER = "dspark-api-key"  # contract C3 (dspark/triton/server.py holds it on the hardening branch)
 
 
 @click.group()
@@ -145,8 +145,8 @@ def _run_load(kind: str, models, url, protocol, concurrency, request_rate, arriv
         result = run_load_bench(settings, bar)
     emit(result, out_dir / "result.json")
     for row in result.rows:
-        for kind, count in sorted(row["errors"].items()):
-            click.echo(f"errors at {row['level']:g}: {kind} x{count}, e.g. {row['error_examples'].get(kind, '')!r}")
+        for error, count in sorted(row["errors"].items()):
+            click.echo(f"errors at {row['level']:g}: {error} x{count}, e.g. {row['error_examples'].get(error, '')!r}")
     if plots:
         for path in plot_result(result, out_dir, stem=kind):
             click.echo(f"wrote {path}")
@@ -241,9 +241,10 @@ def profile(model: Optional[str], url: str, server_pid: Optional[int], duration_
         from dspark.bench.model import LoadBenchSettings, ModelSpec, run_load_bench
 
         window = max(1.0, duration_s / 4)
+        windows = int(duration_s / window) + 1  # as many windows as cover the profile, stable or not
         settings = LoadBenchSettings([ModelSpec(model)], url=url, levels=[float(load_concurrency)], server_pid=pid,
-                                     load=LoadSettings(warmup_s=0.5, window_s=window, stable_windows=1,
-                                                       max_windows=int(duration_s / window) + 2, stability=1e9))
+                                     load=LoadSettings(warmup_s=0.5, window_s=window, stable_windows=windows,
+                                                       max_windows=windows))
         holder: dict = {}
 
         def drive() -> None:
