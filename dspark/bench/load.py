@@ -160,6 +160,47 @@ class LoadGenerator:
         self.cursor[target.name] = i + 1
         return target, target.payloads[i % len(target.payloads)]
 
+    async def _send(self, target: Target, payload: Any, scheduled: float) -> Record:
+        record = await self.transport.send(target.name, target.model, payload, scheduled)
+        if record.error is not None and self.classify is not None:
+            record.error = self.classify(record.error, record.detail or "")
+        return record
+
+    async def run_fixed(self, concurrency: int = 1, count: int | None = None,
+                        schedule: Sequence[tuple[float, int]] | None = None) -> Point:
+        """Exactly these requests, measured as one window (no warm-up, no stability loop):
+        ``count`` requests at ``concurrency`` (closed loop, targets drawn as usual; default one per
+        payload of the first target), or a ``schedule`` of (seconds from the start, index of the
+        target) sent open loop, e.g. a seeded arrival sequence replayed the same way for A and B."""
+        records: list[Record] = []
+        start = time.perf_counter()
+        if schedule is not None:
+            tasks = []
+            for at, index in schedule:
+                delay = start + at - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                target = self.targets[index]
+                i = self.cursor[target.name]
+                self.cursor[target.name] = i + 1
+                tasks.append(asyncio.ensure_future(self._send(target, target.payloads[i % len(target.payloads)],
+                                                              start + at)))
+            records = list(await asyncio.gather(*tasks))
+            mode, level = "schedule", len(schedule) / max(schedule[-1][0], 1e-9) if schedule else 0.0
+        else:
+            remaining = [count if count is not None else len(self.targets[0].payloads)]
+
+            async def worker() -> None:
+                while remaining[0] > 0:
+                    remaining[0] -= 1
+                    target, payload = self._pick()
+                    records.append(await self._send(target, payload, time.perf_counter()))
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            mode, level = "count", float(concurrency)
+        end = max([r.done for r in records], default=time.perf_counter())
+        return Point(mode, level, records, [summarize(records, end - start)], True, end - start, start,
+                     (start, end), records, [start, end])
+
     async def run_point(self, mode: str, level: float, rate_at: Callable[[float], float] | None = None) -> Point:
         """Measure one level. In rate mode ``rate_at(t)`` (t: seconds since the start, <= level)
         shapes the rate over time (Poisson arrivals thinned to it), e.g. bursts."""
@@ -173,11 +214,7 @@ class LoadGenerator:
         inflight: set[asyncio.Task] = set()
 
         async def one(scheduled: float) -> None:
-            target, payload = self._pick()
-            record = await self.transport.send(target.name, target.model, payload, scheduled)
-            if record.error is not None and self.classify is not None:
-                record.error = self.classify(record.error, record.detail or "")
-            records.append(record)
+            records.append(await self._send(*self._pick(), scheduled))
 
         async def closed_loop() -> None:
             while not stop.is_set():

@@ -185,4 +185,5 @@ def test_profile_saves_python_stacks_and_software_counters(bench_server, tmp_pat
     assert "task-clock" in {c["event"] for c in report["perf_counters"]}, out
     counted = {c["event"] for c in report["perf_counters"]} | {e.split()[0] for e in report["not_supported"]}
     assert {"cycles", "instructions"} <= counted  # counted, or named as not supported here
-    assert (tmp_path / "load.json").is_file()
+    load = json.loads((tmp_path / "load.json").read_text())["rows"][0]
+    assert load["windows"] == 3 and load["ok"] > 0  # the load ran through the whole profile

@@ -334,3 +334,20 @@ def test_a_classifier_refines_error_kinds_from_their_messages():
                               classify=lambda kind, message: "deadline" if "queue deadline" in message else kind)
     records = asyncio.run(generator.run_point("concurrency", 1)).records
     assert records and {r.error for r in records} == {"deadline"}
+
+
+def test_fixed_runs_send_exactly_the_requests_asked_for():
+    import asyncio
+
+    from dspark.bench.load import LoadGenerator, Target
+
+    targets = [Target("m", ["p0", "p1", "p2"]), Target("m", ["q"], label="other")]
+    fake = FakeTransport(0.01)
+    generator = LoadGenerator(fake, targets, LoadSettings(seed=1))
+    counted = asyncio.run(generator.run_fixed(concurrency=2, count=7))
+    assert len(counted.records) == 7 and fake.most == 2 and counted.stable
+    schedule = [(0.0, 0), (0.05, 1), (0.1, 0), (0.1, 1)]
+    replayed = asyncio.run(LoadGenerator(FakeTransport(0.01), targets, LoadSettings()).run_fixed(schedule=schedule))
+    assert sorted(r.target for r in replayed.records) == ["m", "m", "other", "other"]
+    assert max(r.sent - r.scheduled for r in replayed.records) < 0.05
+    assert replayed.duration_s >= 0.1 and replayed.windows[0]["requests"] == 4
