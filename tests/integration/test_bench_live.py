@@ -17,7 +17,7 @@ from dspark.bench.model import LoadBenchSettings, ModelSpec, run_load_bench
 from dspark.cli.main import cli
 from tests.conftest import serving
 
-STEADY_MS, SLOWED_MS, STREAM_GAP_MS, STREAM_RESPONSES = 8, 40, 15, 4
+STEADY_MS, SLOWED_MS, STREAM_GAP_MS, STREAM_RESPONSES = 10, 60, 15, 4
 QUICK = ["--warmup", "0.5", "--window", "0.5", "--stable-windows", "2", "--max-windows", "6", "--stability", "25"]
 
 STREAM_MODEL = f'''
@@ -142,8 +142,9 @@ def test_compare_fails_a_slowed_model_and_passes_an_unchanged_one(bench_server, 
     base = run(bench_server, "bench_steady", tmp_path / "base.json")
     again = run(bench_server, "bench_steady", tmp_path / "again.json")
     slowed = run(bench_server, "bench_slowed", tmp_path / "slowed.json")
-    # sleep-dominated latency: stable enough on a shared machine for p50 and throughput
-    check = ["--ignore-key", "model", "--metric", "p50", "--metric", "qps", "--min-band", "20"]
+    # sleep-dominated latency and throughput; the band is wide because the test machine's 2 cores are
+    # shared with other jobs (a 10 ms sleep measured 9.4 then 12.4 ms p50 in one loaded run)
+    check = ["--ignore-key", "model", "--metric", "p50", "--metric", "qps", "--min-band", "50"]
     same = CliRunner().invoke(cli, ["bench", "compare", str(base), str(again), *check])
     assert same.exit_code == 0, same.output
     worse = CliRunner().invoke(cli, ["bench", "compare", str(base), str(slowed), *check])

@@ -269,7 +269,7 @@ def test_closed_loop_keeps_exactly_the_concurrency_outstanding():
     fake = FakeTransport(0.01)
     result = point(fake, [Target("m", ["p"])], "concurrency", 3)
     assert fake.most == 3 and result.records and all(r.target == "m" for r in result.records)
-    assert result.duration_s == pytest.approx(0.6, abs=0.2)
+    assert result.duration_s >= 0.59  # two windows of 0.3 s
 
 
 def test_open_loop_follows_the_rate_and_its_shape_and_labels_split_the_traffic():
