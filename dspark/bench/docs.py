@@ -75,16 +75,17 @@ def select(names: Sequence[str]) -> list[DocTable]:
 def refresh(tables: Sequence[DocTable], measure: Callable[[list[str]], None] | None,
             results_dir: Path = RESULTS_DIR, root: Path | None = None,
             echo: Callable[[str], None] = print) -> list[Path]:
-    """Measure each table (``measure`` runs `dspark` arguments; None re-renders the results already
-    in ``results_dir``) and rewrite its block. Returns the docs changed."""
+    """Measure every table (``measure`` runs `dspark` arguments; None re-renders the results already
+    in ``results_dir``), then rewrite their blocks: measuring first keeps the docs unchanged while
+    the benchmarks run, so each result's git state is the commit's. Returns the docs changed."""
     root = root or project_root()
-    changed = []
-    for table in tables:
-        if measure is not None:
+    if measure is not None:
+        for table in tables:
             echo(f"bench all: {table.name}: dspark {' '.join(args_for(table, results_dir))}")
             measure(args_for(table, results_dir))
-        result = load(table.json_path(results_dir))
+    changed = []
+    for table in tables:
         doc = root / table.doc
-        rewrite(doc, table.name, render(table, result, results_dir))
+        rewrite(doc, table.name, render(table, load(table.json_path(results_dir)), results_dir))
         changed.append(doc)
     return sorted(set(changed))
