@@ -7,7 +7,7 @@ replays its bytes. HTTP speaks KServe v2 with the binary-tensor extension over k
 connections (asyncio streams, one connection per request in flight); gRPC calls Triton's
 ModelInfer / ModelStreamInfer with prebuilt protos on one channel. Measured per request on the
 2-core dev VM: ~0.15 ms of client CPU for HTTP, against ~0.8 ms through tritonclient's aio
-client and ~0.45 ms through its sync client. Streaming also asks for the empty final response
+client and ~0.45 ms through its sync client; gRPC costs 0.4-0.6 ms in grpcio however it is called. Streaming also asks for the empty final response
 that marks the end of a decoupled model's answer (``triton_enable_empty_final_response``, which
 tritonclient's aio ``stream_infer`` cannot set), for time to first token and inter-token latency.
 """
