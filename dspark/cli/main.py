@@ -3,8 +3,7 @@ import click
 
 from dspark import __version__
 from dspark.cli import bench, bench_rollout, bench_router, info, llm, quantize, repo, rollout, route, serve
-from dspark.cli import bench_spec, kernels  # noqa: F401  (add `bench spec`, `bench kernels`, `bench pool`)
-from dspark.cli import accel  # noqa: F401  (adds `bench gemm`)
+from dspark.cli import bench_spec, kernels  # noqa: F401  (add `bench spec`; `bench micro`, `kernels`, `pool`, `gemm`)
 
 COMMANDS = [
     serve.serve,

@@ -12,7 +12,7 @@ from dspark.engines.fused_transformer import (
     save_weights,
     to_onnx,
 )
-from dspark.kernels.pool_trace import replay, serving_trace
+from dspark.bench.micro.pool_trace import replay, serving_trace
 
 CONFIG = TransformerConfig(vocab_size=100, max_positions=32, d_model=64, n_heads=4, d_ff=160, n_layers=2)
 

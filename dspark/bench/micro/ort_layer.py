@@ -52,6 +52,7 @@ class OrtFusedLayer:
 
     def __init__(self, gamma, beta, w, b, *, threads: int = 1, eps: float = 1e-5) -> None:
         so = make_session_options(threads, 1, graph_optimization_level="all")
+        so.log_severity_level = 3  # no warning for saving the optimized graph: it is only read back for its op types
         with tempfile.TemporaryDirectory() as tmp:
             so.optimized_model_filepath = os.path.join(tmp, "opt.onnx")
             self.session = ort.InferenceSession(layer_graph(gamma, beta, w, b, eps).SerializeToString(),

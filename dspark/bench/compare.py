@@ -1,0 +1,169 @@
+"""`bench compare BASE NEW`: the check step of plan-do-check-act.
+
+Rows of the two results are matched by the result's key fields (e.g. model, protocol, level).
+For each metric the result declares (and both rows have), the ratio NEW/BASE is set against a
+noise band: the root-sum-square of the two rows' relative bands (the spread of the windows or
+rounds of each run, and, when BASE or NEW is a folder of repeated runs, the spread across those
+runs), at least ``min_band``. A change beyond the band in the bad direction is a regression.
+A target (``qps=+20%``, ``p99=-10%``) must be met by the ratio itself. Either failing makes
+the comparison fail.
+"""
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from dspark.bench.results import BenchResult, Metric, load, relative_band
+from dspark.bench.table import Column, format_table
+from dspark.errors import ConfigError
+
+TARGET = re.compile(r"^\s*([A-Za-z0-9_.]+)\s*=\s*([+-]?\d+(?:\.\d+)?)\s*%\s*$")
+ABSOLUTE_ZERO_TOLERANCE = 1e-3  # a metric whose base is 0 (error rate) regresses beyond this
+
+
+@dataclass(frozen=True)
+class Target:
+    metric: str
+    change: float  # +0.20: at least 20 % higher; -0.10: at least 10 % lower
+
+    def met(self, ratio: float) -> bool:
+        return ratio - 1 >= self.change if self.change >= 0 else ratio - 1 <= self.change
+
+    def __str__(self) -> str:
+        return f"{self.metric}={self.change:+.0%}"
+
+
+def parse_targets(texts: Sequence[str]) -> list[Target]:
+    targets = []
+    for text in texts:
+        for part in text.replace(",", " ").split():
+            match = TARGET.match(part)
+            if not match:
+                raise ConfigError("target", f"{part!r}: expected METRIC=+N% or METRIC=-N%, e.g. qps=+20% p99=-10%")
+            targets.append(Target(match.group(1), float(match.group(2)) / 100))
+    return targets
+
+
+def resolve_metric(name: str, metrics: Sequence[Metric]) -> Metric:
+    keys = {m.key: m for m in metrics}
+    for candidate in (name, f"{name}_ms"):
+        if candidate in keys:
+            return keys[candidate]
+    raise ConfigError("target", f"no metric {name!r} in these results; they have {', '.join(keys)}")
+
+
+@dataclass
+class Check:
+    point: str
+    metric: str
+    base: float
+    new: float
+    ratio: float
+    band: float
+    target: str | None
+    verdict: str  # ok, improved, regression, missed, met
+
+    @property
+    def failed(self) -> bool:
+        return self.verdict in ("regression", "missed")
+
+
+def merge_runs(results: Sequence[BenchResult], where: str) -> BenchResult:
+    """Repeated runs of one benchmark as one result: each metric the median over the runs, its
+    band the larger of the runs' own band (median) and the spread across runs."""
+    first = results[0]
+    if any(r.benchmark != first.benchmark for r in results):
+        raise ConfigError("benchmark", f"{where} mixes {sorted({r.benchmark for r in results})}")
+    by_key: dict[tuple, list[dict]] = {}
+    for result in results:
+        for row in result.rows:
+            by_key.setdefault(result.key_of(row), []).append(row)
+    rows = []
+    for rows_of_key in by_key.values():
+        merged = dict(rows_of_key[0])
+        merged["band"] = {}
+        for metric in first.metrics:
+            values = [r[metric.key] for r in rows_of_key if isinstance(r.get(metric.key), (int, float))]
+            if not values:
+                continue
+            merged[metric.key] = statistics.median(values)
+            own = statistics.median(r.get("band", {}).get(metric.key, 0.0) for r in rows_of_key)
+            merged["band"][metric.key] = max(own, relative_band(values))
+        merged["runs"] = len(rows_of_key)
+        rows.append(merged)
+    return BenchResult(first.benchmark, first.settings, rows, first.columns, first.key_fields, first.metrics,
+                       first.notes, {}, first.group_by, first.machine, first.git, first.command, first.created)
+
+
+def load_side(path: Path) -> BenchResult:
+    """A result file, or a folder of repeated runs (every *.json in it)."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.json"))
+        if not files:
+            raise ConfigError("", "no *.json results in this folder", path)
+        return merge_runs([load(f) for f in files], str(path))
+    return load(path)
+
+
+def _describe(result: BenchResult, row: dict, ignore: Sequence[str]) -> str:
+    return ", ".join(f"{k}={row[k]}" for k in result.key_fields if k not in ignore and row.get(k) is not None) or "all"
+
+
+def compare(base: BenchResult, new: BenchResult, targets: Sequence[Target] = (), min_band: float = 0.02,
+            ignore_keys: Sequence[str] = (), metrics: Sequence[str] = ()) -> list[Check]:
+    if base.benchmark != new.benchmark:
+        raise ConfigError("benchmark", f"BASE is {base.benchmark!r} but NEW is {new.benchmark!r}: compare like with like")
+    keys = [k for k in base.key_fields if k not in ignore_keys]
+    index = {tuple(row.get(k) for k in keys): row for row in base.rows}
+    wanted = [resolve_metric(m, base.metrics) for m in metrics] if metrics else list(base.metrics)
+    target_of = {resolve_metric(t.metric, base.metrics).key: t for t in targets}
+    wanted += [m for m in base.metrics if m.key in target_of and m not in wanted]
+    checks: list[Check] = []
+    matched = 0
+    for row in new.rows:
+        base_row = index.get(tuple(row.get(k) for k in keys))
+        if base_row is None:
+            continue
+        matched += 1
+        point = _describe(new, row, ignore_keys)
+        for metric in wanted:
+            b, n = base_row.get(metric.key), row.get(metric.key)
+            if not isinstance(b, (int, float)) or not isinstance(n, (int, float)) or b != b or n != n:
+                continue
+            band = max(min_band, math.hypot(base_row.get("band", {}).get(metric.key, 0.0),
+                                            row.get("band", {}).get(metric.key, 0.0)))
+            target = target_of.get(metric.key)
+            if b == 0:
+                ratio = 1.0 if n == 0 else math.inf
+                worse = metric.better == "lower" and n > ABSOLUTE_ZERO_TOLERANCE
+                better = metric.better == "higher" and n > 0
+            else:
+                ratio = n / b
+                worse = ratio > 1 + band if metric.better == "lower" else ratio < 1 - band
+                better = ratio < 1 - band if metric.better == "lower" else ratio > 1 + band
+            verdict = "regression" if worse else "improved" if better else "ok"
+            if target is not None:
+                verdict = "met" if target.met(ratio) and not worse else "missed"
+            checks.append(Check(point, metric.key, float(b), float(n), ratio, band,
+                                str(target) if target else None, verdict))
+    if not matched:
+        raise ConfigError("rows", f"no row of NEW matches a row of BASE on {', '.join(keys)} "
+                          "(--ignore-key model compares different models at the same settings)")
+    missing = [str(t) for t in targets if not any(c.target == str(t) for c in checks)]
+    if missing:
+        raise ConfigError("target", f"{', '.join(missing)}: no matched row has that metric in both results")
+    return checks
+
+
+CHECK_COLUMNS = [Column("point"), Column("metric"), Column("base", "base", ".4g"), Column("new", "new", ".4g"),
+                 Column("ratio", "new/base", ".3f"), Column("band", "± band", ".1%"), Column("target"),
+                 Column("verdict")]
+
+
+def format_checks(checks: Sequence[Check]) -> str:
+    return format_table([vars(c) for c in checks], CHECK_COLUMNS)

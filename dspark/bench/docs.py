@@ -1,0 +1,91 @@
+"""Reproducible docs: the tables between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``
+in the docs are written by `dspark bench all` from results it measures at HEAD with a committed
+command (DOC_TABLES), never by hand. Each block says the command, the commit and the CPU."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from dspark.bench.results import BenchResult, header_line, load
+from dspark.errors import ConfigError
+from dspark.paths import project_root
+
+RESULTS_DIR = Path("bench-results/docs")
+
+
+@dataclass(frozen=True)
+class DocTable:
+    name: str               # the marker name
+    doc: str                # the file under the project root
+    args: tuple[str, ...]   # `dspark` arguments that measure it; {json} is the result path
+
+    def json_path(self, results_dir: Path) -> Path:
+        return results_dir / f"{self.name}.json"
+
+    def command(self, results_dir: Path) -> list[str]:
+        return [a.replace("{json}", str(self.json_path(results_dir))) for a in self.args]
+
+
+DOC_TABLES: tuple[DocTable, ...] = (
+    DocTable("kernels", "docs/kernels.md", ("bench", "kernels", "--json", "{json}")),
+    DocTable("fused-blocks", "docs/kernels.md", ("bench", "micro", "fused-blocks", "--out", "{dir}")),
+    DocTable("sgemm", "docs/kernels.md", ("bench", "micro", "sgemm", "--out", "{dir}")),
+    DocTable("pool", "docs/kernels.md", ("bench", "pool", "--json", "{json}")),
+    DocTable("gemm", "docs/accelerators.md", ("bench", "gemm", "--rounds", "31", "--json-out", "{json}")),
+    DocTable("crosscheck", "docs/bench.md", ("bench", "crosscheck", "--repeats", "3", "--json", "{json}")),
+)
+
+
+def args_for(table: DocTable, results_dir: Path) -> list[str]:
+    """The `dspark` arguments that measure a table into ``results_dir``."""
+    return [a.replace("{dir}", str(results_dir)) for a in table.command(results_dir)]
+
+
+def marker(name: str) -> re.Pattern:
+    return re.compile(rf"(<!-- bench:{re.escape(name)} -->\n)(.*?)(<!-- /bench:{re.escape(name)} -->)", re.S)
+
+
+def render(table: DocTable, result: BenchResult, results_dir: Path) -> str:
+    """The block between the markers: how it was made, then the table, then the result's notes."""
+    lines = [f"`dspark {' '.join(args_for(table, results_dir))}` ({header_line(result)}; "
+             f"written by `dspark bench all`):", "", result.table(markdown=True), ""]
+    lines += [f"- {note}" for note in result.notes]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def rewrite(doc: Path, name: str, block: str) -> None:
+    text = doc.read_text()
+    pattern = marker(name)
+    if not pattern.search(text):
+        raise ConfigError(f"<!-- bench:{name} -->", "marker pair not found (add <!-- bench:NAME --> and "
+                          f"<!-- /bench:NAME --> around the table)", doc)
+    doc.write_text(pattern.sub(lambda m: m.group(1) + block + m.group(3), text, count=1))
+
+
+def select(names: Sequence[str]) -> list[DocTable]:
+    known = {t.name: t for t in DOC_TABLES}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError("table", f"no docs table {unknown[0]!r}; known: {', '.join(known)}")
+    return [known[n] for n in names] if names else list(DOC_TABLES)
+
+
+def refresh(tables: Sequence[DocTable], measure: Callable[[list[str]], None] | None,
+            results_dir: Path = RESULTS_DIR, root: Path | None = None,
+            echo: Callable[[str], None] = print) -> list[Path]:
+    """Measure every table (``measure`` runs `dspark` arguments; None re-renders the results already
+    in ``results_dir``), then rewrite their blocks: measuring first keeps the docs unchanged while
+    the benchmarks run, so each result's git state is the commit's. Returns the docs changed."""
+    root = root or project_root()
+    if measure is not None:
+        for table in tables:
+            echo(f"bench all: {table.name}: dspark {' '.join(args_for(table, results_dir))}")
+            measure(args_for(table, results_dir))
+    changed = []
+    for table in tables:
+        doc = root / table.doc
+        rewrite(doc, table.name, render(table, load(table.json_path(results_dir)), results_dir))
+        changed.append(doc)
+    return sorted(set(changed))
