@@ -265,13 +265,35 @@ print(json.dumps({{"python": base, "imports": imported, "loaded": loaded, "one_r
     write_results("memory", {"threads": args.threads, "context": args.context}, [rss], table)
 
 
+def _advertises_amx() -> bool:
+    return "amx_tile" in Path("/proc/cpuinfo").read_text()
+
+
 def _llama(args, logits_all: bool):
+    """llama.cpp on the same GGUF and thread count. Where the CPU advertises AMX, llama.cpp's
+    extra buffer types (its AMX and repacked-weight kernels) are turned off: in this VM the AMX
+    tile instructions fault (SIGILL in ggml_backend_amx_mul_mat) although the kernel grants the
+    permission, so the usable llama.cpp here is the one without them."""
     try:
+        import llama_cpp
         from llama_cpp import Llama
     except ImportError:
         sys.exit("llama-cpp-python is not installed: make bench-deps")
-    return Llama(model_path=str(installed_smollm2()), n_ctx=args.n_ctx, n_threads=args.threads,
-                 n_threads_batch=args.threads, n_batch=512, logits_all=logits_all, verbose=False)
+    extra = args.llama_extra_bufts if args.llama_extra_bufts is not None else not _advertises_amx()
+    args.llama_extra_bufts = extra  # recorded with the results
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+    def model_params():
+        params = defaults()
+        params.use_extra_bufts = extra
+        return params
+
+    llama_cpp.llama_cpp.llama_model_default_params = model_params
+    try:
+        return Llama(model_path=str(installed_smollm2()), n_ctx=args.n_ctx, n_threads=args.threads,
+                     n_threads_batch=args.threads, n_batch=512, logits_all=logits_all, verbose=False)
+    finally:
+        llama_cpp.llama_cpp.llama_model_default_params = defaults
 
 
 def _llama_tokens(llm, text: str) -> list[int]:
@@ -336,7 +358,8 @@ def cmd_quality(args) -> None:
     for r in agreement:
         if not r["identical"]:
             table += f"\n- {r['kind']}: differ after {r['common_prefix']} tokens"
-    write_results("quality", {"threads": args.threads, "new_tokens": args.new_tokens}, rows, table)
+    write_results("quality", {"threads": args.threads, "new_tokens": args.new_tokens,
+                              "llama_extra_bufts": args.llama_extra_bufts}, rows, table)
 
 
 def cmd_speed(args) -> None:
@@ -386,7 +409,8 @@ def cmd_speed(args) -> None:
              + f"| ratio ours / llama.cpp | {dec['ours'] / dec['llama.cpp']:.2f}x | "
                f"{med['ours'] / med['llama.cpp']:.2f}x |\n")
     write_results("speed", {"threads": args.threads, "new_tokens": args.new_tokens, "prompts": len(prompts),
-                            "repeats": args.repeats, "ort_spinning": args.spinning}, rows, table)
+                            "repeats": args.repeats, "ort_spinning": args.spinning,
+                            "llama_extra_bufts": args.llama_extra_bufts}, rows, table)
 
 
 def main() -> None:
@@ -416,12 +440,16 @@ def main() -> None:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--n-ctx", type=int, default=1024)
+    p.add_argument("--llama-extra-bufts", type=lambda v: v == "on", choices=[True, False], default=None,
+                   metavar="on|off", help="llama.cpp's extra buffer types (default: off where the CPU advertises AMX)")
     p = sub.add_parser("speed")
     p.add_argument("--spinning", action="store_true", help="let ORT's threads spin between calls")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--n-ctx", type=int, default=1024)
+    p.add_argument("--llama-extra-bufts", type=lambda v: v == "on", choices=[True, False], default=None,
+                   metavar="on|off", help="llama.cpp's extra buffer types (default: off where the CPU advertises AMX)")
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
