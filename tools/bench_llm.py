@@ -1,6 +1,7 @@
 """Measure the SmolLM2 target on ONNX Runtime (dspark/llm), against llama.cpp where it is installed.
 
     python tools/bench_llm.py variants   # graph variants: accuracy_level, GQA vs plain-ops attention, rows
+    python tools/bench_llm.py head       # the tied Q8_0 head: 8-bit MatMulNBits vs float32 MatMul
     python tools/bench_llm.py context    # per-token cost at context 128/512/2048
     python tools/bench_llm.py batch      # forward_batch of N requests vs N calls
     python tools/bench_llm.py memory     # resident memory: loaded, one request at 2048 tokens
@@ -184,6 +185,47 @@ def cmd_variants(args) -> None:
     write_results("variants", {"threads": args.threads, "context": args.context, "repeats": args.repeats,
                                "clock": args.clock},
                   results, table)
+
+
+def cmd_head(args) -> None:
+    """The tied Q8_0 head (49152 x 576) alone: 8-bit MatMulNBits vs the dequantized float32 MatMul."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dspark.engines.onnx_session import make_session_options
+    from dspark.llm.quant import QK, dequantize, to_nbits
+
+    model = GGUFModel(installed_smollm2())
+    w = to_nbits(model.raw("token_embd.weight"), "Q8_0", *model.shape("token_embd.weight"))
+    graphs = {
+        "MatMulNBits 8-bit, int8 activations": helper.make_node(
+            "MatMulNBits", ["x", "q", "s"], ["y"], domain="com.microsoft", K=w.k, N=w.n, bits=8,
+            block_size=QK, accuracy_level=4),
+        "MatMul float32 (dequantized)": helper.make_node("MatMul", ["x", "wt"], ["y"]),
+    }
+    inits = {"MatMulNBits 8-bit, int8 activations": [numpy_helper.from_array(w.packed, "q"),
+                                                    numpy_helper.from_array(w.scales, "s")],
+             "MatMul float32 (dequantized)": [numpy_helper.from_array(np.ascontiguousarray(dequantize(w).T), "wt")]}
+    sessions = {}
+    for name, node in graphs.items():
+        graph = helper.make_graph([node], "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", w.k])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", w.n])], inits[name])
+        proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+        sessions[name] = ort.InferenceSession(proto.SerializeToString(), make_session_options(args.threads, 1),
+                                              providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((16, w.k)).astype(np.float32)
+    samples: dict[tuple, list[float]] = {}
+    for _ in range(args.repeats):
+        for rows in (2, 8):
+            for name, session in sessions.items():
+                start = CLOCK()
+                session.run(None, {"x": x[:rows]})
+                samples.setdefault((name, rows), []).append(CLOCK() - start)
+    results = [{"head": n, "rows": r, "ms": _median_ms(v)} for (n, r), v in samples.items()]
+    table = "| head | 2 rows (ms) | 8 rows (ms) | bytes read |\n|---|---|---|---|\n"
+    for name in sessions:
+        size = w.packed.nbytes + w.scales.nbytes if "NBits" in name else w.n * w.k * 4
+        table += f"| {name} | {_median_ms(samples[(name, 2)])} | {_median_ms(samples[(name, 8)])} | {size / 1e6:.0f} MB |\n"
+    write_results("head", {"threads": args.threads, "repeats": args.repeats, "clock": args.clock}, results, table)
 
 
 def cmd_context(args) -> None:
@@ -425,6 +467,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--keep", help="folder for the variant graphs (kept for the next run)")
+    p = sub.add_parser("head")
+    p.add_argument("--repeats", type=int, default=7)
     p = sub.add_parser("context")
     p.add_argument("--contexts", default="128,512,2048")
     p.add_argument("--repeats", type=int, default=7)
@@ -453,7 +497,7 @@ def main() -> None:
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
-    {"variants": cmd_variants, "context": cmd_context, "batch": cmd_batch, "memory": cmd_memory,
+    {"variants": cmd_variants, "head": cmd_head, "context": cmd_context, "batch": cmd_batch, "memory": cmd_memory,
      "quality": cmd_quality, "speed": cmd_speed}[args.command](args)
 
 
