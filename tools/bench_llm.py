@@ -360,7 +360,7 @@ def _chat(tokenizer: LlamaTokenizer, text: str) -> list[int]:
 
 
 def cmd_quality(args) -> None:
-    folder = smollm2_dir()
+    folder = Path(args.folder) if args.folder else smollm2_dir()
     tokenizer = LlamaTokenizer.load(folder / "tokenizer.json")
     runtime = OnnxLlama(folder / "model.onnx", threads=args.threads, max_context=max(args.window, 256))
     llm = _llama(args, logits_all=True)
@@ -400,7 +400,7 @@ def cmd_quality(args) -> None:
     for r in agreement:
         if not r["identical"]:
             table += f"\n- {r['kind']}: differ after {r['common_prefix']} tokens"
-    write_results("quality", {"threads": args.threads, "new_tokens": args.new_tokens,
+    write_results("quality", {"threads": args.threads, "new_tokens": args.new_tokens, "folder": str(folder),
                               "llama_extra_bufts": args.llama_extra_bufts}, rows, table)
 
 
@@ -480,6 +480,7 @@ def main() -> None:
     p = sub.add_parser("memory")
     p.add_argument("--context", type=int, default=2048)
     p = sub.add_parser("quality")
+    p.add_argument("--folder", help="an import other than the demo's (e.g. one made with --accuracy-level 1)")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=32)
