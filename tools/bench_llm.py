@@ -1,6 +1,7 @@
 """Measure the SmolLM2 target on ONNX Runtime (dspark/llm), against llama.cpp where it is installed.
 
     python tools/bench_llm.py variants   # graph variants: accuracy_level, GQA vs plain-ops attention, rows
+    python tools/bench_llm.py head       # the tied Q8_0 head: 8-bit MatMulNBits vs float32 MatMul
     python tools/bench_llm.py context    # per-token cost at context 128/512/2048
     python tools/bench_llm.py batch      # forward_batch of N requests vs N calls
     python tools/bench_llm.py memory     # resident memory: loaded, one request at 2048 tokens
@@ -186,6 +187,47 @@ def cmd_variants(args) -> None:
                   results, table)
 
 
+def cmd_head(args) -> None:
+    """The tied Q8_0 head (49152 x 576) alone: 8-bit MatMulNBits vs the dequantized float32 MatMul."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dspark.engines.onnx_session import make_session_options
+    from dspark.llm.quant import QK, dequantize, to_nbits
+
+    model = GGUFModel(installed_smollm2())
+    w = to_nbits(model.raw("token_embd.weight"), "Q8_0", *model.shape("token_embd.weight"))
+    graphs = {
+        "MatMulNBits 8-bit, int8 activations": helper.make_node(
+            "MatMulNBits", ["x", "q", "s"], ["y"], domain="com.microsoft", K=w.k, N=w.n, bits=8,
+            block_size=QK, accuracy_level=4),
+        "MatMul float32 (dequantized)": helper.make_node("MatMul", ["x", "wt"], ["y"]),
+    }
+    inits = {"MatMulNBits 8-bit, int8 activations": [numpy_helper.from_array(w.packed, "q"),
+                                                    numpy_helper.from_array(w.scales, "s")],
+             "MatMul float32 (dequantized)": [numpy_helper.from_array(np.ascontiguousarray(dequantize(w).T), "wt")]}
+    sessions = {}
+    for name, node in graphs.items():
+        graph = helper.make_graph([node], "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", w.k])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", w.n])], inits[name])
+        proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+        sessions[name] = ort.InferenceSession(proto.SerializeToString(), make_session_options(args.threads, 1),
+                                              providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((16, w.k)).astype(np.float32)
+    samples: dict[tuple, list[float]] = {}
+    for _ in range(args.repeats):
+        for rows in (2, 8):
+            for name, session in sessions.items():
+                start = CLOCK()
+                session.run(None, {"x": x[:rows]})
+                samples.setdefault((name, rows), []).append(CLOCK() - start)
+    results = [{"head": n, "rows": r, "ms": _median_ms(v)} for (n, r), v in samples.items()]
+    table = "| head | 2 rows (ms) | 8 rows (ms) | bytes read |\n|---|---|---|---|\n"
+    for name in sessions:
+        size = w.packed.nbytes + w.scales.nbytes if "NBits" in name else w.n * w.k * 4
+        table += f"| {name} | {_median_ms(samples[(name, 2)])} | {_median_ms(samples[(name, 8)])} | {size / 1e6:.0f} MB |\n"
+    write_results("head", {"threads": args.threads, "repeats": args.repeats, "clock": args.clock}, results, table)
+
+
 def cmd_context(args) -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     runtime = OnnxLlama(smollm2_dir() / "model.onnx", threads=args.threads, max_context=max(contexts) + 64)
@@ -265,13 +307,35 @@ print(json.dumps({{"python": base, "imports": imported, "loaded": loaded, "one_r
     write_results("memory", {"threads": args.threads, "context": args.context}, [rss], table)
 
 
+def _advertises_amx() -> bool:
+    return "amx_tile" in Path("/proc/cpuinfo").read_text()
+
+
 def _llama(args, logits_all: bool):
+    """llama.cpp on the same GGUF and thread count. Where the CPU advertises AMX, llama.cpp's
+    extra buffer types (its AMX and repacked-weight kernels) are turned off: in this VM the AMX
+    tile instructions fault (SIGILL in ggml_backend_amx_mul_mat) although the kernel grants the
+    permission, so the usable llama.cpp here is the one without them."""
     try:
+        import llama_cpp
         from llama_cpp import Llama
     except ImportError:
         sys.exit("llama-cpp-python is not installed: make bench-deps")
-    return Llama(model_path=str(installed_smollm2()), n_ctx=args.n_ctx, n_threads=args.threads,
-                 n_threads_batch=args.threads, n_batch=512, logits_all=logits_all, verbose=False)
+    extra = args.llama_extra_bufts if args.llama_extra_bufts is not None else not _advertises_amx()
+    args.llama_extra_bufts = extra  # recorded with the results
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+    def model_params():
+        params = defaults()
+        params.use_extra_bufts = extra
+        return params
+
+    llama_cpp.llama_cpp.llama_model_default_params = model_params
+    try:
+        return Llama(model_path=str(installed_smollm2()), n_ctx=args.n_ctx, n_threads=args.threads,
+                     n_threads_batch=args.threads, n_batch=512, logits_all=logits_all, verbose=False)
+    finally:
+        llama_cpp.llama_cpp.llama_model_default_params = defaults
 
 
 def _llama_tokens(llm, text: str) -> list[int]:
@@ -296,7 +360,7 @@ def _chat(tokenizer: LlamaTokenizer, text: str) -> list[int]:
 
 
 def cmd_quality(args) -> None:
-    folder = smollm2_dir()
+    folder = Path(args.folder) if args.folder else smollm2_dir()
     tokenizer = LlamaTokenizer.load(folder / "tokenizer.json")
     runtime = OnnxLlama(folder / "model.onnx", threads=args.threads, max_context=max(args.window, 256))
     llm = _llama(args, logits_all=True)
@@ -336,7 +400,8 @@ def cmd_quality(args) -> None:
     for r in agreement:
         if not r["identical"]:
             table += f"\n- {r['kind']}: differ after {r['common_prefix']} tokens"
-    write_results("quality", {"threads": args.threads, "new_tokens": args.new_tokens}, rows, table)
+    write_results("quality", {"threads": args.threads, "new_tokens": args.new_tokens, "folder": str(folder),
+                              "llama_extra_bufts": args.llama_extra_bufts}, rows, table)
 
 
 def cmd_speed(args) -> None:
@@ -386,7 +451,8 @@ def cmd_speed(args) -> None:
              + f"| ratio ours / llama.cpp | {dec['ours'] / dec['llama.cpp']:.2f}x | "
                f"{med['ours'] / med['llama.cpp']:.2f}x |\n")
     write_results("speed", {"threads": args.threads, "new_tokens": args.new_tokens, "prompts": len(prompts),
-                            "repeats": args.repeats, "ort_spinning": args.spinning}, rows, table)
+                            "repeats": args.repeats, "ort_spinning": args.spinning,
+                            "llama_extra_bufts": args.llama_extra_bufts}, rows, table)
 
 
 def main() -> None:
@@ -401,6 +467,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--keep", help="folder for the variant graphs (kept for the next run)")
+    p = sub.add_parser("head")
+    p.add_argument("--repeats", type=int, default=7)
     p = sub.add_parser("context")
     p.add_argument("--contexts", default="128,512,2048")
     p.add_argument("--repeats", type=int, default=7)
@@ -412,20 +480,25 @@ def main() -> None:
     p = sub.add_parser("memory")
     p.add_argument("--context", type=int, default=2048)
     p = sub.add_parser("quality")
+    p.add_argument("--folder", help="an import other than the demo's (e.g. one made with --accuracy-level 1)")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--n-ctx", type=int, default=1024)
+    p.add_argument("--llama-extra-bufts", type=lambda v: v == "on", choices=[True, False], default=None,
+                   metavar="on|off", help="llama.cpp's extra buffer types (default: off where the CPU advertises AMX)")
     p = sub.add_parser("speed")
     p.add_argument("--spinning", action="store_true", help="let ORT's threads spin between calls")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--n-ctx", type=int, default=1024)
+    p.add_argument("--llama-extra-bufts", type=lambda v: v == "on", choices=[True, False], default=None,
+                   metavar="on|off", help="llama.cpp's extra buffer types (default: off where the CPU advertises AMX)")
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
-    {"variants": cmd_variants, "context": cmd_context, "batch": cmd_batch, "memory": cmd_memory,
+    {"variants": cmd_variants, "head": cmd_head, "context": cmd_context, "batch": cmd_batch, "memory": cmd_memory,
      "quality": cmd_quality, "speed": cmd_speed}[args.command](args)
 
 

@@ -23,10 +23,10 @@ projection; the head is the (tied) embedding matrix. Matrices in Q4_0/Q4_1/Q8_0 
 ``MatMulNBits`` (see :mod:`dspark.llm.quant`), float ones a MatMul.
 
 Greedy speculation must equal plain decoding: the runtime pads every call to at least
-``MIN_ROWS`` rows, and the kernels used here give a row the same bits whatever the number of
-rows and masked keys (MatMulNBits with int8 activations quantizes and accumulates per row;
-attention's softmax runs over a row's causal length, masked keys add exact zeros).
-``tests/unit/test_llm_runtime.py`` checks chains and trees bit for bit.
+``MIN_ROWS`` rows; then a row's bits depend neither on how many rows share the call nor on the
+other requests of a batch (MatMulNBits quantizes activations and accumulates per row; attention's
+softmax runs over the row's own causal length). ``tests/unit/test_llm_runtime.py`` checks chains
+and batches bit for bit; tree rows are exact but not bitwise (docs/llm.md).
 """
 from __future__ import annotations
 
@@ -50,10 +50,14 @@ class _Graph:
     def __init__(self):
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
+        self._names: set[str] = set()
         self._n = 0
 
     def const(self, name: str, value) -> str:
-        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
+        """An initializer (made once: a second call with the same name reuses the first)."""
+        if name not in self._names:
+            self._names.add(name)
+            self.inits.append(numpy_helper.from_array(np.asarray(value), name))
         return name
 
     def op(self, op_type: str, *inputs: str, n_out: int = 1, outputs=None, domain: str = "", **attrs):
@@ -108,10 +112,9 @@ class _Weights:
         return self.g.op("Gemm", sums, self.g.const(label + ".m", np.ascontiguousarray(w.offsets.T)), y)
 
     def _block_indicator(self, k: int) -> str:
-        name = f"block_indicator_{k}"
-        if not any(t.name == name for t in self.g.inits):
-            self.g.const(name, np.kron(np.eye(k // QK, dtype=np.float32), np.ones((QK, 1), np.float32)))
-        return name
+        """``[k, k / 32]`` of 0/1: ``x @ it`` sums x over each block of 32 inputs."""
+        return self.g.const(f"block_indicator_{k}",
+                            np.kron(np.eye(k // QK, dtype=np.float32), np.ones((QK, 1), np.float32)))
 
     def embedding(self, ids: str) -> str:
         name = "token_embd.weight"
@@ -140,7 +143,9 @@ def _attention_ops(g: _Graph, cfg: LlamaConfig, i: int, qkv: str) -> str:
     by the runtime: ``past_*`` ``[B, kv_heads, P, head_dim]`` in, ``present_*`` = past + the T new
     rows out, as HF exports do (the whole cache is copied every call)."""
     h, kvh, dh, group = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.group
-    c = lambda name, v: name if any(t.name == name for t in g.inits) else g.const(name, np.array(v, np.int64))
+    def c(name: str, values: list[int]) -> str:
+        return g.const(name, np.array(values, np.int64))
+
     q, k, v = g.op("Split", qkv, c("ops.split", [h * dh, kvh * dh, kvh * dh]), axis=-1, n_out=3)
     rope = dict(domain=MS_DOMAIN, interleaved=1)
     q = g.op("RotaryEmbedding", q, "position_ids", "rope.cos", "rope.sin", **rope)

@@ -184,7 +184,8 @@ class OnnxLlama:
         ``tree_mask`` (T x T bool, default causal; a tree's nodes come after their parents and
         each sees itself) says which new tokens see which; ``past_visible`` (T x length,
         default all) which cached rows they see. The new rows are appended to the cache.
-        With ``want_taps`` the result is ``(logits, taps)``.
+        With ``want_taps`` the result is ``(logits, taps)``. A chain's rows have the bits plain
+        decoding would give them; a tree's rows are exact but not bitwise (docs/llm.md).
         """
         tokens = np.asarray(tokens, np.int64).reshape(-1)
         if len(tokens) == 0:
