@@ -12,6 +12,7 @@ wait at most max_queue_wait_ms, beyond that UNAVAILABLE); a request's loop check
 cancellation every round; finalize cancels what runs and drains it.
 """
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -25,11 +26,15 @@ from dspark.decoding.sampling import SpeculativeParams
 from dspark.decoding.serving import RequestPool, ServingConfig
 from dspark.decoding.stats import DecodeStats
 from dspark.decoding.text import send_coalesced
-from dspark.errors import ConfigError, RequestError
+from dspark.errors import ConfigError, RequestError, UnavailableError
 from dspark.triton.adapter import config_parameters, triton_error
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 DRAIN_TIMEOUT_S = 3.0  # finalize: requests in flight end at their next round, well within this
+# Triton calls finalize only once every request has had its final response, so a model with
+# requests in flight learns of an unload (or a server stop) by its own state: while busy, it
+# asks every this many seconds whether it is still READY, and stops its requests when not.
+UNLOAD_POLL_S = 0.25
 
 INPUTS = [
     {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
@@ -63,6 +68,12 @@ def _text(request, name):
                                  f"{error.start}); send UTF-8 text") from None
 
 
+def _model_file(repository: Path, name: str) -> Path:
+    """A sibling model's graph (``name``), or a model folder given relative to this one."""
+    folder = repository / name if "/" in name else repository.parent / name
+    return (folder / "1" / "model.onnx").resolve()
+
+
 def _text_tensor(text: str):
     return pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))
 
@@ -94,9 +105,8 @@ class TritonPythonModel:
         version_dir = repository / args["model_version"]
         self.config = settings = ServingConfig.from_parameters(
             config_parameters(config), repository / "config.pbtxt")
-        target = repository.parent / settings.target_model / "1" / "model.onnx"
-        draft = (repository.parent / settings.draft_model / "1" / "model.onnx"
-                 if settings.draft_model else None)
+        target = _model_file(repository, settings.target_model)
+        draft = _model_file(repository, settings.draft_model) if settings.draft_model else None
         tokenizer = version_dir / settings.tokenizer
         for path in (target, draft, tokenizer):
             if path is not None and not path.is_file():
@@ -116,14 +126,35 @@ class TritonPythonModel:
         self._init_metrics(args)
         self.pool = RequestPool(settings.max_concurrent_requests, settings.max_queued_requests,
                                 settings.max_queue_wait_ms / 1e3, name=args["model_name"])
+        self.name, self.version = args["model_name"], args["model_version"]
+        self.watcher = threading.Thread(target=self._watch_unload, name="unload-watch", daemon=True)
+        self.watcher.start()
         pb_utils.Logger.log_info(
             f"speculative backend: {args['model_name']} target={settings.target_model} "
             f"draft={settings.draft_model or 'none'} methods={self.generator.engine.methods} "
             f"default={settings.default_method} workers={settings.max_concurrent_requests} "
             f"batch_verification={settings.batch_verification}")
 
+    def _watch_unload(self):
+        while not self.pool.closing.wait(UNLOAD_POLL_S):
+            if self.pool.load == (0, 0):
+                continue
+            try:
+                ready = pb_utils.is_model_ready(model_name=self.name, model_version=self.version)
+            except Exception:  # noqa: BLE001 - the server is going away; finalize follows
+                ready = False
+            if not ready:
+                running, waiting = self.pool.load
+                pb_utils.Logger.log_info(f"speculative backend: {self.name} is unloading; stopping "
+                                         f"{running} running and {waiting} waiting requests")
+                self.pool.closing.set()
+
     def _init_metrics(self, args):
-        labels = {"model": args["model_name"], "version": args["model_version"]}
+        # Triton shares a Metric between stubs with equal labels, and the first stub to release it
+        # frees it for all (triton-inference-server/server#8663): a reload's new stub starts
+        # before the old one ends, so each stub's series carries its own pid.
+        labels = {"model": args["model_name"], "version": args["model_version"],
+                  "pid": str(os.getpid())}
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
         specs = {  # name: (kind, description); families must outlive their metrics
             "proposed": (counter, "Draft tokens proposed (tree: deepest path per target pass)"),
@@ -132,6 +163,7 @@ class TritonPythonModel:
             "target_passes": (counter, "Target model passes after the prompt"),
             "mean_accepted_length": (gauge, "Tokens per target pass, last request"),
             "tokens_per_second": (gauge, "Generated tokens per second, last request"),
+            "requests_running": (gauge, "Requests generating now"),
         }
         self.families, self.metrics = [], {}
         for key, (kind, description) in specs.items():
@@ -141,6 +173,7 @@ class TritonPythonModel:
             self.families.append(family)
             self.metrics[key] = family.Metric(labels=labels)
         self.metrics_lock = threading.Lock()
+        self.running = 0
 
     def execute(self, requests):
         for request in requests:
@@ -156,10 +189,18 @@ class TritonPythonModel:
                     flags=FINAL)
 
     def _serve(self, request, sender):
+        self._running(+1)
         try:
             self._generate(request, sender)
         except Exception as error:  # noqa: BLE001 - report, close the stream, keep serving
             self._fail(sender, error)
+        finally:
+            self._running(-1)
+
+    def _running(self, change: int):
+        with self.metrics_lock:
+            self.running += change
+            self.metrics["requests_running"].set(self.running)
 
     def _cancelled(self, sender):
         return lambda: self.pool.closing.is_set() or sender.is_cancelled()
@@ -184,23 +225,40 @@ class TritonPythonModel:
                                        cancelled=self._cancelled(sender))
         if stream:
             def send(text):
+                self._count_generated(stats)  # live, so a cancelled request is seen to stop
                 if not sender.is_cancelled():
                     sender.send(pb_utils.InferenceResponse(output_tensors=[_text_tensor(text)]))
 
             send_coalesced(pieces, send, self.stream_interval_s)
+            self._record(stats, time.perf_counter() - started)
+            self._unless_unloading(stats)
             sender.send(flags=FINAL)
         else:
             text = "".join(pieces)
+            self._record(stats, time.perf_counter() - started)
+            self._unless_unloading(stats)
             if not exclude and prompt:
                 text = prompt + text
             sender.send(pb_utils.InferenceResponse(output_tensors=[_text_tensor(text)]), flags=FINAL)
-        self._record(stats, time.perf_counter() - started)
+
+    def _unless_unloading(self, stats: DecodeStats):
+        """A request the unload stopped gets an error, not a text that looks complete."""
+        if stats.finish_reason == "cancelled" and self.pool.closing.is_set():
+            raise UnavailableError(f"{self.name} is unloading; the request was stopped after "
+                                   f"{stats.generated_tokens} tokens", "shutdown")
+
+    def _count_generated(self, stats: DecodeStats):
+        with self.metrics_lock:  # metric calls go to the server one at a time
+            new = stats.generated_tokens - stats.reported
+            if new > 0:
+                stats.reported += new
+                self.metrics["generated"].increment(new)
 
     def _record(self, stats: DecodeStats, seconds: float):
+        self._count_generated(stats)
         with self.metrics_lock:
             self.metrics["proposed"].increment(stats.proposed)
             self.metrics["accepted"].increment(stats.accepted)
-            self.metrics["generated"].increment(stats.generated_tokens)
             self.metrics["target_passes"].increment(stats.rounds)
             self.metrics["mean_accepted_length"].set(stats.mean_accepted_length)
             if seconds > 0:
@@ -211,6 +269,7 @@ class TritonPythonModel:
         waits, then release the engine and the metric families."""
         started = time.monotonic()
         drained = self.pool.close(DRAIN_TIMEOUT_S)
+        self.watcher.join(DRAIN_TIMEOUT_S)
         self.generator.engine.close()
         self.metrics.clear()
         self.families.clear()
