@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dspark.decoding.models import toy_generator
+from dspark.decoding.models import llm_generator, toy_generator
 from dspark.decoding.request import parse_generate_options, parse_messages
 from dspark.decoding.sampling import SpeculativeParams
 from dspark.decoding.serving import RequestPool, ServingConfig
@@ -105,16 +105,28 @@ class TritonPythonModel:
         version_dir = repository / args["model_version"]
         self.config = settings = ServingConfig.from_parameters(
             config_parameters(config), repository / "config.pbtxt")
-        target = _model_file(repository, settings.target_model)
-        draft = _model_file(repository, settings.draft_model) if settings.draft_model else None
-        tokenizer = version_dir / settings.tokenizer
-        for path in (target, draft, tokenizer):
-            if path is not None and not path.is_file():
-                raise ConfigError("parameters", f"{path} does not exist: run `make setup` (it builds "
-                                                "the models) or fix the model's parameters")
-        self.generator = toy_generator(target, draft, tokenizer, settings.intra_op_threads,
-                                       settings.draft_runtime, settings.batch_verification,
-                                       settings.max_context or None)
+        if settings.llm_model:
+            folder = version_dir / settings.llm_model
+            if not (folder / "model.onnx").is_file():
+                raise ConfigError("parameters.llm_model", f"{folder}/model.onnx does not exist: run "
+                                  "`make setup` (it imports the model) or `dspark llm import`")
+            self.generator = llm_generator(folder, settings.intra_op_threads,
+                                           settings.max_context or None,
+                                           settings.batch_verification,
+                                           settings.max_concurrent_requests)
+            served = f"llm={settings.llm_model}"
+        else:
+            target = _model_file(repository, settings.target_model)
+            draft = _model_file(repository, settings.draft_model) if settings.draft_model else None
+            tokenizer = version_dir / settings.tokenizer
+            for path in (target, draft, tokenizer):
+                if path is not None and not path.is_file():
+                    raise ConfigError("parameters", f"{path} does not exist: run `make setup` (it "
+                                                    "builds the models) or fix the model's parameters")
+            self.generator = toy_generator(target, draft, tokenizer, settings.intra_op_threads,
+                                           settings.draft_runtime, settings.batch_verification,
+                                           settings.max_context or None)
+            served = f"target={settings.target_model} draft={settings.draft_model or 'none'}"
         self.default_spec = SpeculativeParams(
             method=settings.default_method, num_speculative_tokens=settings.num_speculative_tokens,
             tree_width=settings.tree_width)
@@ -130,8 +142,8 @@ class TritonPythonModel:
         self.watcher = threading.Thread(target=self._watch_unload, name="unload-watch", daemon=True)
         self.watcher.start()
         pb_utils.Logger.log_info(
-            f"speculative backend: {args['model_name']} target={settings.target_model} "
-            f"draft={settings.draft_model or 'none'} methods={self.generator.engine.methods} "
+            f"speculative backend: {args['model_name']} {served} "
+            f"context={self.generator.engine.context} methods={self.generator.engine.methods} "
             f"default={settings.default_method} workers={settings.max_concurrent_requests} "
             f"batch_verification={settings.batch_verification}")
 
@@ -208,14 +220,21 @@ class TritonPythonModel:
     def _generate(self, request, sender):
         prompt = _text(request, "text_input")
         messages = parse_messages(_text(request, "messages"))
-        options = parse_generate_options(_scalar(request, "sampling_parameters"), self.default_spec)
+        options = parse_generate_options(_scalar(request, "sampling_parameters"), self.default_spec,
+                                         self.generator.engine.methods)
         if messages is None and prompt is None:
             raise RequestError("text_input", "is required (or a messages input)")
         if messages is None and not prompt:
             raise RequestError("text_input", "is empty; give a prompt")
-        if messages is not None or options.chat:
-            raise RequestError("sampling_parameters.chat", "this model has no chat template")
-        ids = self.generator.encode(prompt)
+        if messages is not None and prompt:
+            raise RequestError("messages", "give text_input or messages, not both")
+        if messages is None and options.chat:
+            messages = [{"role": "user", "content": prompt}]
+        # a chat's reply is the assistant's message alone; a completion echoes its prompt
+        # unless exclude_input_in_output, as Triton's LLM backends do
+        echo = "" if messages is not None else prompt
+        ids = self.generator.encode_chat(messages) if messages is not None else \
+            self.generator.encode(prompt)
         self.generator.engine.check(ids, options.spec)  # before any model work
         stream = bool(_scalar(request, "stream"))
         exclude = bool(_scalar(request, "exclude_input_in_output"))
@@ -237,8 +256,8 @@ class TritonPythonModel:
             text = "".join(pieces)
             self._record(stats, time.perf_counter() - started)
             self._unless_unloading(stats)
-            if not exclude and prompt:
-                text = prompt + text
+            if not exclude:
+                text = echo + text
             sender.send(pb_utils.InferenceResponse(output_tensors=[_text_tensor(text)]), flags=FINAL)
 
     def _unless_unloading(self, stats: DecodeStats):

@@ -19,13 +19,16 @@ class ServingConfig(BaseModel):
     """The model config's ``parameters`` (strings in config.pbtxt, converted and checked here)."""
     model_config = ConfigDict(extra="forbid")
 
+    # a real LLM imported by `dspark llm import`: its folder, relative to the version folder;
+    # when set, target_model/draft_model/tokenizer (an LM pair in dspark's own graph format) are unused
+    llm_model: str = ""
     target_model: str = "spec_target"
     draft_model: str = "spec_draft"  # "" = none
     tokenizer: str = "tokenizer.json"
     default_method: str = "hybrid"
     num_speculative_tokens: int = Field(4, ge=1, le=16)
     tree_width: int = Field(4, ge=1, le=8)
-    intra_op_threads: int = Field(1, ge=1, le=256)
+    intra_op_threads: int = Field(2, ge=1, le=256)
     stream_interval_ms: int = Field(10, ge=0, le=10_000)
     draft_runtime: Literal["kernel", "onnxruntime"] = "kernel"
     max_concurrent_requests: int = Field(4, ge=1, le=256)
