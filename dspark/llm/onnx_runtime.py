@@ -258,6 +258,7 @@ class OnnxLlama:
             io.bind_cpu_input("position_ids", positions)
             io.bind_cpu_input("attention_bias", bias)
             io.bind_cpu_input("seqlens_k", seqlens)
+            io.bind_cpu_input("query_seqlens", np.full(batch, rows, np.int32))
             io.bind_cpu_input("logit_rows", np.concatenate(select))
             io.bind_output("logits")
             io.bind_output("taps")
