@@ -15,6 +15,8 @@ import json
 import os
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -27,13 +29,13 @@ from dspark.decoding.serving import RequestPool, ServingConfig
 from dspark.decoding.stats import DecodeStats
 from dspark.decoding.text import send_coalesced
 from dspark.errors import ConfigError, RequestError, UnavailableError
-from dspark.triton.adapter import config_parameters, triton_error
+from dspark.triton.adapter import config_parameters, server_http_url, triton_error
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 DRAIN_TIMEOUT_S = 3.0  # finalize: requests in flight end at their next round, well within this
 # Triton calls finalize only once every request has had its final response, so a model with
-# requests in flight learns of an unload (or a server stop) by its own state: while busy, it
-# asks every this many seconds whether it is still READY, and stops its requests when not.
+# requests in flight learns of an unload (or a server stop) from the server's health endpoints:
+# while busy, it asks every this many seconds whether the server and the model are still ready.
 UNLOAD_POLL_S = 0.25
 
 INPUTS = [
@@ -66,6 +68,15 @@ def _text(request, name):
     except UnicodeDecodeError as error:
         raise RequestError(name, f"is not valid UTF-8 (byte 0x{value[error.start]:02x} at offset "
                                  f"{error.start}); send UTF-8 text") from None
+
+
+def _http_ok(url: str) -> bool:
+    """True for 200, False for another status; OSError when the server does not answer."""
+    try:
+        with urllib.request.urlopen(url, timeout=UNLOAD_POLL_S * 4) as reply:
+            return reply.status == 200
+    except urllib.error.HTTPError:
+        return False
 
 
 def _model_file(repository: Path, name: str) -> Path:
@@ -148,18 +159,28 @@ class TritonPythonModel:
             f"batch_verification={settings.batch_verification}")
 
     def _watch_unload(self):
+        """While requests run, ask the server every UNLOAD_POLL_S whether it and this model are
+        still ready; when not, stop the requests (they end at their next round, answered)."""
+        base = server_http_url()
+        if base is None:
+            return
+        urls = [f"http://{base}/v2/health/ready",
+                f"http://{base}/v2/models/{self.name}/versions/{self.version}/ready"]
+        failures = 0
         while not self.pool.closing.wait(UNLOAD_POLL_S):
             if self.pool.load == (0, 0):
                 continue
             try:
-                ready = pb_utils.is_model_ready(model_name=self.name, model_version=self.version)
-            except Exception:  # noqa: BLE001 - the server is going away; finalize follows
-                ready = False
+                ready = all(_http_ok(url) for url in urls)
+                failures = 0
+            except OSError:  # the server is gone, or too busy to answer twice in a row
+                failures += 1
+                ready = failures < 2
             if not ready:
                 running, waiting = self.pool.load
+                self.pool.closing.set()
                 pb_utils.Logger.log_info(f"speculative backend: {self.name} is unloading; stopping "
                                          f"{running} running and {waiting} waiting requests")
-                self.pool.closing.set()
 
     def _init_metrics(self, args):
         # Triton shares a Metric between stubs with equal labels, and the first stub to release it
@@ -172,7 +193,9 @@ class TritonPythonModel:
             "proposed": (counter, "Draft tokens proposed (tree: deepest path per target pass)"),
             "accepted": (counter, "Draft tokens accepted by the target"),
             "generated": (counter, "Tokens generated"),
-            "target_passes": (counter, "Target model passes after the prompt"),
+            "target_passes": (counter, "Target model passes after the prompt, per request"),
+            "target_calls": (counter, "Target model calls of the round loops (one call verifies "
+                                      "the passes of every request batched into it)"),
             "mean_accepted_length": (gauge, "Tokens per target pass, last request"),
             "tokens_per_second": (gauge, "Generated tokens per second, last request"),
             "requests_running": (gauge, "Requests generating now"),
@@ -186,6 +209,7 @@ class TritonPythonModel:
             self.metrics[key] = family.Metric(labels=labels)
         self.metrics_lock = threading.Lock()
         self.running = 0
+        self.calls_reported = 0
 
     def execute(self, requests):
         for request in requests:
@@ -195,10 +219,10 @@ class TritonPythonModel:
         return None
 
     def _fail(self, sender, error):
-        if not isinstance(error, RequestError):
-            pb_utils.Logger.log_warn(f"speculative backend: request failed: {error}")
         sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, error, "generation failed")),
                     flags=FINAL)
+        if not isinstance(error, (RequestError, UnavailableError)):
+            pb_utils.Logger.log_warn(f"speculative backend: request failed: {error!r}")
 
     def _serve(self, request, sender):
         self._running(+1)
@@ -279,6 +303,9 @@ class TritonPythonModel:
             self.metrics["proposed"].increment(stats.proposed)
             self.metrics["accepted"].increment(stats.accepted)
             self.metrics["target_passes"].increment(stats.rounds)
+            calls = self.generator.engine.target_calls
+            self.metrics["target_calls"].increment(calls - self.calls_reported)
+            self.calls_reported = calls
             self.metrics["mean_accepted_length"].set(stats.mean_accepted_length)
             if seconds > 0:
                 self.metrics["tokens_per_second"].set(stats.generated_tokens / seconds)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,15 +66,26 @@ class Stream:
         self.client.start_stream(callback=lambda result, error: self.results.put((result, error)))
 
     def request(self, model: str, prompt, sampling: dict, cancel_after: Optional[int] = None,
-                messages=None, timeout: float = 120) -> StreamResult:
+                messages=None, timeout: float = 120, cancel: Optional[threading.Event] = None,
+                ) -> StreamResult:
         """Send one request and read its responses up to the final one (or the first error);
-        ``cancel_after``: cancel the stream after that many text responses."""
+        ``cancel_after``: cancel the stream after that many text responses; ``cancel``: when
+        that event is set."""
         out = StreamResult()
         started = time.perf_counter()
         self.client.async_stream_infer(model, grpc_inputs(prompt, sampling, messages=messages),
                                        enable_empty_final_response=True)
+        deadline = started + timeout
         while True:
-            result, error = self.results.get(timeout=timeout)
+            try:
+                result, error = self.results.get(timeout=0.05)
+            except queue.Empty:
+                if time.perf_counter() > deadline:
+                    raise
+                if cancel is not None and cancel.is_set():
+                    self.client.stop_stream(cancel_requests=True)
+                    break
+                continue
             if error is not None:
                 out.error = str(error)
                 break

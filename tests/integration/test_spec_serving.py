@@ -22,13 +22,14 @@ from tests.integration.spec_client import (Stream, completion, generate, metric,
                                            wait_for)
 
 MODEL = "spec_toy"
+ONE = "spec_toy_one"  # the same with max_concurrent_requests 1, max_queued_requests 0
 REPOSITORY = project_root() / "tests" / "spec_toy_repository"
 PROMPT = "def read_config(path):\n    \"\"\"Read the configuration file"
 LONG = {"max_tokens": 900, "speculative": {"method": "none"}}  # several seconds on the toy pair
 
 
-def toy_server(request) -> TritonServer:
-    server = TritonServer(repositories=[REPOSITORY], model_control="explicit", load_models=[MODEL],
+def toy_server(request, models=(MODEL,)) -> TritonServer:
+    server = TritonServer(repositories=[REPOSITORY], model_control="explicit", load_models=models,
                           exit_timeout_s=30)
     server.failed_before = request.session.testsfailed
     server.start()
@@ -37,7 +38,7 @@ def toy_server(request) -> TritonServer:
 
 @pytest.fixture(scope="module")
 def server(request):
-    server = toy_server(request)
+    server = toy_server(request, (MODEL, ONE))
     yield server
     dump_log_on_failure(request, server, server.failed_before)
     server.stop()
@@ -143,27 +144,23 @@ def test_statistics_reach_metrics(server):
     assert metric(server, MODEL, "dspark_speculative_mean_accepted_length") > 1.0
 
 
-def load(server, config: dict | None = None):
-    body = {"parameters": {"config": json.dumps(config)}} if config else {}
-    reply = requests.post(f"http://{server.http_url}/v2/repository/models/{MODEL}/load", json=body, timeout=120)
+def load(server):
+    reply = requests.post(f"http://{server.http_url}/v2/repository/models/{MODEL}/load", json={}, timeout=120)
     assert reply.status_code == 200, reply.text
 
 
 def test_beyond_the_pool_and_its_queue_a_request_gets_unavailable(server):
-    original = requests.get(f"http://{server.http_url}/v2/models/{MODEL}/config", timeout=10).json()
-    config = json.loads(json.dumps(original))
-    config["parameters"].update({"max_concurrent_requests": {"string_value": "1"},
-                                 "max_queued_requests": {"string_value": "0"}})
-    load(server, config)
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            first = pool.submit(stream_once, server, MODEL, PROMPT, LONG)
-            wait_for(lambda: metric(server, MODEL, "dspark_speculative_requests_running") == 1, 10)
-            second = stream_once(server, MODEL, PROMPT, {"max_tokens": 8})
-            assert second.error and "busy: 1 requests running and 0 waiting" in second.error
-            assert first.result().final
-    finally:
-        load(server, original)  # a load without a config keeps the last override
+    """spec_toy_one: one worker, no queue."""
+    stop_first = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(stream_once, server, ONE, PROMPT, LONG, cancel=stop_first)
+        wait_for(lambda: metric(server, ONE, "dspark_speculative_requests_running") == 1, 10)
+        second = stream_once(server, ONE, PROMPT, {"max_tokens": 8})
+        stop_first.set()
+        assert second.error and "busy: 1 requests running and 0 waiting" in second.error
+        assert first.result().pieces
+    wait_for(lambda: metric(server, ONE, "dspark_speculative_requests_running") == 0, 5)
+    assert stream_once(server, ONE, PROMPT, {"max_tokens": 8}).final
 
 
 def test_unload_and_reload_with_requests_in_flight(server):
@@ -207,8 +204,9 @@ def test_server_stop_with_requests_in_flight_unloads_at_once(request):
     finally:
         dump_log_on_failure(request, server, server.failed_before)
         server.stop()
-    assert stopped < 6.0, f"the server took {stopped:.1f} s to stop"
     log = server.log_text()
+    assert stopped < 6.0, f"the server took {stopped:.1f} s to stop:\n" + "\n".join(
+        line for line in log.splitlines() if "model.py" in line or "Timeout" in line)
     assert "speculative backend: finalized" in log and "Exit timeout expired" not in log
     for result in results:  # each ended (the server may close a stream before its last reply)
         assert result.error or result.final
