@@ -25,7 +25,7 @@ import triton_python_backend_utils as pb_utils
 from dspark.decoding.models import llm_generator, toy_generator
 from dspark.decoding.request import parse_generate_options, parse_messages
 from dspark.decoding.sampling import SpeculativeParams
-from dspark.decoding.serving import RequestPool, ServingConfig
+from dspark.decoding.serving import RequestPool, ServingConfig, limit_heap_growth
 from dspark.decoding.stats import DecodeStats
 from dspark.decoding.text import send_coalesced
 from dspark.errors import ConfigError, RequestError, UnavailableError
@@ -116,6 +116,7 @@ class TritonPythonModel:
         version_dir = repository / args["model_version"]
         self.config = settings = ServingConfig.from_parameters(
             config_parameters(config), repository / "config.pbtxt")
+        limit_heap_growth()  # this stub runs one model: its heap settings are ours to choose
         if settings.llm_model:
             folder = version_dir / settings.llm_model
             if not (folder / "model.onnx").is_file():
@@ -127,6 +128,9 @@ class TritonPythonModel:
                                            settings.max_concurrent_requests)
             served = f"llm={settings.llm_model}"
         else:
+            if not settings.target_model:
+                raise ConfigError("parameters.target_model", "give llm_model (an imported LLM) or "
+                                  "target_model (an LM pair in dspark's graph format)")
             target = _model_file(repository, settings.target_model)
             draft = _model_file(repository, settings.draft_model) if settings.draft_model else None
             tokenizer = version_dir / settings.tokenizer

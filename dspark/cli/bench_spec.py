@@ -36,10 +36,12 @@ def spec(max_tokens: int, per_kind: int, repeats: int, threads: int, methods: st
     from dspark.decoding import benchmark as bm
     from dspark.decoding.models import llm_generator
     from dspark.decoding.sampling import SamplingParams, SpeculativeParams
+    from dspark.decoding.serving import limit_heap_growth
 
     folder = project_root() / "model_repository" / MODEL / "1" / "smollm2"
     if not (folder / "model.onnx").is_file():
         raise click.ClickException(f"missing {folder}/model.onnx: run `make setup` first")
+    limit_heap_growth()  # as the serving stub does
     gen = llm_generator(folder, threads=threads)
     engine = gen.engine
     names = [m.strip() for m in methods.split(",") if m.strip()] or list(engine.methods)

@@ -58,11 +58,11 @@ class VerifyCost:
 
     def __init__(self, prior_row_cost: float = PRIOR_ROW_COST, max_rows: int = 64,
                  smoothing: float = 0.1):
-        self.prior_row_cost = prior_row_cost
         self.smoothing = smoothing
         self._seconds = np.zeros(max_rows + 1)
         self._seen = np.zeros(max_rows + 1)
         self._row_cost = prior_row_cost
+        self._observed = 0
         self._lock = threading.Lock()
 
     def observe(self, rows: int, seconds: float) -> None:
@@ -72,9 +72,11 @@ class VerifyCost:
                 self._seconds[rows] += self.smoothing * (seconds - self._seconds[rows])
             else:
                 self._seconds[rows] = seconds
+            new_count = not self._seen[rows]
             self._seen[rows] = min(self._seen[rows] + 1, 10)
+            self._observed += 1
             known = np.flatnonzero(self._seen)
-            if len(known) >= 2:
+            if len(known) >= 2 and (new_count or self._observed % 16 == 0):  # a fit is ~50 us
                 b, a = np.polyfit(known - 1.0, self._seconds[known], 1, w=self._seen[known])
                 if a > 0:
                     self._row_cost = max(b, 0.0) / a
@@ -249,6 +251,7 @@ class Generation:
             self.done = True
             self.stats.finish_reason = self.stats.finish_reason or reason
             self.drafter.finish(self.history[self.prompt_length:])
+            self.cache = None  # the runtime's cache slot goes back to its pool now
         return None
 
     def run(self) -> Iterator[list[int]]:

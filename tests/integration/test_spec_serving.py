@@ -189,6 +189,18 @@ def test_unload_and_reload_with_requests_in_flight(server):
     wait_for(lambda: len(stub_processes(server, MODEL)) == 1, 5)
 
 
+def test_a_config_that_cannot_serve_its_default_method_fails_the_load(server):
+    url = f"http://{server.http_url}/v2/repository/models/{ONE}/load"
+    original = requests.get(f"http://{server.http_url}/v2/models/{ONE}/config", timeout=10).json()
+    config = json.loads(json.dumps(original))
+    config["parameters"].update({"draft_model": {"string_value": ""}, "default_method": {"string_value": "draft"}})
+    reply = requests.post(url, json={"parameters": {"config": json.dumps(config)}}, timeout=120)
+    assert reply.status_code == 400
+    assert "parameters.default_method: 'draft' is not one of this model's methods" in reply.text
+    reply = requests.post(url, json={"parameters": {"config": json.dumps(original)}}, timeout=120)
+    assert reply.status_code == 200 and stream_once(server, ONE, PROMPT, {"max_tokens": 4}).final
+
+
 def test_server_stop_with_requests_in_flight_unloads_at_once(request):
     server = toy_server(request)
     try:

@@ -25,9 +25,9 @@ def test_bad_config_parameters_name_the_parameter(params, field):
 
 def test_config_parameters_are_converted_from_strings():
     config = ServingConfig.from_parameters({"max_concurrent_requests": "2", "batch_verification": "true",
-                                            "draft_model": ""})
+                                            "tree_width": ""})
     assert config.max_concurrent_requests == 2 and config.batch_verification is True
-    assert config.draft_model == "spec_draft"  # an empty parameter keeps the default
+    assert config.tree_width == 4  # an empty parameter keeps the default
 
 
 def test_the_pool_runs_at_most_its_workers_queues_a_bound_and_rejects_the_rest():
