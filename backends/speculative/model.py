@@ -73,7 +73,7 @@ def _text(request, name):
 def _http_ok(url: str) -> bool:
     """True for 200, False for another status; OSError when the server does not answer."""
     try:
-        with urllib.request.urlopen(url, timeout=UNLOAD_POLL_S * 4) as reply:
+        with urllib.request.urlopen(url, timeout=2.0) as reply:
             return reply.status == 200
     except urllib.error.HTTPError:
         return False
@@ -177,9 +177,13 @@ class TritonPythonModel:
             try:
                 ready = all(_http_ok(url) for url in urls)
                 failures = 0
-            except OSError:  # the server is gone, or too busy to answer twice in a row
-                failures += 1
+            except (ConnectionError, urllib.error.URLError) as error:
+                if isinstance(getattr(error, "reason", error), TimeoutError):
+                    continue  # a busy server answers late; that is no reason to stop
+                failures += 1  # refused: the server is gone
                 ready = failures < 2
+            except OSError:  # a timeout, or anything else the network says: ask again
+                continue
             if not ready:
                 running, waiting = self.pool.load
                 self.pool.closing.set()

@@ -28,9 +28,12 @@ MODEL = "spec_lm"
 @click.option("--llama-cpp/--no-llama-cpp", "peer", default=True, show_default=True,
               help="llama.cpp on the same GGUF as the peer row, when llama_cpp is importable "
                    "(make bench-deps).")
+@click.option("--llama-extra-buffers", is_flag=True,
+              help="Let llama.cpp use its extra buffer types (weight repacking, AMX kernels); off by "
+                   "default: its AMX Q4_1 kernel died with SIGILL on a Sapphire Rapids VM.")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 def spec(max_tokens: int, per_kind: int, repeats: int, threads: int, methods: str, server: bool,
-         sampled: bool, peer: bool, json_out: Optional[Path]) -> None:
+         sampled: bool, peer: bool, llama_extra_buffers: bool, json_out: Optional[Path]) -> None:
     """Plain decoding vs every speculative method of spec_lm (SmolLM2-135M-Instruct, 4-bit) on
     held-out prompts; llama.cpp's plain and prompt-lookup decoding of the same GGUF beside it."""
     from dspark.decoding import benchmark as bm
@@ -74,7 +77,7 @@ def spec(max_tokens: int, per_kind: int, repeats: int, threads: int, methods: st
         ids = [bm.prompt_ids(gen, p) for p in prompts]
         for label, lookup in (("llama.cpp plain", False), ("llama.cpp prompt lookup", True)):
             peer_runs[label] = bm.run_llama_cpp(gguf, ids, max_tokens, threads, 0.0, 1234, lookup,
-                                                gen.tokenizer.eos_id, repeats)
+                                                gen.tokenizer.eos_id, repeats, llama_extra_buffers)
             peer_rows.append(bm.llama_cpp_row(label, peer_runs[label], gen.tokenizer.decode,
                                               results["none"]))
         base = peer_rows[0]["tokens/s"]

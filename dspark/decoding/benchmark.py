@@ -308,19 +308,35 @@ def llama_cpp_available() -> bool:
 
 def run_llama_cpp(gguf: Path, prompt_tokens: list[list[int]], max_tokens: int, threads: int,
                   temperature: float, seed: int, prompt_lookup: bool, eos: int,
-                  repeats: int = 1) -> list[dict]:
+                  repeats: int = 1, extra_buffers: bool = False) -> list[dict]:
     """llama.cpp (``llama-cpp-python``) on the same GGUF, the same prompt tokens and threads:
     per prompt its tokens, seconds to the first token and decode seconds (median of repeats).
-    ``prompt_lookup``: its prompt-lookup speculative mode (``LlamaPromptLookupDecoding``)."""
+    ``prompt_lookup``: its prompt-lookup speculative mode (``LlamaPromptLookupDecoding``);
+    ``extra_buffers``: let llama.cpp repack weights for its own kernels (AMX where present)."""
     from llama_cpp import Llama
+    from llama_cpp import llama_cpp as raw
 
+    if not extra_buffers and not getattr(raw, "_dspark_plain_buffers", False):
+        # llama.cpp's "extra buffer types" (weight repacking, its AMX kernels) off: built with
+        # GGML_NATIVE on a Sapphire Rapids VM its AMX Q4_1 kernel died with SIGILL (seen by the
+        # llm-kernel work); off, Q4_1 runs on its AVX-512/AVX2 dot products, as on CPUs without AMX
+        defaults = raw.llama_model_default_params
+
+        def params():
+            p = defaults()
+            if hasattr(p, "use_extra_bufts"):
+                p.use_extra_bufts = False
+            return p
+
+        raw.llama_model_default_params = params
+        raw._dspark_plain_buffers = True
     options = {}
     if prompt_lookup:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         options["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=10)
     llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
-                seed=seed, verbose=False, **options)
+                seed=seed, logits_all=True, verbose=False, **options)
     out = []
     for ids in prompt_tokens:
         runs = []
