@@ -32,7 +32,8 @@ import tritonclient.grpc as grpcclient
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dspark.decoding.benchmark import Sampler, cpu_model, load_prompts, resident_mb  # noqa: E402
+from dspark.decoding.benchmark import (Sampler, cpu_model, load_prompts, resident_mb,  # noqa: E402
+                                       stub_processes)
 from dspark.paths import demo_repositories, project_root  # noqa: E402
 from dspark.triton.server import TritonServer  # noqa: E402
 
@@ -40,18 +41,13 @@ UNLOAD_TARGET_S = 5.0
 FLAT_TARGET = 0.05
 
 
-def stub_pid(server, model: str):
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes()
-            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == server._process.pid and b"triton_python_backend_stub" in argv and f"/{model}/".encode() in argv:
-            return int(proc.name), argv.split(b"\0")[2].decode().lstrip("/")
-    raise SystemExit(f"no stub for {model}")
+def stub_pid(server, model: str) -> tuple[int, str]:
+    """The stub serving ``model`` and its shared-memory region."""
+    stubs = stub_processes(server._process.pid, model)
+    if not stubs:
+        raise SystemExit(f"no stub for {model}")
+    pid, argv = stubs[0]
+    return pid, argv[2].lstrip("/")
 
 
 def grpc_stream(url: str, model: str, prompt: str, sampling: dict, cancel_after: int | None) -> str:

@@ -171,7 +171,8 @@ def _served(bm, prompts, results, specs, max_tokens: int) -> list[dict]:
     server = TritonServer(repositories=demo_repositories(), model_control="explicit", load_models=[MODEL])
     server.start()
     try:
-        stub = _stub_pid(server)
+        stubs = bm.stub_processes(server._process.pid, MODEL)
+        stub = stubs[0][0] if stubs else None
         idle = bm.resident_mb(stub) if stub else None
         peak = idle
         for method in [m for m in ("none", "ngram", "suffix", "dspark", "hybrid") if m in specs]:
@@ -197,18 +198,3 @@ def _served(bm, prompts, results, specs, max_tokens: int) -> list[dict]:
                    "while serving")
         rows.append({"stub resident MB after load": round(idle, 1), "stub resident MB max": round(peak, 1)})
     return rows
-
-
-def _stub_pid(server) -> Optional[int]:
-    """The Python backend stub serving spec_lm (a child of the server)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes()
-            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == server._process.pid and b"triton_python_backend_stub" in argv and f"/{MODEL}/".encode() in argv:
-            return int(proc.name)
-    return None

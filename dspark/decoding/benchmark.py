@@ -76,6 +76,24 @@ def resident_mb(pid: Optional[int] = None) -> float:
     return kb / 1024
 
 
+def stub_processes(server_pid: int, model: str) -> list[tuple[int, list[str]]]:
+    """(pid, argv) of the Python backend stubs of the server ``server_pid`` serving ``model``
+    (argv[1] is the model's model.py, argv[2] its shared-memory region)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == server_pid and argv[0].endswith(b"triton_python_backend_stub") and \
+                any(f"/{model}/".encode() in a for a in argv):
+            out.append((int(proc.name), [a.decode(errors="replace") for a in argv if a]))
+    return out
+
+
 def kv_bytes_per_token(config) -> int:
     """Bytes of KV cache one token of one request takes (float32 keys and values)."""
     return config.n_layer * 2 * config.n_kv_head * config.head_dim * 4

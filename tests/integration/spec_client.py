@@ -7,12 +7,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import requests
 import tritonclient.grpc as grpcclient
+
+from dspark.decoding import benchmark
 
 
 def generate(server, model: str, prompt="def f(x):\n", timeout: float = 120, **sampling):
@@ -143,24 +144,8 @@ def model_state(server, model: str) -> str:
 
 
 def stub_processes(server, model: str) -> list[tuple[int, list[str]]]:
-    """(pid, argv) of ``server``'s Python backend stubs serving ``model`` (their argv names the
-    model's folder and their shared-memory region)."""
-    out = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        try:
-            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == server._process.pid and argv and argv[0].endswith(b"triton_python_backend_stub") and \
-                any(f"/{model}/".encode() in a for a in argv):
-            out.append((int(proc.name), [a.decode(errors="replace") for a in argv if a]))
-    return out
+    """(pid, argv) of ``server``'s Python backend stubs serving ``model``."""
+    return benchmark.stub_processes(server._process.pid, model)
 
 
 def shm_regions(stubs: list[tuple[int, list[str]]]) -> set[str]:

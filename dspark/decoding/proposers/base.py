@@ -13,7 +13,7 @@ sampled requests a drafter either records in ``tree.q[node]`` the distribution i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional, Protocol, runtime_checkable
+from typing import Callable, ClassVar, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -33,11 +33,7 @@ class DraftRequest:
     rng: np.random.Generator
     stats: DecodeStats
     context: int
-    verify_cost: "VerifyCost"
-
-
-class VerifyCost(Protocol):
-    def __call__(self, rows: int) -> float: ...
+    verify_cost: Callable[[int], float]
 
 
 @runtime_checkable
