@@ -104,6 +104,9 @@ class SpeculativeEngine:
         self.proposers: dict[str, Proposer] = {p.name: p for p in (PlainDecoding(), *proposers)}
         self.context = min(context or target.config.ctx, target.config.ctx)
         self.eos_ids = frozenset(eos_ids)
+        # a runtime that computes a tree's rows bit for bit as the chains through it says so;
+        # on others greedy requests verify chains only (identity with plain decoding)
+        self.exact_trees = bool(getattr(target, "exact_trees", False))
         self.verify_cost = VerifyCost()
         self._calls = 0  # target calls of the round loops (a batched call verifies several)
         self._calls_lock = threading.Lock()
@@ -176,8 +179,10 @@ class Generation:
         self.want_taps = self.proposer.wants_taps
         self.rng = np.random.default_rng(sampling.seed)
         self.cache = engine.target.new_cache(engine.context)
+        self.chains_only = sampling.greedy and not engine.exact_trees
         self.drafter: Drafter = self.proposer.start(DraftRequest(
-            prompt, sampling, spec, self.rng, stats, engine.context, engine.verify_cost))
+            prompt, sampling, spec, self.rng, stats, engine.context, engine.verify_cost,
+            self.chains_only))
         self.tree = DraftTree()
         self.done = False
         self._stopped = False
@@ -214,6 +219,8 @@ class Generation:
         start = time.perf_counter()
         self.tree = self.drafter.propose(history, min(budget - 1, room), room) \
             if budget > 1 else DraftTree()
+        if self.chains_only:
+            self.tree = self.tree.first_path()
         self.stats.draft_s += time.perf_counter() - start
         root = len(history) - 1
         return VerifyItem(self.cache, [history[-1]] + self.tree.tokens,

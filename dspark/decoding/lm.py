@@ -78,6 +78,9 @@ def _read_model(model: onnx.ModelProto | str | Path) -> tuple[onnx.ModelProto, L
 class OnnxLM:
     """One LM graph from ``onnx_lm.build_lm_onnx`` in an ORT session."""
 
+    # a tree's rows equal the chains through it bit for bit (tests/unit/test_spec_onnx_lm.py)
+    exact_trees = True
+
     def __init__(self, model: onnx.ModelProto | str | Path, threads: int = 1):
         model, self.config = _read_model(model)
         # spinning off: two sessions (draft, target) spinning on 2 cores slow each other ~2x

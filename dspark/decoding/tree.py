@@ -62,6 +62,20 @@ class DraftTree:
         for node, (token, parent) in enumerate(zip(other.tokens, other.parents)):
             mapping[node] = self.add_path([token], mapping[parent])[0]
 
+    @property
+    def is_chain(self) -> bool:
+        return all(len(set(c)) <= 1 for c in self.candidates.values())
+
+    def first_path(self) -> "DraftTree":
+        """The chain that follows each node's first child (this tree, when it is a chain)."""
+        if self.is_chain:
+            return self
+        chain, node = DraftTree(), -1
+        while self.candidates.get(node):
+            node = self.candidates[node][0]
+            chain.add(self.tokens[node], len(chain.tokens) - 1)
+        return chain
+
     def children(self, node: int) -> list[int]:
         return list(dict.fromkeys(self.candidates.get(node, [])))
 

@@ -304,3 +304,39 @@ def test_verify_cost_learns_the_cost_per_row():
         for rows in (1, 5, 9):
             cost.observe(rows, 0.010 + 0.002 * (rows - 1))  # a row costs a fifth of a pass
     assert cost(6) == pytest.approx(2.0, rel=0.02)
+
+
+class InexactTrees:
+    """The same target, declaring (as the SmolLM2 runtime does) that its tree rows are not bit
+    for bit the chains': records the shape of every verify pass."""
+
+    exact_trees = False
+
+    def __init__(self, lm):
+        self.lm, self.config, self.branched = lm, lm.config, []
+
+    def new_cache(self, capacity=None):
+        return self.lm.new_cache(capacity)
+
+    def forward(self, cache, tokens, positions, tree_mask=None, past_visible=None):
+        if tree_mask is not None:
+            parents = [np.flatnonzero(row[:i]).max() if row[:i].any() else -1
+                       for i, row in enumerate(tree_mask)]
+            self.branched.append(len(set(parents)) < len(parents) - 1)
+        return self.lm.forward(cache, tokens, positions, tree_mask, past_visible)
+
+
+@pytest.mark.parametrize("method", ["suffix", "hybrid", "tree"])
+def test_greedy_requests_verify_chains_on_a_target_without_exact_tree_rows(method):
+    target = InexactTrees(ENGINES[2].target)
+    engine = make_engine(target, ENGINES[2].proposers["draft"].lm)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 1, 4, 1, 5]
+    sampling = SamplingParams(max_tokens=30)
+    spec = SpeculativeParams(method, num_speculative_tokens=4, tree_width=3)
+    assert run(engine, prompt, sampling, spec) == run(ENGINES[2], prompt, sampling, SpeculativeParams("none"))
+    assert target.branched and not any(target.branched)
+    if method == "tree":  # the same runtime saying its trees are exact gets trees
+        spy = InexactTrees(ENGINES[2].target)
+        spy.exact_trees = True
+        run(make_engine(spy, ENGINES[2].proposers["draft"].lm), prompt, sampling, spec)
+        assert any(spy.branched)

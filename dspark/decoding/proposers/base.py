@@ -8,7 +8,9 @@ token. The engine verifies the tree in one target pass (``dspark.decoding.reject
 the drafter what was kept. Whatever a drafter proposes, greedy output equals plain decoding and
 sampled output follows the target's distribution: a proposer only changes the speed. For
 sampled requests a drafter either records in ``tree.q[node]`` the distribution it drew
-``node``'s children from (i.i.d. draws), or proposes deterministically (no ``q``).
+``node``'s children from (i.i.d. draws), or proposes deterministically (no ``q``). With
+``DraftRequest.chains_only`` a drafter proposes chains (the engine keeps a tree's first path
+otherwise).
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ class DraftRequest:
     stats: DecodeStats
     context: int
     verify_cost: Callable[[int], float]
+    # greedy on a target whose tree rows are not bitwise equal to a chain's: propose chains
+    # (a branch's rows could flip a near-tie and break identity with plain decoding)
+    chains_only: bool = False
 
 
 @runtime_checkable

@@ -1,9 +1,10 @@
 """``hybrid``: a model-based proposer (the draft LM, or DSpark's block drafter) and a lookup
-(prompt lookup or suffix) together. Greedy: both proposals go into one tree, merged where they
-agree, and one target pass keeps whichever agrees longer; the lookup is only there when it has a
-match it trusts (prompt lookup: at least 2 tokens), so a pass pays for its rows only where the
-text repeats. Sampled: the lookup where it has a match, the model otherwise (the rejection rule
-needs one proposer per node)."""
+(prompt lookup or suffix) together. Greedy on a target with exact tree rows: both proposals go
+into one tree, merged where they agree, and one target pass keeps whichever agrees longer; the
+lookup is only there when it has a match it trusts (prompt lookup: at least 2 tokens), so a pass
+pays for its rows only where the text repeats. Otherwise (sampled, or a target whose tree rows
+are not bitwise a chain's): the lookup where it has a match, the model otherwise (the rejection
+rule needs one proposer per node; a merged tree would be a tree)."""
 from __future__ import annotations
 
 from typing import ClassVar, Optional
@@ -26,13 +27,15 @@ class HybridProposer:
         return self.model.wants_taps or self.lookup.wants_taps
 
     def start(self, request: DraftRequest) -> "HybridDrafter":
+        # merging the two proposals needs exact tree rows (greedy identity) and greedy
+        # acceptance (one proposer per node for the rejection rule)
         return HybridDrafter(self.model.start(request), self.lookup.start(request),
-                             request.sampling.greedy)
+                             merge=request.sampling.greedy and not request.chains_only)
 
 
 class HybridDrafter(BaseDrafter):
-    def __init__(self, model: Drafter, lookup: Drafter, greedy: bool):
-        self.model, self.lookup, self.greedy = model, lookup, greedy
+    def __init__(self, model: Drafter, lookup: Drafter, merge: bool):
+        self.model, self.lookup, self.merge = model, lookup, merge
         self.used: list[Drafter] = []
 
     def prefilled(self, taps: Optional[np.ndarray]) -> None:
@@ -41,7 +44,7 @@ class HybridDrafter(BaseDrafter):
 
     def propose(self, history: list[int], max_depth: int, max_nodes: int) -> DraftTree:
         looked = self.lookup.propose(history, max_depth, max_nodes // 2)
-        if looked.tokens and not self.greedy:
+        if looked.tokens and not self.merge:
             self.used = [self.lookup]
             return looked
         tree = self.model.propose(history, max_depth, max_nodes - len(looked))

@@ -106,15 +106,26 @@ class OutputCache:
 
 
 def frequency_tree(continuations: list[np.ndarray], max_nodes: int, min_score: float,
-                   verify_cost) -> tuple[DraftTree, float]:
+                   verify_cost, branches: bool = True) -> tuple[DraftTree, float]:
     """The continuations counted as a tree; each node scored by the share of continuations
     through it; the best nodes kept (best first, so a kept node's parent is kept) down to
-    ``min_score`` and while they pay for their rows. Returns (tree, sum of kept scores)."""
+    ``min_score`` and while they pay for their rows. ``branches`` False: only the path of the
+    most frequent child at each level (a chain). Returns (tree, sum of kept scores)."""
     counts: dict[tuple, int] = {}
     for cont in continuations:
         for d in range(1, len(cont) + 1):
             key = tuple(int(t) for t in cont[:d])
             counts[key] = counts.get(key, 0) + 1
+    if not branches:
+        path: tuple = ()
+        chain = {}
+        while True:
+            children = [(c, k) for k, c in counts.items() if len(k) == len(path) + 1 and k[:-1] == path]
+            if not children:
+                break
+            count, path = max(children)
+            chain[path] = count
+        counts = chain
     total = len(continuations)
     ranked = sorted(((c / total, -len(k), k) for k, c in counts.items() if c / total >= min_score),
                     reverse=True)
@@ -165,7 +176,8 @@ class SuffixDrafter(BaseDrafter):
             depth = min(spec.num_speculative_tokens, max_depth, max(1, int(p.max_spec_factor * m)))
             conts = [c[:depth] for c in conts]
             found = frequency_tree(conts, min(max_nodes, spec.num_speculative_tokens * spec.tree_width),
-                                   p.min_score, self.request.verify_cost)
+                                   p.min_score, self.request.verify_cost,
+                                   branches=not self.request.chains_only)
             if found[1] > best[1]:
                 best = found
         tree, self.score = best
