@@ -164,6 +164,8 @@ def _batching(bm, gen, prompts, specs, sampling, best) -> list[dict]:
 
 
 def _served(bm, prompts, results, specs, max_tokens: int) -> list[dict]:
+    import requests
+
     from dspark.paths import demo_repositories
     from dspark.triton.server import TritonServer
 
@@ -171,30 +173,49 @@ def _served(bm, prompts, results, specs, max_tokens: int) -> list[dict]:
     server = TritonServer(repositories=demo_repositories(), model_control="explicit", load_models=[MODEL])
     server.start()
     try:
-        stubs = bm.stub_processes(server._process.pid, MODEL)
-        stub = stubs[0][0] if stubs else None
-        idle = bm.resident_mb(stub) if stub else None
-        peak = idle
+        idle = _stub_memory(bm, server)
+        peak = idle or 0.0
         for method in [m for m in ("none", "ngram", "suffix", "dspark", "hybrid") if m in specs]:
             sampling = {"max_tokens": max_tokens, "speculative": vars(specs[method])}
             counts = [len(r.tokens) for r in results[method].runs]
             inproc = results[method].end_to_end_tokens_per_s
-            bm.run_served(server.grpc_url, MODEL, prompts[:2], sampling, 1, counts[:2])  # warm-up
             for concurrency in (1, 2, 4):
+                # a fresh stub: an empty output cache (suffix would otherwise find each prompt's
+                # own output from the previous pass), warmed up on a prompt outside the set
+                reply = requests.post(f"http://{server.http_url}/v2/repository/models/{MODEL}/load",
+                                      json={}, timeout=300)
+                reply.raise_for_status()
+                bm.run_served(server.grpc_url, MODEL, [bm.BenchPrompt("warm-up", True, "Say hello.")],
+                              sampling, 1, [0])
+                sampler = bm.Sampler(_stub_pid(bm, server), 0.5).start()
                 out = bm.run_served(server.grpc_url, MODEL, prompts, sampling, concurrency, counts)
+                peak = max([peak] + [mb for _, mb in sampler.stop()])
                 same = sum(text == run.text for text, run in zip(out.pop("texts"), results[method].runs))
                 rows.append({"method": method, **out,
                              "in-process tok/s (end to end)": round(inproc, 1),
                              "served / in-process": round(out["tokens/s"] / inproc, 2) if inproc else None,
                              "same text": f"{same}/{len(prompts)}"})
-                if stub:
-                    peak = max(peak, bm.resident_mb(stub))
     finally:
         server.stop()
     click.echo("\nThrough tritonserver, gRPC streaming (greedy; wall time includes reading the prompt):")
     click.echo(bm.format_table(rows))
-    if idle is not None:
-        click.echo(f"spec_lm stub resident memory: {idle:.0f} MB after load, {peak:.0f} MB at most "
-                   "while serving")
-        rows.append({"stub resident MB after load": round(idle, 1), "stub resident MB max": round(peak, 1)})
+    click.echo(f"spec_lm stub resident memory: {idle:.0f} MB after load, {peak:.0f} MB at most "
+               "while serving")
+    rows.append({"stub resident MB after load": round(idle, 1), "stub resident MB max": round(peak, 1)})
     return rows
+
+
+def _stub_pid(bm, server) -> int:
+    """The stub serving spec_lm now (a reload starts a new one; the old one may linger a moment)."""
+    import time
+
+    for _ in range(100):
+        stubs = bm.stub_processes(server._process.pid, MODEL)
+        if len(stubs) == 1:
+            return stubs[0][0]
+        time.sleep(0.1)
+    raise click.ClickException(f"cannot tell which stub serves {MODEL}: {stubs}")
+
+
+def _stub_memory(bm, server) -> float:
+    return bm.resident_mb(_stub_pid(bm, server))

@@ -191,18 +191,31 @@ class MethodResult:
         }
 
 
+def output_caches(engine) -> list:
+    """The caches of earlier outputs the engine's proposers keep (SuffixDecoding's)."""
+    return list({id(p.cache): p.cache for p in engine.proposers.values()
+                 if hasattr(getattr(p, "cache", None), "replace")}.values())
+
+
 def run_inprocess(gen: TextGenerator, prompts: list[BenchPrompt], methods: dict[str, SpeculativeParams],
                   sampling: SamplingParams, repeats: int = 3,
                   progress: Callable[[str], None] = lambda _: None) -> dict[str, MethodResult]:
     """Every method on every prompt; methods interleaved per prompt so machine noise hits all
-    alike; each prompt's run is the median (by decode time) of ``repeats``. Sampled runs use
-    the same seed for every method (the texts differ by method: each draws differently)."""
+    alike; each prompt's run is the median (by decode time) of ``repeats``. Every repeat starts
+    from the output cache the prompt's first run had (earlier prompts' outputs, not its own).
+    Sampled runs use the same seed for every method (the texts differ by method)."""
     results = {name: MethodResult(name) for name in methods}
+    caches = output_caches(gen.engine)
     for i, prompt in enumerate(prompts):
         ids = prompt_ids(gen, prompt)
+        saved = [c.outputs() for c in caches]
         for name, spec in methods.items():
-            runs = sorted((run_one(gen, ids, sampling, spec) for _ in range(repeats)),
-                          key=lambda r: r.decode_s)
+            runs = []
+            for _ in range(repeats):
+                for cache, outputs in zip(caches, saved):
+                    cache.replace(outputs)
+                runs.append(run_one(gen, ids, sampling, spec))
+            runs.sort(key=lambda r: r.decode_s)
             results[name].runs.append(runs[len(runs) // 2])
         progress(f"prompt {i + 1}/{len(prompts)} ({prompt.kind})")
     return results
@@ -252,8 +265,11 @@ def samples(results: dict[str, MethodResult], prompts: list[BenchPrompt], chars:
 
 def concurrent_inprocess(gen: TextGenerator, prompts: list[BenchPrompt], spec: SpeculativeParams,
                          sampling: SamplingParams, concurrency: int) -> dict:
-    """Aggregate tokens/s of all prompts run ``concurrency`` at a time on this engine."""
+    """Aggregate tokens/s of all prompts run ``concurrency`` at a time on this engine, from an
+    empty output cache."""
     ids = [prompt_ids(gen, p) for p in prompts]
+    for cache in output_caches(gen.engine):
+        cache.replace([])
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         runs = list(pool.map(lambda i: run_one(gen, i, sampling, spec), ids))

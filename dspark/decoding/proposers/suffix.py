@@ -104,6 +104,21 @@ class OutputCache:
     def __len__(self) -> int:
         return self._total
 
+    def outputs(self) -> list[np.ndarray]:
+        with self._lock:
+            return list(self._outputs)
+
+    def replace(self, outputs: list[np.ndarray]) -> None:
+        """Hold exactly ``outputs`` (a benchmark repeating a prompt restores the cache it had
+        before the prompt's first run, so a repeat is not predicted from its own earlier text)."""
+        with self._lock:
+            self._outputs.clear()
+            self._total = 0
+        for output in outputs:
+            self.add(list(output))
+        if not outputs:
+            self.store = TokenStore()
+
 
 def frequency_tree(continuations: list[np.ndarray], max_nodes: int, min_score: float,
                    verify_cost, branches: bool = True) -> tuple[DraftTree, float]:
