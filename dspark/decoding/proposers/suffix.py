@@ -173,15 +173,13 @@ class SuffixDrafter(BaseDrafter):
         self.request = request
         self.own = TokenStore(len(request.prompt) + request.sampling.max_tokens + 1)
         self.own.extend(request.prompt)
-        self.prompt_length = len(request.prompt)
-        self.score = 0.0  # expected accepted guesses of this round's tree
 
     def propose(self, history: list[int], max_depth: int, max_nodes: int) -> DraftTree:
         p, spec = self.p, self.request.spec
         if self.own.length < len(history):
             self.own.extend(history[self.own.length:])
         pattern = self.own.tokens[-p.max_match:]
-        best = (DraftTree(), 0.0)
+        best = (DraftTree(), 0.0)  # (tree, expected accepted guesses)
         for store, own in ((self.own, True), (p.cache.store, False)):
             m, conts = store.continuations(pattern, p.max_match, p.min_match,
                                            min(spec.num_speculative_tokens, max_depth), p.max_hits,
@@ -195,8 +193,7 @@ class SuffixDrafter(BaseDrafter):
                                    branches=not self.request.chains_only)
             if found[1] > best[1]:
                 best = found
-        tree, self.score = best
-        return tree
+        return best[0]
 
     def finish(self, output: list[int]) -> None:
         self.p.cache.add(output)
