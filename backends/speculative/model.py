@@ -1,35 +1,51 @@
 """Triton Python-based backend `speculative`: streamed text generation with lossless
-speculative decoding (draft model, prompt lookup or tree) over ONNX Runtime.
+speculative decoding on CPU (dspark.decoding); this file only adapts it to Triton.
 
 Decoupled. Inputs follow Triton's LLM backends, so /generate, /generate_stream and gRPC
-streaming work unchanged: text_input (BYTES), stream (BOOL), sampling_parameters (BYTES, JSON:
-max_tokens, temperature, top_k, top_p, seed, stop, speculative {method none|draft|ngram|hybrid|tree,
-num_speculative_tokens, tree_width, adaptive}), exclude_input_in_output (BOOL); output
-text_output (BYTES).
+streaming work unchanged: text_input (BYTES, UTF-8), messages (BYTES, optional: a JSON chat),
+stream (BOOL), sampling_parameters (BYTES, JSON: max_tokens, temperature, top_k, top_p, seed,
+stop, chat, speculative {method, num_speculative_tokens, tree_width, adaptive}),
+exclude_input_in_output (BOOL); output text_output (BYTES). docs/speculative.md has the rest.
 
-Config parameters: target_model and draft_model (names of sibling models in this repository
-whose version 1 holds model.onnx), tokenizer (file in this model's version folder,
-tokenizer.json), default_method (hybrid), num_speculative_tokens (4), tree_width (4),
-intra_op_threads (1), stream_interval_ms (10: a streamed response carries all text produced
-since the last one and goes out at most this often; the first at once), draft_runtime (kernel:
-dspark's C forward pass; onnxruntime).
+Requests run on a bounded worker pool (max_concurrent_requests; up to max_queued_requests more
+wait at most max_queue_wait_ms, beyond that UNAVAILABLE); a request's loop checks for
+cancellation every round; finalize cancels what runs and drains it.
 """
 import json
+import os
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dspark.decoding.engine import DecodeStats
-from dspark.decoding.request import parse_sampling_parameters
+from dspark.decoding.models import llm_generator, toy_generator
+from dspark.decoding.request import parse_generate_options, parse_messages
 from dspark.decoding.sampling import SpeculativeParams
-from dspark.decoding.text import DRAFT_RUNTIMES, TextGenerator, send_coalesced
-from dspark.errors import RequestError
-from dspark.triton.adapter import config_parameters, parameter_int, triton_error
+from dspark.decoding.serving import RequestPool, ServingConfig, limit_heap_growth
+from dspark.decoding.stats import DecodeStats
+from dspark.decoding.text import send_coalesced
+from dspark.errors import ConfigError, RequestError, UnavailableError
+from dspark.triton.adapter import config_parameters, server_http_url, triton_error
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+DRAIN_TIMEOUT_S = 3.0  # finalize: requests in flight end at their next round, well within this
+# Triton calls finalize only once every request has had its final response, so a model with
+# requests in flight learns of an unload (or a server stop) from the server's health endpoints:
+# while busy, it asks every this many seconds whether the server and the model are still ready.
+UNLOAD_POLL_S = 0.25
+
+INPUTS = [
+    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "messages", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+]
+OUTPUTS = [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]}]
 
 
 def _scalar(request, name):
@@ -42,46 +58,155 @@ def _scalar(request, name):
     return array.reshape(-1)[0]
 
 
+def _text(request, name):
+    """A BYTES input as text: UTF-8 or a clear error, never a silent replacement."""
+    value = _scalar(request, name)
+    if value is None or isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise RequestError(name, f"is not valid UTF-8 (byte 0x{value[error.start]:02x} at offset "
+                                 f"{error.start}); send UTF-8 text") from None
+
+
+def _http_ok(url: str) -> bool:
+    """True for 200, False for another status; OSError when the server does not answer."""
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as reply:
+            return reply.status == 200
+    except urllib.error.HTTPError:
+        return False
+
+
+def _model_file(repository: Path, name: str) -> Path:
+    """A sibling model's graph (``name``), or a model folder given relative to this one."""
+    folder = repository / name if "/" in name else repository.parent / name
+    return (folder / "1" / "model.onnx").resolve()
+
+
 def _text_tensor(text: str):
     return pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))
 
 
 class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        """Inputs and outputs as above, and the decoupled policy (as vllm_backend sets it):
+        a request streams many responses."""
+        config = auto_complete_model_config.as_dict()
+        have = {i["name"] for i in config.get("input", [])}
+        for tensor in INPUTS:
+            if tensor["name"] not in have:
+                auto_complete_model_config.add_input(tensor)
+        have = {o["name"] for o in config.get("output", [])}
+        for tensor in OUTPUTS:
+            if tensor["name"] not in have:
+                auto_complete_model_config.add_output(tensor)
+        auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
+        auto_complete_model_config.set_max_batch_size(0)  # requests batch in the engine
+        return auto_complete_model_config
+
     def initialize(self, args):
         config = json.loads(args["model_config"])
-        params = config_parameters(config)
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException(
+                "speculative backend: set model_transaction_policy { decoupled: true }")
         repository = Path(args["model_repository"])
         version_dir = repository / args["model_version"]
-        threads = parameter_int(params, "intra_op_threads", 1, minimum=1)
-        target = repository.parent / params.get("target_model", "spec_target") / "1" / "model.onnx"
-        draft_name = params.get("draft_model", "spec_draft")
-        draft = repository.parent / draft_name / "1" / "model.onnx" if draft_name else None
-        tokenizer = version_dir / (params.get("tokenizer") or "tokenizer.json")
-        for path in (target, draft, tokenizer):
-            if path is not None and not path.is_file():
-                raise pb_utils.TritonModelException(
-                    f"speculative backend: {path} does not exist: run `make setup` (it builds the "
-                    "LM pair from tools/weights) or fix the model's parameters")
-        draft_runtime = params.get("draft_runtime") or "kernel"
-        if draft_runtime not in DRAFT_RUNTIMES:
-            raise pb_utils.TritonModelException(
-                f"speculative backend: parameter draft_runtime is {draft_runtime!r}; use one of "
-                f"{sorted(DRAFT_RUNTIMES)}")
-        self.generator = TextGenerator.from_files(target, draft, tokenizer, threads, draft_runtime)
-        self.stream_interval_s = parameter_int(params, "stream_interval_ms", 10, minimum=0) / 1e3
+        self.config = settings = ServingConfig.from_parameters(
+            config_parameters(config), repository / "config.pbtxt")
+        limit_heap_growth()  # this stub runs one model: its heap settings are ours to choose
+        if settings.llm_model:
+            folder = version_dir / settings.llm_model
+            if not (folder / "model.onnx").is_file():
+                raise ConfigError("parameters.llm_model", f"{folder}/model.onnx does not exist: run "
+                                  "`make setup` (it imports the model) or `dspark llm import`")
+            self.generator = llm_generator(folder, settings.intra_op_threads,
+                                           settings.max_context or None,
+                                           settings.batch_verification,
+                                           settings.max_concurrent_requests)
+            served = f"llm={settings.llm_model}"
+        else:
+            if not settings.target_model:
+                raise ConfigError("parameters.target_model", "give llm_model (an imported LLM) or "
+                                  "target_model (an LM pair in dspark's graph format)")
+            target = _model_file(repository, settings.target_model)
+            draft = _model_file(repository, settings.draft_model) if settings.draft_model else None
+            tokenizer = version_dir / settings.tokenizer
+            for path in (target, draft, tokenizer):
+                if path is not None and not path.is_file():
+                    raise ConfigError("parameters", f"{path} does not exist: run `make setup` (it "
+                                                    "builds the models) or fix the model's parameters")
+            self.generator = toy_generator(target, draft, tokenizer, settings.intra_op_threads,
+                                           settings.draft_runtime, settings.batch_verification,
+                                           settings.max_context or None)
+            served = f"target={settings.target_model} draft={settings.draft_model or 'none'}"
         self.default_spec = SpeculativeParams(
-            method=params.get("default_method") or "hybrid",
-            num_speculative_tokens=parameter_int(params, "num_speculative_tokens", 4, minimum=1),
-            tree_width=parameter_int(params, "tree_width", 4, minimum=1)).validate()
-        labels = {"model": args["model_name"], "version": args["model_version"]}
+            method=settings.default_method, num_speculative_tokens=settings.num_speculative_tokens,
+            tree_width=settings.tree_width)
+        if settings.default_method not in self.generator.engine.methods:
+            raise ConfigError("parameters.default_method",
+                              f"{settings.default_method!r} is not one of this model's methods "
+                              f"{self.generator.engine.methods} (a draft method needs draft_model)")
+        self.stream_interval_s = settings.stream_interval_ms / 1e3
+        self._init_metrics(args)
+        self.pool = RequestPool(settings.max_concurrent_requests, settings.max_queued_requests,
+                                settings.max_queue_wait_ms / 1e3, name=args["model_name"])
+        self.name, self.version = args["model_name"], args["model_version"]
+        self.watcher = threading.Thread(target=self._watch_unload, name="unload-watch", daemon=True)
+        self.watcher.start()
+        pb_utils.Logger.log_info(
+            f"speculative backend: {args['model_name']} {served} "
+            f"context={self.generator.engine.context} methods={self.generator.engine.methods} "
+            f"default={settings.default_method} workers={settings.max_concurrent_requests} "
+            f"batch_verification={settings.batch_verification}")
+
+    def _watch_unload(self):
+        """While requests run, ask the server every UNLOAD_POLL_S whether it and this model are
+        still ready; when not, stop the requests (they end at their next round, answered)."""
+        base = server_http_url()
+        if base is None:
+            return
+        urls = [f"http://{base}/v2/health/ready",
+                f"http://{base}/v2/models/{self.name}/versions/{self.version}/ready"]
+        failures = 0
+        while not self.pool.closing.wait(UNLOAD_POLL_S):
+            if self.pool.load == (0, 0):
+                continue
+            try:
+                ready = all(_http_ok(url) for url in urls)
+                failures = 0
+            except (ConnectionError, urllib.error.URLError) as error:
+                if isinstance(getattr(error, "reason", error), TimeoutError):
+                    continue  # a busy server answers late; that is no reason to stop
+                failures += 1  # refused: the server is gone
+                ready = failures < 2
+            except OSError:  # a timeout, or anything else the network says: ask again
+                continue
+            if not ready:
+                running, waiting = self.pool.load
+                self.pool.closing.set()
+                pb_utils.Logger.log_info(f"speculative backend: {self.name} is unloading; stopping "
+                                         f"{running} running and {waiting} waiting requests")
+
+    def _init_metrics(self, args):
+        # Triton shares a Metric between stubs with equal labels, and the first stub to release it
+        # frees it for all (triton-inference-server/server#8663): a reload's new stub starts
+        # before the old one ends, so each stub's series carries its own pid.
+        labels = {"model": args["model_name"], "version": args["model_version"],
+                  "pid": str(os.getpid())}
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
         specs = {  # name: (kind, description); families must outlive their metrics
             "proposed": (counter, "Draft tokens proposed (tree: deepest path per target pass)"),
             "accepted": (counter, "Draft tokens accepted by the target"),
             "generated": (counter, "Tokens generated"),
-            "target_passes": (counter, "Target model passes after the prompt"),
+            "target_passes": (counter, "Target model passes after the prompt, per request"),
+            "target_calls": (counter, "Target model calls of the round loops (one call verifies "
+                                      "the passes of every request batched into it)"),
             "mean_accepted_length": (gauge, "Tokens per target pass, last request"),
             "tokens_per_second": (gauge, "Generated tokens per second, last request"),
+            "requests_running": (gauge, "Requests generating now"),
         }
         self.families, self.metrics = [], {}
         for key, (kind, description) in specs.items():
@@ -91,67 +216,116 @@ class TritonPythonModel:
             self.families.append(family)
             self.metrics[key] = family.Metric(labels=labels)
         self.metrics_lock = threading.Lock()
-        self.workers = set()
-        pb_utils.Logger.log_info(
-            f"speculative backend: {args['model_name']} target={target.parent.parent.name} "
-            f"draft={draft_name or 'none'} ({draft_runtime}) default={self.default_spec}")
+        self.running = 0
+        self.calls_reported = 0
 
     def execute(self, requests):
-        # Each request runs on its own thread (ORT releases the GIL), so requests overlap.
         for request in requests:
-            worker = threading.Thread(target=self._serve, args=(request,), daemon=True)
-            self.workers.add(worker)
-            worker.start()
+            sender = request.get_response_sender()
+            self.pool.submit(lambda r=request, s=sender: self._serve(r, s),
+                             lambda error, s=sender: self._fail(s, error))
         return None
 
-    def _serve(self, request):
-        sender = request.get_response_sender()
+    def _fail(self, sender, error):
+        sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, error, "generation failed")),
+                    flags=FINAL)
+        if not isinstance(error, (RequestError, UnavailableError)):
+            pb_utils.Logger.log_warn(f"speculative backend: request failed: {error!r}")
+
+    def _serve(self, request, sender):
+        self._running(+1)
         try:
             self._generate(request, sender)
         except Exception as error:  # noqa: BLE001 - report, close the stream, keep serving
-            if not isinstance(error, RequestError):
-                pb_utils.Logger.log_error(f"speculative backend: request failed: {error!r}")
-            sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, error, "generation failed")),
-                        flags=FINAL)
+            self._fail(sender, error)
         finally:
-            self.workers.discard(threading.current_thread())
+            self._running(-1)
+
+    def _running(self, change: int):
+        with self.metrics_lock:
+            self.running += change
+            self.metrics["requests_running"].set(self.running)
+
+    def _cancelled(self, sender):
+        return lambda: self.pool.closing.is_set() or sender.is_cancelled()
 
     def _generate(self, request, sender):
-        prompt = _scalar(request, "text_input")
-        if prompt is None:
-            raise RequestError("text_input", "is required")
-        prompt = prompt.decode("utf-8", errors="replace") if isinstance(prompt, bytes) else str(prompt)
+        prompt = _text(request, "text_input")
+        messages = parse_messages(_text(request, "messages"))
+        options = parse_generate_options(_scalar(request, "sampling_parameters"), self.default_spec,
+                                         self.generator.engine.methods)
+        if messages is None and prompt is None:
+            raise RequestError("text_input", "is required (or a messages input)")
+        if messages is None and not prompt:
+            raise RequestError("text_input", "is empty; give a prompt")
+        if messages is not None and prompt:
+            raise RequestError("messages", "give text_input or messages, not both")
+        if messages is None and options.chat:
+            messages = [{"role": "user", "content": prompt}]
+        # a chat's reply is the assistant's message alone; a completion echoes its prompt
+        # unless exclude_input_in_output, as Triton's LLM backends do
+        echo = "" if messages is not None else prompt
+        ids = self.generator.encode_chat(messages) if messages is not None else \
+            self.generator.encode(prompt)
+        self.generator.engine.check(ids, options.spec)  # before any model work
         stream = bool(_scalar(request, "stream"))
         exclude = bool(_scalar(request, "exclude_input_in_output"))
-        raw = _scalar(request, "sampling_parameters")
-        sampling, spec = parse_sampling_parameters(raw, self.default_spec)
         stats = DecodeStats()
         started = time.perf_counter()
-        pieces = self.generator.stream(prompt, sampling, spec, stats, cancelled=sender.is_cancelled)
+        pieces = self.generator.stream(ids, options.sampling, options.spec, stats,
+                                       cancelled=self._cancelled(sender))
         if stream:
             def send(text):
+                self._count_generated(stats)  # live, so a cancelled request is seen to stop
                 if not sender.is_cancelled():
                     sender.send(pb_utils.InferenceResponse(output_tensors=[_text_tensor(text)]))
 
             send_coalesced(pieces, send, self.stream_interval_s)
+            self._record(stats, time.perf_counter() - started)
+            self._unless_unloading(stats)
             sender.send(flags=FINAL)
         else:
             text = "".join(pieces)
+            self._record(stats, time.perf_counter() - started)
+            self._unless_unloading(stats)
             if not exclude:
-                text = prompt + text
+                text = echo + text
             sender.send(pb_utils.InferenceResponse(output_tensors=[_text_tensor(text)]), flags=FINAL)
-        self._record(stats, time.perf_counter() - started)
+
+    def _unless_unloading(self, stats: DecodeStats):
+        """A request the unload stopped gets an error, not a text that looks complete."""
+        if stats.finish_reason == "cancelled" and self.pool.closing.is_set():
+            raise UnavailableError(f"{self.name} is unloading; the request was stopped after "
+                                   f"{stats.generated_tokens} tokens", "shutdown")
+
+    def _count_generated(self, stats: DecodeStats):
+        with self.metrics_lock:  # metric calls go to the server one at a time
+            new = stats.generated_tokens - stats.reported
+            if new > 0:
+                stats.reported += new
+                self.metrics["generated"].increment(new)
 
     def _record(self, stats: DecodeStats, seconds: float):
+        self._count_generated(stats)
         with self.metrics_lock:
             self.metrics["proposed"].increment(stats.proposed)
             self.metrics["accepted"].increment(stats.accepted)
-            self.metrics["generated"].increment(stats.generated_tokens)
             self.metrics["target_passes"].increment(stats.rounds)
+            calls = self.generator.engine.target_calls
+            self.metrics["target_calls"].increment(calls - self.calls_reported)
+            self.calls_reported = calls
             self.metrics["mean_accepted_length"].set(stats.mean_accepted_length)
             if seconds > 0:
                 self.metrics["tokens_per_second"].set(stats.generated_tokens / seconds)
 
     def finalize(self):
-        for worker in list(self.workers):
-            worker.join(timeout=5)
+        """Cancel what runs (each request ends at its next round and is answered), reject what
+        waits, then release the engine and the metric families."""
+        started = time.monotonic()
+        drained = self.pool.close(DRAIN_TIMEOUT_S)
+        self.watcher.join(DRAIN_TIMEOUT_S)
+        self.generator.engine.close()
+        self.metrics.clear()
+        self.families.clear()
+        pb_utils.Logger.log_info(f"speculative backend: finalized in {time.monotonic() - started:.2f} s"
+                                 + ("" if drained else " (some requests did not end in time)"))

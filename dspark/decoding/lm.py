@@ -78,6 +78,9 @@ def _read_model(model: onnx.ModelProto | str | Path) -> tuple[onnx.ModelProto, L
 class OnnxLM:
     """One LM graph from ``onnx_lm.build_lm_onnx`` in an ORT session."""
 
+    # a tree's rows equal the chains through it bit for bit (tests/unit/test_spec_onnx_lm.py)
+    exact_trees = True
+
     def __init__(self, model: onnx.ModelProto | str | Path, threads: int = 1):
         model, self.config = _read_model(model)
         # spinning off: two sessions (draft, target) spinning on 2 cores slow each other ~2x
@@ -131,6 +134,13 @@ class OnnxLM:
         cache.positions[length:length + t] = positions[:t]
         cache.length = length + t
         return out[0][:t]
+
+
+    def forward_batch(self, items) -> list[np.ndarray]:
+        """Several requests' rows: ``items`` of (cache, tokens, positions, tree_mask). This graph
+        has no batch dimension, so it runs them one after another (the interface of contract
+        C1; the real-LLM runtimes share one pass)."""
+        return [self.forward(cache, tokens, positions, tree_mask) for cache, tokens, positions, tree_mask in items]
 
 
 class KernelLM(OnnxLM):

@@ -3,11 +3,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dspark.decoding.engine import DecodeStats, PromptTooLong, SpeculativeEngine, best_k
+from dspark.decoding.adaptive import best_k
+from dspark.decoding.engine import PromptTooLong, SpeculativeEngine
 from dspark.decoding.lm import KernelLM, OnnxLM
 from dspark.decoding.onnx_lm import LMConfig, build_lm_onnx, random_weights
-from dspark.decoding.sampling import (SamplingParams, SpeculativeParams, accept_among,
-                                      distribution)
+from dspark.decoding.proposers import standard_proposers
+from dspark.decoding.rejection import accept_among
+from dspark.decoding.sampling import SamplingParams, SpeculativeParams, distribution
+from dspark.decoding.stats import DecodeStats
 
 CFG = LMConfig(n_layer=2, d_model=32, n_head=2, vocab=24, ctx=128)
 
@@ -18,7 +21,12 @@ def engine_pair(seed: int, noise: float, cfg: LMConfig = CFG, draft_cls=OnnxLM) 
     rng = np.random.default_rng(seed + 1)
     noisy = {k: v + noise * v.std() * rng.standard_normal(v.shape).astype(np.float32)
              for k, v in weights.items()}
-    return SpeculativeEngine(OnnxLM(build_lm_onnx(weights, cfg)), draft_cls(build_lm_onnx(noisy, cfg)))
+    return make_engine(OnnxLM(build_lm_onnx(weights, cfg)), draft_cls(build_lm_onnx(noisy, cfg)))
+
+
+def make_engine(target, draft, min_confidence: float = 0.15, **options) -> SpeculativeEngine:
+    return SpeculativeEngine(target, standard_proposers(draft, draft_min_confidence=min_confidence),
+                             **options)
 
 
 # seed 0: the draft is the target (everything accepted); then ever noisier drafts, two of them
@@ -29,7 +37,7 @@ ENGINES = {seed: engine_pair(seed, noise, draft_cls=cls) for seed, noise, cls in
 
 def with_confidence(engine: SpeculativeEngine, min_confidence: float) -> SpeculativeEngine:
     """The same models; draft chains stop after a token below ``min_confidence``."""
-    return SpeculativeEngine(engine.target, engine.draft, draft_min_confidence=min_confidence)
+    return make_engine(engine.target, engine.proposers["draft"].lm, min_confidence)
 
 
 def run(engine, prompt, sampling, spec, stats=None):
@@ -39,7 +47,7 @@ def run(engine, prompt, sampling, spec, stats=None):
 @settings(max_examples=30, deadline=None)
 @given(engine_seed=st.sampled_from(sorted(ENGINES)),
        prompt=st.lists(st.integers(0, CFG.vocab - 1), min_size=1, max_size=60),
-       method=st.sampled_from(["draft", "ngram", "hybrid", "tree"]),
+       method=st.sampled_from(["draft", "ngram", "suffix", "hybrid", "tree"]),
        k=st.integers(1, 6), width=st.integers(1, 4), adaptive=st.booleans(),
        max_tokens=st.integers(1, 40), min_confidence=st.sampled_from([0.0, 0.4, 0.9]))
 def test_greedy_speculation_equals_plain_decoding(engine_seed, prompt, method, k, width, adaptive,
@@ -121,7 +129,7 @@ def test_greedy_hybrid_verifies_lookup_and_draft_chains_in_one_pass():
 
 
 @pytest.mark.parametrize("method,width", [("draft", 1), ("tree", 3), ("ngram", 1), ("hybrid", 1),
-                                          ("none", 1)])
+                                          ("suffix", 3), ("none", 1)])
 def test_sampled_speculation_follows_the_target_distribution(method, width):
     """Lossless sampling: the joint law of the first two tokens equals the target's (G-test
     at alpha 0.001 over 1500 fixed-seed runs; a lossy rule, e.g. always accepting the draft,
@@ -220,3 +228,115 @@ def test_cancellation_stops_between_passes():
     out = [t for c in engine.generate([1, 2], SamplingParams(max_tokens=50), SpeculativeParams("none"),
                                       stats, cancelled=lambda: calls.append(1) or len(calls) > 3) for t in c]
     assert len(out) == 3 and stats.finish_reason == "cancelled"
+
+
+def test_batched_verification_gives_every_request_its_own_greedy_text():
+    """Rounds of concurrent requests verified in shared target calls (RoundBatcher): each
+    request's text equals its plain decoding, and fewer calls than passes were made."""
+    import threading
+
+    solo = ENGINES[2]
+    batched = make_engine(solo.target, solo.proposers["draft"].lm, batch_verification=True)
+    rng = np.random.default_rng(7)
+    prompts = [list(rng.integers(0, CFG.vocab, n)) for n in (5, 17, 30, 9)]
+    methods = ["none", "draft", "suffix", "hybrid"]
+    sampling = SamplingParams(max_tokens=25)
+    expected = [run(solo, p, sampling, SpeculativeParams("none")) for p in prompts]
+    got, stats = [None] * 4, [DecodeStats() for _ in prompts]
+    calls = batched.target_calls
+
+    def one(i):
+        got[i] = run(batched, prompts[i], sampling, SpeculativeParams(methods[i]), stats[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    batched.close()
+    assert got == expected
+    assert batched.target_calls - calls < sum(s.rounds for s in stats)
+
+
+def test_cancelling_a_batched_generation_ends_it_at_the_next_round():
+    batched = make_engine(ENGINES[1].target, None, batch_verification=True)
+    calls = []
+    stats = DecodeStats()
+    out = [t for c in batched.generate([1, 2], SamplingParams(max_tokens=50), SpeculativeParams("none"),
+                                       stats, cancelled=lambda: calls.append(1) or len(calls) > 3)
+           for t in c]
+    batched.close()
+    assert len(out) == 3 and stats.finish_reason == "cancelled"
+
+
+def test_end_of_sequence_ends_the_text_without_it():
+    engine = ENGINES[2]
+    prompt = [3, 1, 4, 1, 5]
+    plain = run(engine, prompt, SamplingParams(max_tokens=30), SpeculativeParams("none"))
+    eos = plain[6]
+    with_eos = make_engine(engine.target, engine.proposers["draft"].lm, eos_ids=[eos])
+    for method in ("none", "draft", "ngram", "suffix", "hybrid", "tree"):
+        stats = DecodeStats()
+        out = run(with_eos, prompt, SamplingParams(max_tokens=30), SpeculativeParams(method), stats)
+        assert out == plain[:plain.index(eos)] and stats.finish_reason == "eos", method
+
+
+def test_suffix_proposes_from_this_models_earlier_outputs():
+    """A second request whose text repeats an earlier request's output is guessed from it."""
+    engine = make_engine(ENGINES[2].target, None)
+    sampling = SamplingParams(max_tokens=40)
+    first = run(engine, [7, 3, 9], sampling, SpeculativeParams("suffix"))
+    stats = DecodeStats()
+    again = run(engine, [7, 3, 9], sampling, SpeculativeParams("suffix"), stats)
+    assert again == first
+    assert stats.accepted >= 30  # nearly every token came from the cached output
+    fresh, cold = make_engine(ENGINES[2].target, None), DecodeStats()
+    run(fresh, [7, 3, 9], sampling, SpeculativeParams("suffix"), cold)
+    assert cold.accepted < stats.accepted
+
+
+def test_verify_cost_learns_the_cost_per_row():
+    from dspark.decoding.engine import VerifyCost
+
+    cost = VerifyCost(prior_row_cost=0.05)
+    assert cost(9) == pytest.approx(1.4)
+    for _ in range(5):
+        for rows in (1, 5, 9):
+            cost.observe(rows, 0.010 + 0.002 * (rows - 1))  # a row costs a fifth of a pass
+    assert cost(6) == pytest.approx(2.0, rel=0.02)
+
+
+class InexactTrees:
+    """The same target, declaring (as the SmolLM2 runtime does) that its tree rows are not bit
+    for bit the chains': records the shape of every verify pass."""
+
+    exact_trees = False
+
+    def __init__(self, lm):
+        self.lm, self.config, self.branched = lm, lm.config, []
+
+    def new_cache(self, capacity=None):
+        return self.lm.new_cache(capacity)
+
+    def forward(self, cache, tokens, positions, tree_mask=None, past_visible=None):
+        if tree_mask is not None:
+            parents = [np.flatnonzero(row[:i]).max() if row[:i].any() else -1
+                       for i, row in enumerate(tree_mask)]
+            self.branched.append(len(set(parents)) < len(parents) - 1)
+        return self.lm.forward(cache, tokens, positions, tree_mask, past_visible)
+
+
+@pytest.mark.parametrize("method", ["suffix", "hybrid", "tree"])
+def test_greedy_requests_verify_chains_on_a_target_without_exact_tree_rows(method):
+    target = InexactTrees(ENGINES[2].target)
+    engine = make_engine(target, ENGINES[2].proposers["draft"].lm)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 1, 4, 1, 5]
+    sampling = SamplingParams(max_tokens=30)
+    spec = SpeculativeParams(method, num_speculative_tokens=4, tree_width=3)
+    assert run(engine, prompt, sampling, spec) == run(ENGINES[2], prompt, sampling, SpeculativeParams("none"))
+    assert target.branched and not any(target.branched)
+    if method == "tree":  # the same runtime saying its trees are exact gets trees
+        spy = InexactTrees(ENGINES[2].target)
+        spy.exact_trees = True
+        run(make_engine(spy, ENGINES[2].proposers["draft"].lm), prompt, sampling, spec)
+        assert any(spy.branched)
