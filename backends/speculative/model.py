@@ -1,18 +1,15 @@
 """Triton Python-based backend `speculative`: streamed text generation with lossless
-speculative decoding (draft model, prompt lookup or tree) over ONNX Runtime.
+speculative decoding on CPU (dspark.decoding); this file only adapts it to Triton.
 
 Decoupled. Inputs follow Triton's LLM backends, so /generate, /generate_stream and gRPC
-streaming work unchanged: text_input (BYTES), stream (BOOL), sampling_parameters (BYTES, JSON:
-max_tokens, temperature, top_k, top_p, seed, stop, speculative {method none|draft|ngram|hybrid|tree,
-num_speculative_tokens, tree_width, adaptive}), exclude_input_in_output (BOOL); output
-text_output (BYTES).
+streaming work unchanged: text_input (BYTES, UTF-8), messages (BYTES, optional: a JSON chat),
+stream (BOOL), sampling_parameters (BYTES, JSON: max_tokens, temperature, top_k, top_p, seed,
+stop, chat, speculative {method, num_speculative_tokens, tree_width, adaptive}),
+exclude_input_in_output (BOOL); output text_output (BYTES). docs/speculative.md has the rest.
 
-Config parameters: target_model and draft_model (names of sibling models in this repository
-whose version 1 holds model.onnx), tokenizer (file in this model's version folder,
-tokenizer.json), default_method (hybrid), num_speculative_tokens (4), tree_width (4),
-intra_op_threads (1), stream_interval_ms (10: a streamed response carries all text produced
-since the last one and goes out at most this often; the first at once), draft_runtime (kernel:
-dspark's C forward pass; onnxruntime).
+Requests run on a bounded worker pool (max_concurrent_requests; up to max_queued_requests more
+wait at most max_queue_wait_ms, beyond that UNAVAILABLE); a request's loop checks for
+cancellation every round; finalize cancels what runs and drains it.
 """
 import json
 import threading
@@ -22,14 +19,26 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dspark.decoding.engine import DecodeStats
-from dspark.decoding.request import parse_sampling_parameters
+from dspark.decoding.models import toy_generator
+from dspark.decoding.request import parse_generate_options, parse_messages
 from dspark.decoding.sampling import SpeculativeParams
-from dspark.decoding.text import DRAFT_RUNTIMES, TextGenerator, send_coalesced
-from dspark.errors import RequestError
-from dspark.triton.adapter import config_parameters, parameter_int, triton_error
+from dspark.decoding.serving import RequestPool, ServingConfig
+from dspark.decoding.stats import DecodeStats
+from dspark.decoding.text import send_coalesced
+from dspark.errors import ConfigError, RequestError
+from dspark.triton.adapter import config_parameters, triton_error
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+DRAIN_TIMEOUT_S = 3.0  # finalize: requests in flight end at their next round, well within this
+
+INPUTS = [
+    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "messages", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+]
+OUTPUTS = [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]}]
 
 
 def _scalar(request, name):
@@ -42,37 +51,78 @@ def _scalar(request, name):
     return array.reshape(-1)[0]
 
 
+def _text(request, name):
+    """A BYTES input as text: UTF-8 or a clear error, never a silent replacement."""
+    value = _scalar(request, name)
+    if value is None or isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise RequestError(name, f"is not valid UTF-8 (byte 0x{value[error.start]:02x} at offset "
+                                 f"{error.start}); send UTF-8 text") from None
+
+
 def _text_tensor(text: str):
     return pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))
 
 
 class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        """Inputs and outputs as above, and the decoupled policy (as vllm_backend sets it):
+        a request streams many responses."""
+        config = auto_complete_model_config.as_dict()
+        have = {i["name"] for i in config.get("input", [])}
+        for tensor in INPUTS:
+            if tensor["name"] not in have:
+                auto_complete_model_config.add_input(tensor)
+        have = {o["name"] for o in config.get("output", [])}
+        for tensor in OUTPUTS:
+            if tensor["name"] not in have:
+                auto_complete_model_config.add_output(tensor)
+        auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
+        auto_complete_model_config.set_max_batch_size(0)  # requests batch in the engine
+        return auto_complete_model_config
+
     def initialize(self, args):
         config = json.loads(args["model_config"])
-        params = config_parameters(config)
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException(
+                "speculative backend: set model_transaction_policy { decoupled: true }")
         repository = Path(args["model_repository"])
         version_dir = repository / args["model_version"]
-        threads = parameter_int(params, "intra_op_threads", 1, minimum=1)
-        target = repository.parent / params.get("target_model", "spec_target") / "1" / "model.onnx"
-        draft_name = params.get("draft_model", "spec_draft")
-        draft = repository.parent / draft_name / "1" / "model.onnx" if draft_name else None
-        tokenizer = version_dir / (params.get("tokenizer") or "tokenizer.json")
+        self.config = settings = ServingConfig.from_parameters(
+            config_parameters(config), repository / "config.pbtxt")
+        target = repository.parent / settings.target_model / "1" / "model.onnx"
+        draft = (repository.parent / settings.draft_model / "1" / "model.onnx"
+                 if settings.draft_model else None)
+        tokenizer = version_dir / settings.tokenizer
         for path in (target, draft, tokenizer):
             if path is not None and not path.is_file():
-                raise pb_utils.TritonModelException(
-                    f"speculative backend: {path} does not exist: run `make setup` (it builds the "
-                    "LM pair from tools/weights) or fix the model's parameters")
-        draft_runtime = params.get("draft_runtime") or "kernel"
-        if draft_runtime not in DRAFT_RUNTIMES:
-            raise pb_utils.TritonModelException(
-                f"speculative backend: parameter draft_runtime is {draft_runtime!r}; use one of "
-                f"{sorted(DRAFT_RUNTIMES)}")
-        self.generator = TextGenerator.from_files(target, draft, tokenizer, threads, draft_runtime)
-        self.stream_interval_s = parameter_int(params, "stream_interval_ms", 10, minimum=0) / 1e3
+                raise ConfigError("parameters", f"{path} does not exist: run `make setup` (it builds "
+                                                "the models) or fix the model's parameters")
+        self.generator = toy_generator(target, draft, tokenizer, settings.intra_op_threads,
+                                       settings.draft_runtime, settings.batch_verification,
+                                       settings.max_context or None)
         self.default_spec = SpeculativeParams(
-            method=params.get("default_method") or "hybrid",
-            num_speculative_tokens=parameter_int(params, "num_speculative_tokens", 4, minimum=1),
-            tree_width=parameter_int(params, "tree_width", 4, minimum=1)).validate()
+            method=settings.default_method, num_speculative_tokens=settings.num_speculative_tokens,
+            tree_width=settings.tree_width)
+        if settings.default_method not in self.generator.engine.methods:
+            raise ConfigError("parameters.default_method",
+                              f"{settings.default_method!r} is not one of this model's methods "
+                              f"{self.generator.engine.methods} (a draft method needs draft_model)")
+        self.stream_interval_s = settings.stream_interval_ms / 1e3
+        self._init_metrics(args)
+        self.pool = RequestPool(settings.max_concurrent_requests, settings.max_queued_requests,
+                                settings.max_queue_wait_ms / 1e3, name=args["model_name"])
+        pb_utils.Logger.log_info(
+            f"speculative backend: {args['model_name']} target={settings.target_model} "
+            f"draft={settings.draft_model or 'none'} methods={self.generator.engine.methods} "
+            f"default={settings.default_method} workers={settings.max_concurrent_requests} "
+            f"batch_verification={settings.batch_verification}")
+
+    def _init_metrics(self, args):
         labels = {"model": args["model_name"], "version": args["model_version"]}
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
         specs = {  # name: (kind, description); families must outlive their metrics
@@ -91,43 +141,47 @@ class TritonPythonModel:
             self.families.append(family)
             self.metrics[key] = family.Metric(labels=labels)
         self.metrics_lock = threading.Lock()
-        self.workers = set()
-        pb_utils.Logger.log_info(
-            f"speculative backend: {args['model_name']} target={target.parent.parent.name} "
-            f"draft={draft_name or 'none'} ({draft_runtime}) default={self.default_spec}")
 
     def execute(self, requests):
-        # Each request runs on its own thread (ORT releases the GIL), so requests overlap.
         for request in requests:
-            worker = threading.Thread(target=self._serve, args=(request,), daemon=True)
-            self.workers.add(worker)
-            worker.start()
+            sender = request.get_response_sender()
+            self.pool.submit(lambda r=request, s=sender: self._serve(r, s),
+                             lambda error, s=sender: self._fail(s, error))
         return None
 
-    def _serve(self, request):
-        sender = request.get_response_sender()
+    def _fail(self, sender, error):
+        if not isinstance(error, RequestError):
+            pb_utils.Logger.log_warn(f"speculative backend: request failed: {error}")
+        sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, error, "generation failed")),
+                    flags=FINAL)
+
+    def _serve(self, request, sender):
         try:
             self._generate(request, sender)
         except Exception as error:  # noqa: BLE001 - report, close the stream, keep serving
-            if not isinstance(error, RequestError):
-                pb_utils.Logger.log_error(f"speculative backend: request failed: {error!r}")
-            sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, error, "generation failed")),
-                        flags=FINAL)
-        finally:
-            self.workers.discard(threading.current_thread())
+            self._fail(sender, error)
+
+    def _cancelled(self, sender):
+        return lambda: self.pool.closing.is_set() or sender.is_cancelled()
 
     def _generate(self, request, sender):
-        prompt = _scalar(request, "text_input")
-        if prompt is None:
-            raise RequestError("text_input", "is required")
-        prompt = prompt.decode("utf-8", errors="replace") if isinstance(prompt, bytes) else str(prompt)
+        prompt = _text(request, "text_input")
+        messages = parse_messages(_text(request, "messages"))
+        options = parse_generate_options(_scalar(request, "sampling_parameters"), self.default_spec)
+        if messages is None and prompt is None:
+            raise RequestError("text_input", "is required (or a messages input)")
+        if messages is None and not prompt:
+            raise RequestError("text_input", "is empty; give a prompt")
+        if messages is not None or options.chat:
+            raise RequestError("sampling_parameters.chat", "this model has no chat template")
+        ids = self.generator.encode(prompt)
+        self.generator.engine.check(ids, options.spec)  # before any model work
         stream = bool(_scalar(request, "stream"))
         exclude = bool(_scalar(request, "exclude_input_in_output"))
-        raw = _scalar(request, "sampling_parameters")
-        sampling, spec = parse_sampling_parameters(raw, self.default_spec)
         stats = DecodeStats()
         started = time.perf_counter()
-        pieces = self.generator.stream(prompt, sampling, spec, stats, cancelled=sender.is_cancelled)
+        pieces = self.generator.stream(ids, options.sampling, options.spec, stats,
+                                       cancelled=self._cancelled(sender))
         if stream:
             def send(text):
                 if not sender.is_cancelled():
@@ -137,7 +191,7 @@ class TritonPythonModel:
             sender.send(flags=FINAL)
         else:
             text = "".join(pieces)
-            if not exclude:
+            if not exclude and prompt:
                 text = prompt + text
             sender.send(pb_utils.InferenceResponse(output_tensors=[_text_tensor(text)]), flags=FINAL)
         self._record(stats, time.perf_counter() - started)
@@ -153,5 +207,12 @@ class TritonPythonModel:
                 self.metrics["tokens_per_second"].set(stats.generated_tokens / seconds)
 
     def finalize(self):
-        for worker in list(self.workers):
-            worker.join(timeout=5)
+        """Cancel what runs (each request ends at its next round and is answered), reject what
+        waits, then release the engine and the metric families."""
+        started = time.monotonic()
+        drained = self.pool.close(DRAIN_TIMEOUT_S)
+        self.generator.engine.close()
+        self.metrics.clear()
+        self.families.clear()
+        pb_utils.Logger.log_info(f"speculative backend: finalized in {time.monotonic() - started:.2f} s"
+                                 + ("" if drained else " (some requests did not end in time)"))

@@ -25,10 +25,8 @@ def spec(max_tokens: int, per_category: int, repeats: int, threads: int, server:
          sampled: bool, json_out: Optional[Path]) -> None:
     """Plain decoding vs draft, prompt-lookup, hybrid and tree speculation on the demo LM pair."""
     from dspark.decoding import benchmark as bm
-    from dspark.decoding.engine import SpeculativeEngine
-    from dspark.decoding.lm import OnnxLM
+    from dspark.decoding.models import toy_generator
     from dspark.decoding.sampling import SamplingParams
-    from dspark.decoding.text import TextGenerator
 
     repo = project_root() / "model_repository"
     paths = (repo / "spec_target/1/model.onnx", repo / "spec_draft/1/model.onnx",
@@ -36,10 +34,10 @@ def spec(max_tokens: int, per_category: int, repeats: int, threads: int, server:
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise click.ClickException(f"missing {', '.join(missing)}: run `make setup` first")
-    gen = TextGenerator.from_files(*paths, threads=threads)
+    gen = toy_generator(*paths, threads=threads)
     # the same models with the draft on ORT instead of dspark's C forward pass
-    ort_draft = OnnxLM(paths[1], threads)
-    gen_ort = TextGenerator(SpeculativeEngine(gen.engine.target, ort_draft), gen.tokenizer)
+    gen_ort = toy_generator(*paths, threads=threads, draft_runtime="onnxruntime")
+    ort_draft = gen_ort.engine.proposers["draft"].lm
     prompts = bm.heldout_prompts(per_category)
     report: dict = {"max_tokens": max_tokens, "prompts": len(prompts), "repeats": repeats}
 

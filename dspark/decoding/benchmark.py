@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dspark.decoding.corpus import split_documents
-from dspark.decoding.engine import DecodeStats
+from dspark.decoding.stats import DecodeStats
 from dspark.decoding.lm import OnnxLM
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.decoding.text import TextGenerator
@@ -181,9 +181,10 @@ def cost_profile(gen: TextGenerator, context: int = 300, repeats: int = 60,
 
     out = {"context": context, "target_1": timed(gen.engine.target, 1),
            "target_5": timed(gen.engine.target, 5), "target_17": timed(gen.engine.target, 17)}
-    if gen.engine.draft is not None:
-        out["draft_1"] = timed(gen.engine.draft, 1)
-        out["draft_4"] = timed(gen.engine.draft, 4)
+    draft = gen.engine.proposers.get("draft")
+    if draft is not None:
+        out["draft_1"] = timed(draft.lm, 1)
+        out["draft_4"] = timed(draft.lm, 4)
     if ort_draft is not None:
         out["draft_1_ort"] = timed(ort_draft, 1)
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}

@@ -1,40 +1,36 @@
-"""Speculative decoding over ORT sessions: plain, draft (adaptive k), prompt lookup, hybrid
-(the draft chain plus the lookup chain where a match of at least ``HYBRID_MIN_NGRAM`` tokens
-exists; sampled: the lookup where it matches, the draft otherwise) and tree.
+"""The speculative decoding round loop: a proposer guesses a tree of tokens below the last
+committed one, the target scores the whole tree in one pass (a tree attention mask), the
+rejection sampler keeps the longest accepted path and adds the target's own next token.
 
-Every method proposes a tree of tokens (a chain is a tree of width 1) hanging off the last
-committed token, the target scores the whole tree in one pass with a tree attention mask, the
-longest accepted path is kept in the cache (rows compacted in place) and one more token comes
-from the target at the end of that path. Greedy acceptance follows the target's argmax, so the
-output equals plain decoding token for token: the graph's rows are bit-identical however they
-are batched (see ``onnx_lm``). Sampled acceptance uses the rejection rule in ``sampling``.
+What is guessed comes from a ``Proposer`` (``dspark.decoding.proposers``), selected per request
+by ``speculative.method``; how guesses are accepted from ``dspark.decoding.rejection``. Greedy
+acceptance follows the target's argmax, so the output equals plain decoding token for token: the
+target's rows are bit-identical however they are batched (see ``onnx_lm``, and contract C1 for
+the real-LLM runtimes). Sampled acceptance is lossless speculative sampling.
+
+A ``Generation`` is one request's loop, split into ``plan`` (propose; the rows to verify) and
+``commit`` (accept, update the caches and the drafter) so that ``dspark.decoding.batching`` can
+verify several requests' rows in one target call.
 """
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
-from dspark.decoding.lm import KVCache, OnnxLM
-from dspark.decoding.sampling import (SamplingParams, SpeculativeParams, accept_among,
-                                      distribution, sample)
+from dspark.decoding.proposers.base import DraftRequest, Drafter, PlainDecoding, Proposer
+from dspark.decoding.rejection import verify
+from dspark.decoding.sampling import SamplingParams, SpeculativeParams
+from dspark.decoding.stats import DecodeStats
+from dspark.decoding.tree import DraftTree
 from dspark.errors import RequestError
 
 PREFILL_CHUNK = 64
-# Prompt lookup costs nothing to propose; each guess adds a row to the target's pass, about
-# this fraction of a pass on this CPU (17 rows ~ 1.6-2.4x one row).
-NGRAM_ROW_COST = 0.05
-# Greedy trees add a side branch only where the draft gives its path at least this probability.
-LOG_MIN_PATH_PROB = float(np.log(0.05))
-# A draft chain stops early after a token the draft itself gives less than this probability:
-# the next token would likely be rejected, and a draft call costs ~0.1 of a target pass while
-# one more verified row costs ~0.02.
-DRAFT_MIN_CONFIDENCE = 0.15
-# Hybrid: a lookup match this long is trusted over the draft (a 1-token match is mostly noise).
-HYBRID_MIN_NGRAM = 2
+COST_ROWS = (1, 2, 4, 8, 16)  # row counts whose pass cost is measured (interpolated between)
 
 
 class PromptTooLong(RequestError):
@@ -44,351 +40,212 @@ class PromptTooLong(RequestError):
         super().__init__("text_input", reason)
 
 
+def forward(lm, cache, tokens, positions, tree_mask: Optional[np.ndarray] = None,
+            want_taps: bool = False) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """Logits of the new rows and, when asked, their tapped hidden states."""
+    if want_taps:
+        return lm.forward(cache, tokens, positions, tree_mask=tree_mask, want_taps=True)
+    return lm.forward(cache, tokens, positions, tree_mask=tree_mask), None
+
+
+class VerifyCost:
+    """The target's cost of a pass over n rows relative to one row, measured once (median of a
+    few passes at a short context) on first use, linear between the measured row counts."""
+
+    def __init__(self, lm, context: int = 128, repeats: int = 3):
+        self.lm, self.context, self.repeats = lm, context, repeats
+        self._table: Optional[np.ndarray] = None
+        self._lock = threading.Lock()
+
+    def _measure(self) -> np.ndarray:
+        cache = self.lm.new_cache(self.context + max(COST_ROWS))
+        self.lm.forward(cache, np.zeros(self.context, np.int64), np.arange(self.context))
+        seconds = []
+        for rows in COST_ROWS:
+            runs = []
+            for _ in range(self.repeats):
+                start = time.perf_counter()
+                self.lm.forward(cache, np.zeros(rows, np.int64),
+                                np.arange(self.context, self.context + rows))
+                runs.append(time.perf_counter() - start)
+                cache.truncate(self.context)
+            seconds.append(float(np.median(runs)))
+        # a pass never gets cheaper with more rows; noise must not say otherwise
+        return np.maximum.accumulate(np.array(seconds) / seconds[0])
+
+    def __call__(self, rows: int) -> float:
+        if self._table is None:
+            with self._lock:
+                if self._table is None:
+                    self._table = self._measure()
+        return float(np.interp(rows, COST_ROWS, self._table, right=None)) if rows <= COST_ROWS[-1] \
+            else float(self._table[-1] * rows / COST_ROWS[-1])
+
+
 @dataclass
-class DecodeStats:
-    generated_tokens: int = 0
-    rounds: int = 0  # target passes after the prefill
-    proposed: int = 0
-    accepted: int = 0
-    draft_calls: int = 0
-    prefill_s: float = 0.0  # the target reading the prompt (the same for every method)
-    draft_s: float = 0.0
-    target_s: float = 0.0
-    finish_reason: str = ""
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per target pass (accepted drafts + the target's own token)."""
-        return self.generated_tokens / self.rounds if self.rounds else 0.0
-
-
-@dataclass
-class _Tree:
-    """Draft tokens below the root (the last committed token, row 0 of the verify pass)."""
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)  # -1 = root
-    depths: list[int] = field(default_factory=list)  # 1 = child of root
-    candidates: dict[int, list[int]] = field(default_factory=dict)  # node (-1=root) -> draws
-    q: dict[int, np.ndarray] = field(default_factory=dict)  # node -> draft dist of its children
-    draft_rows: dict[int, int] = field(default_factory=dict)  # node -> row in the draft cache
-
-    def add(self, token: int, parent: int) -> int:
-        for child in self.candidates.get(parent, []):
-            if self.tokens[child] == token:
-                self.candidates[parent].append(child)  # repeated draw of the same token
-                return child
-        node = len(self.tokens)
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
-        self.candidates.setdefault(parent, []).append(node)
-        return node
-
-    def children(self, node: int) -> list[int]:
-        return list(dict.fromkeys(self.candidates.get(node, [])))
-
-    def ancestors(self, node: int) -> list[int]:
-        out = []
-        while node >= 0:
-            out.append(node)
-            node = self.parents[node]
-        return out[::-1]
-
-    def mask(self) -> np.ndarray:
-        """(1 + n) x (1 + n) visibility of the verify pass: row 0 is the root."""
-        m = np.eye(len(self.tokens) + 1, dtype=bool)
-        for i, parent in enumerate(self.parents):  # a parent's row is always filled first
-            m[i + 1] |= m[parent + 1]
-        return m
+class VerifyItem:
+    """One request's rows of a verify pass (the runtime's ``forward_batch`` item)."""
+    cache: object
+    tokens: list[int]
+    positions: list[int]
+    tree_mask: Optional[np.ndarray]
 
 
 class SpeculativeEngine:
-    """Token-level decoding; ``dspark.decoding.text`` adds the tokenizer, stop strings, streams."""
+    """Token-level decoding with the proposers it was given; ``dspark.decoding.text`` adds the
+    tokenizer, chat template, stop strings and streams."""
 
-    def __init__(self, target: OnnxLM, draft: OnnxLM | None = None, max_ngram: int = 3,
-                 draft_min_confidence: float = DRAFT_MIN_CONFIDENCE):
+    def __init__(self, target, proposers: Iterable[Proposer] = (), context: Optional[int] = None,
+                 eos_ids: Iterable[int] = (), batch_verification: bool = False):
         self.target = target
-        self.draft = draft
-        self.max_ngram = max_ngram
-        self.draft_min_confidence = draft_min_confidence
-        if draft is not None and draft.config.vocab != target.config.vocab:
-            raise ValueError("draft and target must share the tokenizer (vocab sizes differ)")
+        self.proposers: dict[str, Proposer] = {p.name: p for p in (PlainDecoding(), *proposers)}
+        self.context = min(context or target.config.ctx, target.config.ctx)
+        self.eos_ids = frozenset(eos_ids)
+        self.verify_cost = VerifyCost(target)
+        self.batcher = None
+        if batch_verification:
+            from dspark.decoding.batching import RoundBatcher
+
+            self.batcher = RoundBatcher(target)
 
     @property
-    def context(self) -> int:
-        return self.target.config.ctx
+    def methods(self) -> tuple[str, ...]:
+        return tuple(self.proposers)
 
-    def generate(self, prompt: list[int], sampling: SamplingParams, spec: SpeculativeParams,
-                 stats: DecodeStats | None = None,
-                 cancelled: Callable[[], bool] | None = None) -> Iterator[list[int]]:
-        """Yield the newly committed tokens after each target pass."""
-        stats = stats if stats is not None else DecodeStats()
-        spec.validate()
-        sampling.validate()
-        uses_draft = spec.method in ("draft", "tree", "hybrid")
-        if uses_draft and self.draft is None:
-            raise ValueError(f"method {spec.method!r} needs a draft model")
+    def check(self, prompt: list[int], spec: SpeculativeParams) -> None:
+        """Refuse what cannot be served, before any model work."""
+        if spec.method not in self.proposers:
+            raise RequestError("speculative.method",
+                               f"{spec.method!r} is not one of this model's methods {self.methods}")
         if not prompt:
             raise PromptTooLong("the prompt is empty; give at least one token")
         if len(prompt) >= self.context:
             raise PromptTooLong(f"prompt is {len(prompt)} tokens but the context is "
                                 f"{self.context}; shorten it to at most {self.context - 1}")
-        rng = np.random.default_rng(sampling.seed)
-        history = list(prompt)
-        target_cache = self.target.new_cache(self.context)
-        draft_cache = self.draft.new_cache(self.context) if uses_draft else None
-        # The draft reads the prompt on its own thread while the target does (ORT and the C
-        # kernel release the GIL), so its prefill hides behind the target's.
-        draft_prefill = (_Background(_prefill, self.draft, draft_cache, prompt)
-                         if draft_cache is not None else None)
-        t = time.perf_counter()
-        _prefill(self.target, target_cache, prompt)
-        stats.prefill_s = time.perf_counter() - t
-        if draft_prefill is not None:
-            t = time.perf_counter()
-            draft_prefill.wait()
-            stats.draft_s += time.perf_counter() - t
-        # adaptive k per proposer: running acceptance rate per proposed token (an optimistic
-        # start) and proposal cost per token relative to a target pass
-        ks = {"draft": spec.num_speculative_tokens, "ngram": spec.num_speculative_tokens}
-        rates = {"draft": 0.7, "ngram": 0.7}
-        costs = {"draft": 0.25, "ngram": NGRAM_ROW_COST}
-        # Greedy hybrid verifies the draft chain and the lookup chain together as two branches
-        # (a draft step costs ~0.02 of a target pass, a row ~0.03); sampled hybrid takes one of
-        # them, since the rejection rule needs one proposer per node.
-        merge = spec.method == "hybrid" and sampling.greedy
-        width = spec.tree_width if spec.method == "tree" else 2 if merge else 1
-        generated = 0
-        while generated < sampling.max_tokens:
-            if cancelled is not None and cancelled():
-                stats.finish_reason = "cancelled"
-                break
-            room = self.context - len(history)  # cache rows left after the root's
-            budget = min(sampling.max_tokens - generated, room + 1)
-            if budget <= 0:
-                stats.finish_reason = "length"
-                break
-            limit = min(budget - 1, room // width)
-            t = time.perf_counter()
-            tree, lookup, drafted = _Tree(), [], []
-            if spec.method in ("ngram", "hybrid") and limit > 0:
-                tree = self._ngram_tree(history, min(ks["ngram"], limit),
-                                        HYBRID_MIN_NGRAM if spec.method == "hybrid" else 1)
-                lookup = list(tree.tokens)
-            if uses_draft and (merge or not lookup) and limit > 0:
-                depth = min(spec.num_speculative_tokens if spec.method == "tree" else ks["draft"], limit)
-                tree = self._draft_tree(draft_cache, history, depth, 1 if merge else width,
-                                        sampling, rng, stats)
-                drafted = list(tree.tokens)
-                parent = -1
-                for tok in lookup:  # merged where the two agree
-                    parent = tree.add(tok, parent)
-            t_draft = time.perf_counter() - t
-            stats.draft_s += t_draft
-            t = time.perf_counter()
-            new, path = self._verify(target_cache, history, tree, sampling, rng)
-            t_target = time.perf_counter() - t
-            stats.target_s += t_target
-            stats.rounds += 1
-            stats.proposed += len(tree.tokens) and max(tree.depths)
-            stats.accepted += len(new) - 1
-            if drafted:
-                self._commit_draft(draft_cache, tree, path, len(history))
-            history.extend(new)  # the tree's depth kept it within max_tokens
-            generated += len(new)
-            stats.generated_tokens = generated
-            if spec.method != "tree" and spec.adaptive:
-                for who, chain in (("draft", drafted), ("ngram", lookup)):
-                    if not chain:
-                        continue
-                    rates[who] = 0.8 * rates[who] + 0.2 * _agreed(chain, new) / len(chain)
-                    if who == "draft" and t_target > 0:
-                        costs[who] = 0.8 * costs[who] + 0.2 * (t_draft / len(chain)) / t_target
-                    ks[who] = best_k(rates[who], costs[who], spec.num_speculative_tokens)
-            yield new
-        else:
-            stats.finish_reason = "length"
 
-    # -- proposals ---------------------------------------------------------------------------
-    def _ngram_tree(self, history: list[int], depth: int, min_n: int = 1) -> _Tree:
-        """Prompt lookup: the tokens that followed the latest earlier match of the last n
-        (n from ``max_ngram`` down to ``min_n``)."""
-        tree = _Tree()
-        h = np.asarray(history)
-        for n in range(min(self.max_ngram, len(h) - 1), min_n - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
-            hits = np.flatnonzero((windows == h[-n:]).all(axis=1))
-            if len(hits):
-                start = hits[-1] + n
-                parent = -1
-                for tok in h[start:start + depth]:
-                    parent = tree.add(int(tok), parent)
-                return tree
-        return tree
+    def start(self, prompt: list[int], sampling: SamplingParams, spec: SpeculativeParams,
+              stats: Optional[DecodeStats] = None,
+              cancelled: Optional[Callable[[], bool]] = None) -> "Generation":
+        self.check(prompt, spec)
+        return Generation(self, list(prompt), sampling, spec,
+                          stats if stats is not None else DecodeStats(), cancelled)
 
-    def _draft_tree(self, cache: KVCache, history: list[int], depth: int, width: int,
-                    sampling: SamplingParams, rng: np.random.Generator,
-                    stats: DecodeStats) -> _Tree:
-        """Greedy: a beam of ``width`` best paths by draft log-probability, level by level.
-        Sampled: ``width`` chains drawn i.i.d. from the draft (merged where they agree), so
-        every node's candidates are i.i.d. draws, as lossless tree verification needs."""
-        tree = _Tree()
-        catch_up = history[cache.length:]  # the root and anything committed since last round
-        logits = self.draft.forward(cache, catch_up, np.arange(cache.length, len(history)))[-1:]
-        stats.draft_calls += 1
-        committed = cache.length
-        root_pos = len(history) - 1
-        frontier = [-1]
-        chain_node = -1
-        confidence = 1.0
-        scores = {-1: 0.0}
-        for level in range(1, depth + 1):
-            if level > 1:
-                nodes = frontier
-                past = None  # rows fed so far form one chain: all are ancestors of every node
-                if len(tree.draft_rows) > level - 2:
-                    past = np.zeros((len(nodes), cache.length), bool)
-                    past[:, :committed] = True
-                    for r, node in enumerate(nodes):
-                        past[r, [tree.draft_rows[a] for a in tree.ancestors(node)[:-1]]] = True
-                base = cache.length
-                logits = self.draft.forward(cache, [tree.tokens[n] for n in nodes],
-                                            [root_pos + tree.depths[n] for n in nodes],
-                                            tree_mask=np.eye(len(nodes), dtype=bool),
-                                            past_visible=past)
-                stats.draft_calls += 1
-                for r, node in enumerate(nodes):
-                    tree.draft_rows[node] = base + r
-            if sampling.greedy:
-                options = []
-                for r, node in enumerate(frontier):
-                    if width == 1:  # a chain: only the argmax matters
-                        tok = int(np.argmax(logits[r]))
-                        confidence = 1.0 / float(np.exp(logits[r] - logits[r][tok]).sum())
-                        options.append((0.0, node, tok))
-                        continue
-                    row = logits[r]
-                    top = np.argpartition(-row, width - 1)[:width]
-                    lse = row.max() + np.log(np.exp(row - row.max()).sum())
-                    options += [(scores[node] + float(row[tok] - lse), node, int(tok)) for tok in top]
-                options.sort(key=lambda o: -o[0])
-                if width > 1:
-                    # The draft's own greedy chain always stays (the tree never accepts less
-                    # than the chain); other branches only where the draft gives their path
-                    # a fair chance, since every node is a row of the target's pass.
-                    chain = max((o for o in options if o[1] == chain_node), key=lambda o: o[0])
-                    options = [chain] + [o for o in options
-                                         if o is not chain and o[0] >= LOG_MIN_PATH_PROB]
-                nxt = []
-                for score, node, tok in options[:width]:
-                    child = tree.add(tok, node)
-                    scores[child] = score
-                    nxt.append(child)
-                chain_node = nxt[0]
-                frontier = nxt
-            else:
-                dists = {node: distribution(logits[r], sampling) for r, node in enumerate(frontier)}
-                tree.q.update(dists)
-                if level == 1:
-                    chains = [tree.add(sample(dists[-1], rng), -1) for _ in range(width)]
-                else:
-                    chains = [tree.add(sample(dists[c], rng), c) for c in chains]
-                frontier = list(dict.fromkeys(chains))
-                confidence = max(float(d.max()) for d in dists.values())
-            if width == 1 and confidence < self.draft_min_confidence:
-                break  # go no deeper than a token the draft itself doubts
-        return tree
+    def generate(self, prompt: list[int], sampling: SamplingParams, spec: SpeculativeParams,
+                 stats: Optional[DecodeStats] = None,
+                 cancelled: Optional[Callable[[], bool]] = None) -> Iterator[list[int]]:
+        """Yield the newly committed tokens after each target pass (batched with other
+        requests' passes when the engine batches verification)."""
+        generation = self.start(prompt, sampling, spec, stats, cancelled)
+        if self.batcher is not None and not generation.want_taps:
+            return self.batcher.run(generation)
+        return generation.run()
 
-    # -- verification ------------------------------------------------------------------------
-    def _verify(self, cache: KVCache, history: list[int], tree: _Tree,
-                sampling: SamplingParams, rng: np.random.Generator) -> tuple[list[int], list[int]]:
-        """One target pass over root + tree; keep the accepted path; return the new tokens and
-        the accepted nodes."""
-        base = cache.length
-        root_pos = len(history) - 1
-        ids = [history[-1]] + tree.tokens
-        positions = [root_pos] + [root_pos + d for d in tree.depths]
-        logits = self.target.forward(cache, ids, positions,
-                                     tree_mask=tree.mask() if tree.tokens else None)
-        node, path, out = -1, [], []
-        while True:
-            row = logits[node + 1]
-            if sampling.greedy:
-                tok = int(np.argmax(row))
-                match = [c for c in tree.children(node) if tree.tokens[c] == tok]
-                if not match:
-                    out.append(tok)
-                    break
-                node = match[0]
-            else:
-                p = distribution(row, sampling)
-                draws = tree.candidates.get(node, [])
-                q = tree.q.get(node)  # None for prompt lookup: a deterministic proposal
-                chosen, resampled = accept_among(p, q, [tree.tokens[c] for c in draws], rng)
-                if chosen < 0:
-                    out.append(resampled)
-                    break
-                node = draws[chosen]
-            path.append(node)
-            out.append(tree.tokens[node])
-        cache.keep_rows(base, np.array([0] + [n + 1 for n in path]))
-        return out, path
-
-    def _commit_draft(self, cache: KVCache, tree: _Tree, path: list[int], committed: int) -> None:
-        """Keep the draft rows of the accepted path; rows never fed are caught up next round.
-        ``committed``: the history (incl. the root), in the draft cache by now."""
-        rows = []
-        for node in path:
-            if node not in tree.draft_rows:
-                break
-            rows.append(tree.draft_rows[node] - committed)
-        cache.keep_rows(committed, np.array(rows, dtype=np.int64))
+    def close(self) -> None:
+        """Stop batching; requests still decoding end as cancelled."""
+        if self.batcher is not None:
+            self.batcher.close()
 
 
-def _agreed(chain: list[int], new: list[int]) -> int:
-    """How many leading tokens of a proposed chain the pass accepted."""
-    n = 0
-    for proposed, kept in zip(chain, new[:-1]):
-        if proposed != kept:
-            break
-        n += 1
-    return n
+class Generation:
+    """One request's decoding: its target cache, its drafter, its history."""
 
+    def __init__(self, engine: SpeculativeEngine, prompt: list[int], sampling: SamplingParams,
+                 spec: SpeculativeParams, stats: DecodeStats,
+                 cancelled: Optional[Callable[[], bool]]):
+        self.engine = engine
+        self.sampling, self.stats = sampling, stats
+        self.cancelled = cancelled
+        self.history = prompt
+        self.prompt_length = len(prompt)
+        self.proposer = engine.proposers[spec.method]
+        self.want_taps = self.proposer.wants_taps
+        self.rng = np.random.default_rng(sampling.seed)
+        self.cache = engine.target.new_cache(engine.context)
+        self.drafter: Drafter = self.proposer.start(DraftRequest(
+            prompt, sampling, spec, self.rng, stats, engine.context, engine.verify_cost))
+        self.tree = DraftTree()
+        self.done = False
+        self._stopped = False
 
-def _prefill(lm: OnnxLM, cache: KVCache, prompt: list[int]) -> None:
-    """Everything but the prompt's last token, which each round feeds as the root."""
-    for s in range(0, len(prompt) - 1, PREFILL_CHUNK):
-        chunk = prompt[s:min(s + PREFILL_CHUNK, len(prompt) - 1)]
-        lm.forward(cache, chunk, np.arange(s, s + len(chunk)))
+    @property
+    def generated(self) -> int:
+        return len(self.history) - self.prompt_length
 
+    def prefill(self) -> None:
+        """The target reads everything but the prompt's last token, which each round feeds as
+        the root."""
+        start = time.perf_counter()
+        taps = []
+        prompt = self.history
+        for s in range(0, len(prompt) - 1, PREFILL_CHUNK):
+            chunk = prompt[s:min(s + PREFILL_CHUNK, len(prompt) - 1)]
+            _, chunk_taps = forward(self.engine.target, self.cache, chunk,
+                                    np.arange(s, s + len(chunk)), want_taps=self.want_taps)
+            taps.append(chunk_taps)
+        self.stats.prefill_s = time.perf_counter() - start
+        self.drafter.prefilled(np.concatenate(taps) if self.want_taps and taps else None)
 
-class _Background:
-    """``fn(*args)`` on a thread; ``wait`` joins it and re-raises its error."""
+    def plan(self) -> Optional[VerifyItem]:
+        """This round's rows (root + guesses), or None when the request is done."""
+        if self.done:
+            return None
+        if self._stopped or (self.cancelled is not None and self.cancelled()):
+            return self.finish("cancelled")
+        history, context = self.history, self.engine.context
+        room = context - len(history)  # cache rows left after the root's
+        budget = min(self.sampling.max_tokens - self.generated, room + 1)
+        if budget <= 0:
+            return self.finish("length")
+        start = time.perf_counter()
+        self.tree = self.drafter.propose(history, min(budget - 1, room), room) \
+            if budget > 1 else DraftTree()
+        self.stats.draft_s += time.perf_counter() - start
+        root = len(history) - 1
+        return VerifyItem(self.cache, [history[-1]] + self.tree.tokens,
+                          [root] + [root + d for d in self.tree.depths],
+                          self.tree.mask() if self.tree.tokens else None)
 
-    def __init__(self, fn: Callable[..., None], *args) -> None:
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True)
-        self._thread.start()
+    def commit(self, logits: np.ndarray, taps: Optional[np.ndarray], target_s: float) -> list[int]:
+        """Accept from this round's pass; return the new tokens."""
+        base = self.cache.length - len(self.tree.tokens) - 1
+        new, path = verify(logits, self.tree, self.sampling, self.rng)
+        eos = next((i for i, token in enumerate(new) if token in self.engine.eos_ids), None)
+        rows = np.array([0] + [n + 1 for n in path])
+        self.cache.keep_rows(base, rows)
+        self.stats.target_s += target_s
+        self.stats.record_pass(self.tree.depth, len(path))
+        self.drafter.verified(self.tree, path, new, taps[rows] if taps is not None else None,
+                              target_s)
+        if eos is not None:
+            new = new[:eos]  # the end-of-sequence token ends the text and is not part of it
+        self.history.extend(new)  # the tree's depth kept it within max_tokens
+        self.stats.generated_tokens = self.generated
+        if eos is not None:
+            self.finish("eos")
+        elif self.generated >= self.sampling.max_tokens:
+            self.finish("length")
+        return new
 
-    def _run(self, fn: Callable[..., None], *args) -> None:
+    def stop(self) -> None:
+        """Ask the loop to end at its next round (thread-safe)."""
+        self._stopped = True
+
+    def finish(self, reason: str) -> None:
+        """End the request (idempotent); the drafter releases its state."""
+        if not self.done:
+            self.done = True
+            self.stats.finish_reason = self.stats.finish_reason or reason
+            self.drafter.finish(self.history[self.prompt_length:])
+        return None
+
+    def run(self) -> Iterator[list[int]]:
+        """The round loop on this thread: one target call per round."""
         try:
-            fn(*args)
-        except BaseException as exc:  # handed to the waiting thread
-            self._error = exc
-
-    def wait(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-
-def best_k(rate: float, cost_ratio: float, k_max: int) -> int:
-    """k maximising expected tokens per unit time: (1 - a^(k+1)) / (1 - a) / (1 + k c)."""
-    rate = min(max(rate, 0.01), 0.99)
-    ks = np.arange(1, k_max + 1)
-    gain = (1 - rate ** (ks + 1)) / (1 - rate) / (1 + ks * cost_ratio)
-    return int(ks[np.argmax(gain)])
+            self.prefill()
+            while (item := self.plan()) is not None:
+                start = time.perf_counter()
+                logits, taps = forward(self.engine.target, item.cache, item.tokens, item.positions,
+                                       item.tree_mask, self.want_taps)
+                yield self.commit(logits, taps, time.perf_counter() - start)
+        finally:
+            self.finish("stopped")

@@ -133,6 +133,13 @@ class OnnxLM:
         return out[0][:t]
 
 
+    def forward_batch(self, items) -> list[np.ndarray]:
+        """Several requests' rows: ``items`` of (cache, tokens, positions, tree_mask). This graph
+        has no batch dimension, so it runs them one after another (the interface of contract
+        C1; the real-LLM runtimes share one pass)."""
+        return [self.forward(cache, tokens, positions, tree_mask) for cache, tokens, positions, tree_mask in items]
+
+
 class KernelLM(OnnxLM):
     """The same LM file, run by dspark's C forward pass (``cython_ext/lm_forward.c``, OpenBLAS
     for the products) for up to ``KERNEL_MAX_ROWS`` new tokens, by ORT above that (a prompt).

@@ -1,54 +1,99 @@
-"""Parse a generate request's ``sampling_parameters`` JSON (Triton's LLM-backend convention)."""
+"""Parse a generate request's ``sampling_parameters`` JSON (Triton's LLM-backend convention)
+with pydantic: an error names the field (``temperature``, ``speculative.method``)."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, dataclass
+from typing import Annotated, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
-from dspark.errors import RequestError
-
-_SAMPLING_TYPES = {"max_tokens": int, "temperature": float, "top_k": int, "top_p": float,
-                   "seed": int, "stop": list}
-_SPEC_TYPES = {"method": str, "num_speculative_tokens": int, "tree_width": int, "adaptive": bool}
+from dspark.errors import RequestError, field_path, from_validation_error
 
 
-def _typed(name: str, value, kind):
-    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if kind is int and isinstance(value, float) and value.is_integer():
-        return int(value)
-    if kind is list and isinstance(value, str):
-        return [value]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise RequestError(name, f"expected {kind.__name__}, got {json.dumps(value)}")
-    return value
+@dataclass
+class GenerateOptions:
+    """A request's parameters besides the prompt: how to sample and speculate, and whether the
+    prompt goes through the chat template."""
+    sampling: SamplingParams
+    spec: SpeculativeParams
+    chat: bool = False
 
 
-def parse_sampling_parameters(raw: str | bytes | None, default_spec: SpeculativeParams,
-                              ) -> tuple[SamplingParams, SpeculativeParams]:
-    """Validated (sampling, speculative) parameters; RequestError names the bad field."""
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _object(raw, field: str) -> dict:
     if raw in (None, b"", ""):
-        data = {}
-    else:
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as error:
-            raise RequestError("sampling_parameters", f"not valid JSON ({error})") from None
-        if not isinstance(data, dict):
-            raise RequestError("sampling_parameters", "must be a JSON object")
-    spec_data = data.pop("speculative", {}) or {}
+        return {}
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except UnicodeDecodeError as error:
+        raise RequestError(field, f"is not UTF-8 ({error.reason} at byte {error.start})") from None
+    except ValueError as error:
+        raise RequestError(field, f"not valid JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise RequestError(field, "must be a JSON object")
+    return data
+
+
+def parse_generate_options(raw: "str | bytes | None", default_spec: SpeculativeParams,
+                           methods: Optional[tuple[str, ...]] = None) -> GenerateOptions:
+    """Validated options; RequestError names the bad field. ``speculative`` overrides the
+    model's defaults field by field; ``methods``: the model's methods, when known."""
+    data = _object(raw, "sampling_parameters")
+    spec_data = data.pop("speculative", None) or {}
     if not isinstance(spec_data, dict):
         raise RequestError("speculative", "must be a JSON object")
-    unknown = set(data) - set(_SAMPLING_TYPES)
-    if unknown:
-        raise RequestError(sorted(unknown)[0], f"unknown sampling parameter; known: "
-                                                   f"{sorted(_SAMPLING_TYPES) + ['speculative']}")
-    unknown = set(spec_data) - set(_SPEC_TYPES)
-    if unknown:
-        raise RequestError(f"speculative.{sorted(unknown)[0]}",
-                               f"unknown; known: {sorted(_SPEC_TYPES)}")
-    sampling = SamplingParams(**{k: _typed(k, v, _SAMPLING_TYPES[k]) for k, v in data.items()
-                                 if v is not None})
-    spec = replace(default_spec, **{k: _typed(f"speculative.{k}", v, _SPEC_TYPES[k])
-                                    for k, v in spec_data.items()})
-    return sampling.validate(), spec.validate()
+    chat = data.pop("chat", False)
+    if not isinstance(chat, bool):
+        raise RequestError("chat", f"must be true or false, got {json.dumps(chat)}")
+    try:
+        sampling = SamplingParams(**{k: v for k, v in data.items() if v is not None})
+    except ValidationError as error:
+        raise from_validation_error(error) from None
+    except TypeError as error:  # not keyword-able (a non-string key cannot come from JSON)
+        raise RequestError("sampling_parameters", str(error)) from None
+    try:
+        spec = SpeculativeParams(**{**asdict(default_spec), **spec_data})
+    except ValidationError as error:
+        raise from_validation_error(error, prefix="speculative") from None
+    if methods is not None and spec.method not in methods:
+        raise RequestError("speculative.method", f"{spec.method!r} is not one of this model's "
+                                                 f"methods {methods}")
+    return GenerateOptions(sampling, spec, chat)
+
+
+def parse_sampling_parameters(raw: "str | bytes | None", default_spec: SpeculativeParams,
+                              methods: Optional[tuple[str, ...]] = None,
+                              ) -> tuple[SamplingParams, SpeculativeParams]:
+    options = parse_generate_options(raw, default_spec, methods)
+    return options.sampling, options.spec
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+_MESSAGES = TypeAdapter(Annotated[list[ChatMessage], Field(min_length=1)])
+
+
+def parse_messages(raw: "str | bytes | None") -> Optional[list[dict]]:
+    """The optional ``messages`` input: a JSON list of {"role", "content"} objects."""
+    if raw in (None, b"", ""):
+        return None
+    try:
+        data = json.loads(raw)
+    except UnicodeDecodeError as error:
+        raise RequestError("messages", f"is not UTF-8 ({error.reason} at byte {error.start})") from None
+    except ValueError as error:
+        raise RequestError("messages", f"not valid JSON ({error})") from None
+    try:
+        return [m.model_dump() for m in _MESSAGES.validate_python(data)]
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise RequestError(field_path(("messages", *first["loc"])), first["msg"]) from None

@@ -1,61 +1,61 @@
-"""Sampling parameters, the logits -> distribution transform and lossless acceptance rules."""
+"""Sampling and speculation parameters (validated by pydantic: an error names the field) and the
+logits -> distribution transform."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated, Optional
 
 import numpy as np
+from pydantic import ConfigDict, Field, field_validator
+from pydantic.dataclasses import dataclass
 
-from dspark.errors import RequestError
+# Below this a temperature divides logits into overflow (and a subnormal one into inf - inf);
+# 0 means greedy, anything in between is refused rather than silently changed.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 10.0
+MAX_SEED = 2 ** 63 - 1
 
-METHODS = ("none", "draft", "ngram", "hybrid", "tree")
+_STRICT = ConfigDict(extra="forbid", strict=True)
 
 
-@dataclass
+@dataclass(config=_STRICT)
 class SpeculativeParams:
-    method: str = "tree"
-    num_speculative_tokens: int = 4  # draft/ngram/hybrid: k (the start and upper bound when adaptive); tree: depth
-    tree_width: int = 4
+    """How a request speculates. ``method`` names a proposer of the engine (the engine checks
+    it is one it has); ``num_speculative_tokens`` is k (the start and upper bound when
+    ``adaptive``), or the depth of a tree."""
+    method: Annotated[str, Field(min_length=1, max_length=64)] = "hybrid"
+    num_speculative_tokens: Annotated[int, Field(ge=1, le=16)] = 4
+    tree_width: Annotated[int, Field(ge=1, le=8)] = 4
     adaptive: bool = True
 
-    def validate(self) -> "SpeculativeParams":
-        if self.method not in METHODS:
-            raise RequestError("speculative.method", f"{self.method!r} is not one of {METHODS}")
-        if not 1 <= int(self.num_speculative_tokens) <= 16:
-            raise RequestError("speculative.num_speculative_tokens", "must be in 1..16")
-        if not 1 <= int(self.tree_width) <= 8:
-            raise RequestError("speculative.tree_width", "must be in 1..8")
-        return self
 
-
-@dataclass
+@dataclass(config=_STRICT)
 class SamplingParams:
-    max_tokens: int = 64
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
+    max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] = 64
+    temperature: Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)] = 0.0
+    top_k: Annotated[int, Field(ge=0)] = 0  # 0 = off
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
+    seed: Optional[Annotated[int, Field(ge=0, le=MAX_SEED)]] = None
+    stop: list[Annotated[str, Field(min_length=1)]] = field(default_factory=list)
 
-    def validate(self) -> "SamplingParams":
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise RequestError("max_tokens", "must be an integer >= 1")
-        if not 0.0 <= float(self.temperature) <= 10.0:
-            raise RequestError("temperature", "must be in [0, 10]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise RequestError("top_k", "must be an integer >= 0")
-        if not 0.0 < float(self.top_p) <= 1.0:
-            raise RequestError("top_p", "must be in (0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise RequestError("seed", "must be a non-negative integer")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise RequestError("stop", "must be a list of non-empty strings")
-        return self
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_usable(cls, value: float) -> float:
+        if 0.0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}; "
+                             f"{value!r} would overflow the logits")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _as_list(cls, value):  # "stop": "x" means ["x"]
+        return [value] if isinstance(value, str) else value
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
 
 
 def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -78,28 +78,3 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"), len(p) - 1))
-
-
-def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """norm(max(0, p - q)): where to resample after rejecting a draft drawn from q."""
-    r = np.maximum(p - q, 0.0)
-    total = r.sum()
-    return r / total if total > 0 else p
-
-
-def accept_among(p: np.ndarray, q: np.ndarray | None, candidates: list[int],
-                 rng: np.random.Generator) -> tuple[int, int | None]:
-    """Lossless choice among draft ``candidates`` drawn i.i.d. from ``q`` (None: q is one-hot on
-    each candidate, as for prompt lookup). Returns (index of the accepted candidate or -1,
-    the token sampled from the residual when all were rejected).
-
-    Each candidate is accepted with min(1, p/q); on rejection p becomes norm(max(0, p - q)), so
-    the emitted token is distributed exactly as p (the rule of speculative sampling, applied
-    recursively over the candidates of a tree node).
-    """
-    for i, tok in enumerate(candidates):
-        qi = q if q is not None else np.eye(1, len(p), tok)[0]
-        if qi[tok] > 0 and rng.random() * qi[tok] < p[tok]:
-            return i, None
-        p = residual(p, qi)
-    return -1, sample(p, rng)

@@ -1,62 +1,113 @@
-"""Text in, text out: tokenizer, stop strings and streamed deltas over the token engine."""
+"""Text in, text out: tokenizer, chat template, stop strings and streamed deltas over the token
+engine."""
 from __future__ import annotations
 
-import codecs
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
+from typing import Optional, Protocol
 
-from dspark.decoding.engine import DecodeStats, SpeculativeEngine
-from dspark.decoding.lm import KernelLM, OnnxLM
+from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
-from dspark.decoding.tokenizer import BPETokenizer
+from dspark.decoding.stats import DecodeStats
+from dspark.errors import RequestError
 
-DRAFT_RUNTIMES = {"kernel": KernelLM, "onnxruntime": OnnxLM}
+REPLACEMENT = "\ufffd"
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> "str | bytes": ...
+
+
+class Detokenizer:
+    """Text deltas of a growing token sequence. Byte-level BPE splits characters across tokens:
+    a delta that ends inside a character (a replacement character at its end) is held back
+    until the character is complete; the text is always the decoding of all tokens so far."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._prefix = 0  # ids[_prefix:_read] decode to text already returned
+        self._read = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        text = self.tokenizer.decode(ids)
+        return text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+
+    def add(self, new: list[int]) -> str:
+        self.ids.extend(new)
+        done = self._decode(self.ids[self._prefix:self._read])
+        text = self._decode(self.ids[self._prefix:])
+        if len(text) <= len(done) or text.endswith(REPLACEMENT):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return text[len(done):]
+
+    def flush(self) -> str:
+        """What is held back (an incomplete character at the very end stays replaced)."""
+        done = self._decode(self.ids[self._prefix:self._read])
+        text = self._decode(self.ids[self._prefix:])
+        self._prefix = self._read = len(self.ids)
+        return text[len(done):]
 
 
 class TextGenerator:
-    def __init__(self, engine: SpeculativeEngine, tokenizer: BPETokenizer):
+    def __init__(self, engine: SpeculativeEngine, tokenizer: Tokenizer,
+                 max_token_bytes: Optional[int] = None):
         self.engine = engine
         self.tokenizer = tokenizer
+        # the longest token's UTF-8 length bounds how few tokens a text can be: a prompt longer
+        # than context x this is refused before it is tokenized
+        self.max_token_bytes = max_token_bytes or 256
 
-    @classmethod
-    def from_files(cls, target: Path, draft: Path | None, tokenizer: Path, threads: int = 1,
-                   draft_runtime: str = "kernel") -> "TextGenerator":
-        """``draft_runtime``: "kernel" (dspark's C forward pass) or "onnxruntime"."""
-        draft_lm = DRAFT_RUNTIMES[draft_runtime](draft, threads) if draft else None
-        return cls(SpeculativeEngine(OnnxLM(target, threads), draft_lm),
-                   BPETokenizer.load(tokenizer))
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a prompt; one too long for the context is refused by its size first,
+        so an oversized prompt costs no tokenization."""
+        size = len(prompt.encode("utf-8"))
+        if size > self.engine.context * self.max_token_bytes:
+            raise RequestError("text_input", f"prompt is {size} bytes, more than the context of "
+                                             f"{self.engine.context} tokens can hold; shorten it")
+        return self.tokenizer.encode(prompt)
 
-    def stream(self, prompt: str, sampling: SamplingParams, spec: SpeculativeParams,
-               stats: DecodeStats | None = None,
-               cancelled: Callable[[], bool] | None = None) -> Iterator[str]:
+    def stream(self, prompt: "str | list[int]", sampling: SamplingParams, spec: SpeculativeParams,
+               stats: Optional[DecodeStats] = None,
+               cancelled: Optional[Callable[[], bool]] = None) -> Iterator[str]:
         """Yield text deltas. Text that could still start a stop string is held back until it
         cannot; the stop string and everything after it are never sent."""
         stats = stats if stats is not None else DecodeStats()
-        ids = self.tokenizer.encode(prompt)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        ids = self.encode(prompt) if isinstance(prompt, str) else prompt
+        tokens = self.engine.generate(ids, sampling, spec, stats, cancelled)
+        detokenizer = Detokenizer(self.tokenizer)
         text, sent = "", 0
         hold = max((len(s) for s in sampling.stop), default=1) - 1
-        for new in self.engine.generate(ids, sampling, spec, stats, cancelled):
-            text += decoder.decode(self.tokenizer.decode(new))
+        try:
+            for new in tokens:
+                text += detokenizer.add(new)
+                cut = _find_stop(text, sampling.stop, max(0, sent - hold))
+                if cut is not None:
+                    if cut > sent:
+                        yield text[sent:cut]
+                    stats.finish_reason = "stop"
+                    return
+                safe = len(text) - hold
+                if safe > sent:
+                    yield text[sent:safe]
+                    sent = safe
+            text += detokenizer.flush()
             cut = _find_stop(text, sampling.stop, max(0, sent - hold))
             if cut is not None:
-                if cut > sent:
-                    yield text[sent:cut]
                 stats.finish_reason = "stop"
-                return
-            safe = len(text) - hold
-            if safe > sent:
-                yield text[sent:safe]
-                sent = safe
-        text += decoder.decode(b"", final=True)
-        if len(text) > sent:
-            yield text[sent:]
+                text = text[:cut]
+            if len(text) > sent:
+                yield text[sent:]
+        finally:
+            tokens.close()  # ends the request's round loop now, also when the consumer stops
 
-    def complete(self, prompt: str, sampling: SamplingParams, spec: SpeculativeParams,
-                 stats: DecodeStats | None = None) -> str:
+    def complete(self, prompt: "str | list[int]", sampling: SamplingParams,
+                 spec: SpeculativeParams, stats: Optional[DecodeStats] = None) -> str:
         return "".join(self.stream(prompt, sampling, spec, stats))
 
 

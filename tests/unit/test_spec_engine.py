@@ -3,11 +3,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dspark.decoding.engine import DecodeStats, PromptTooLong, SpeculativeEngine, best_k
+from dspark.decoding.adaptive import best_k
+from dspark.decoding.engine import PromptTooLong, SpeculativeEngine
 from dspark.decoding.lm import KernelLM, OnnxLM
 from dspark.decoding.onnx_lm import LMConfig, build_lm_onnx, random_weights
-from dspark.decoding.sampling import (SamplingParams, SpeculativeParams, accept_among,
-                                      distribution)
+from dspark.decoding.proposers import standard_proposers
+from dspark.decoding.rejection import accept_among
+from dspark.decoding.sampling import SamplingParams, SpeculativeParams, distribution
+from dspark.decoding.stats import DecodeStats
 
 CFG = LMConfig(n_layer=2, d_model=32, n_head=2, vocab=24, ctx=128)
 
@@ -18,7 +21,12 @@ def engine_pair(seed: int, noise: float, cfg: LMConfig = CFG, draft_cls=OnnxLM) 
     rng = np.random.default_rng(seed + 1)
     noisy = {k: v + noise * v.std() * rng.standard_normal(v.shape).astype(np.float32)
              for k, v in weights.items()}
-    return SpeculativeEngine(OnnxLM(build_lm_onnx(weights, cfg)), draft_cls(build_lm_onnx(noisy, cfg)))
+    return make_engine(OnnxLM(build_lm_onnx(weights, cfg)), draft_cls(build_lm_onnx(noisy, cfg)))
+
+
+def make_engine(target, draft, min_confidence: float = 0.15, **options) -> SpeculativeEngine:
+    return SpeculativeEngine(target, standard_proposers(draft, draft_min_confidence=min_confidence),
+                             **options)
 
 
 # seed 0: the draft is the target (everything accepted); then ever noisier drafts, two of them
@@ -29,7 +37,7 @@ ENGINES = {seed: engine_pair(seed, noise, draft_cls=cls) for seed, noise, cls in
 
 def with_confidence(engine: SpeculativeEngine, min_confidence: float) -> SpeculativeEngine:
     """The same models; draft chains stop after a token below ``min_confidence``."""
-    return SpeculativeEngine(engine.target, engine.draft, draft_min_confidence=min_confidence)
+    return make_engine(engine.target, engine.proposers["draft"].lm, min_confidence)
 
 
 def run(engine, prompt, sampling, spec, stats=None):
@@ -39,7 +47,7 @@ def run(engine, prompt, sampling, spec, stats=None):
 @settings(max_examples=30, deadline=None)
 @given(engine_seed=st.sampled_from(sorted(ENGINES)),
        prompt=st.lists(st.integers(0, CFG.vocab - 1), min_size=1, max_size=60),
-       method=st.sampled_from(["draft", "ngram", "hybrid", "tree"]),
+       method=st.sampled_from(["draft", "ngram", "suffix", "hybrid", "tree"]),
        k=st.integers(1, 6), width=st.integers(1, 4), adaptive=st.booleans(),
        max_tokens=st.integers(1, 40), min_confidence=st.sampled_from([0.0, 0.4, 0.9]))
 def test_greedy_speculation_equals_plain_decoding(engine_seed, prompt, method, k, width, adaptive,
@@ -121,7 +129,7 @@ def test_greedy_hybrid_verifies_lookup_and_draft_chains_in_one_pass():
 
 
 @pytest.mark.parametrize("method,width", [("draft", 1), ("tree", 3), ("ngram", 1), ("hybrid", 1),
-                                          ("none", 1)])
+                                          ("suffix", 3), ("none", 1)])
 def test_sampled_speculation_follows_the_target_distribution(method, width):
     """Lossless sampling: the joint law of the first two tokens equals the target's (G-test
     at alpha 0.001 over 1500 fixed-seed runs; a lossy rule, e.g. always accepting the draft,

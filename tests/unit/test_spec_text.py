@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.lm import OnnxLM
 from dspark.decoding.onnx_lm import LMConfig, build_lm_onnx, random_weights
+from dspark.decoding.proposers import standard_proposers
 from dspark.decoding.request import parse_sampling_parameters
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.decoding.text import TextGenerator, send_coalesced
@@ -15,6 +16,7 @@ from dspark.decoding.tokenizer import BPETokenizer
 from dspark.errors import RequestError
 from dspark.paths import project_root
 
+METHODS = ("none", "draft", "ngram", "suffix", "hybrid", "tree")
 TOKENIZER = BPETokenizer.load(project_root() / "tools" / "weights" / "spec_bpe.json")
 
 
@@ -41,7 +43,16 @@ def test_tokenizer_merges_common_code():
     (json.dumps({"top_k": -1}), "top_k"),
     (json.dumps({"top_p": 0}), "top_p"),
     (json.dumps({"seed": -1}), "seed"),
-    (json.dumps({"stop": [""]}), "stop"),
+    (json.dumps({"stop": [""]}), "stop[0]"),
+    (json.dumps({"temperature": 5e-324}), "temperature"),
+    (json.dumps({"temperature": 1e-5}), "temperature"),
+    (b'{"temperature": NaN}', "sampling_parameters"),
+    (b'{"top_p": Infinity}', "sampling_parameters"),
+    (json.dumps({"top_p": 1.0000001}), "top_p"),
+    (json.dumps({"max_tokens": True}), "max_tokens"),
+    (json.dumps({"max_tokens": "10"}), "max_tokens"),
+    (json.dumps({"chat": "yes"}), "chat"),
+    (b'{"stop": "\xff"}', "sampling_parameters"),
     (json.dumps({"beam": 2}), "beam"),
     (json.dumps({"speculative": {"method": "medusa"}}), "speculative.method"),
     (json.dumps({"speculative": {"num_speculative_tokens": 0}}), "speculative.num_speculative_tokens"),
@@ -51,7 +62,7 @@ def test_tokenizer_merges_common_code():
 ])
 def test_bad_sampling_parameters_name_the_field(raw, field):
     with pytest.raises(RequestError) as info:
-        parse_sampling_parameters(raw, SpeculativeParams())
+        parse_sampling_parameters(raw, SpeculativeParams(), METHODS)
     assert info.value.field == field and field in str(info.value)
 
 
@@ -69,7 +80,7 @@ def generator():
     cfg = LMConfig(n_layer=1, d_model=32, n_head=2, vocab=TOKENIZER.vocab_size, ctx=256)
     target = OnnxLM(build_lm_onnx(random_weights(cfg, seed=11, scale=2.0), cfg))
     draft = OnnxLM(build_lm_onnx(random_weights(cfg, seed=12, scale=2.0), cfg))
-    return TextGenerator(SpeculativeEngine(target, draft), TOKENIZER)
+    return TextGenerator(SpeculativeEngine(target, standard_proposers(draft)), TOKENIZER)
 
 
 def test_stream_pieces_join_to_the_complete_text(generator):

@@ -1,0 +1,25 @@
+"""Text generators over the models a speculative model serves."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from dspark.decoding.engine import SpeculativeEngine
+from dspark.decoding.lm import KernelLM, OnnxLM
+from dspark.decoding.proposers import standard_proposers
+from dspark.decoding.text import TextGenerator
+from dspark.decoding.tokenizer import BPETokenizer
+
+DRAFT_RUNTIMES = {"kernel": KernelLM, "onnxruntime": OnnxLM}
+
+
+def toy_generator(target: Path, draft: Optional[Path], tokenizer: Path, threads: int = 1,
+                  draft_runtime: str = "kernel", batch_verification: bool = False,
+                  context: Optional[int] = None) -> TextGenerator:
+    """The 5 M-parameter LM pair trained here (``spec_target``/``spec_draft``): a fast test
+    fixture. ``draft_runtime``: "kernel" (dspark's C forward pass) or "onnxruntime"."""
+    draft_lm = DRAFT_RUNTIMES[draft_runtime](draft, threads) if draft else None
+    engine = SpeculativeEngine(OnnxLM(target, threads), standard_proposers(draft_lm),
+                               context=context, batch_verification=batch_verification)
+    bpe = BPETokenizer.load(tokenizer)
+    return TextGenerator(engine, bpe, max_token_bytes=max(len(t) for t in bpe.tokens))

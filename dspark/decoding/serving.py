@@ -1,0 +1,127 @@
+"""Serving pieces of the speculative backend that need no Triton: its config parameters
+(pydantic) and the bounded worker pool requests run on."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dspark.errors import ConfigError, UnavailableError, from_validation_error
+
+
+class ServingConfig(BaseModel):
+    """The model config's ``parameters`` (strings in config.pbtxt, converted and checked here)."""
+    model_config = ConfigDict(extra="forbid")
+
+    target_model: str = "spec_target"
+    draft_model: str = "spec_draft"  # "" = none
+    tokenizer: str = "tokenizer.json"
+    default_method: str = "hybrid"
+    num_speculative_tokens: int = Field(4, ge=1, le=16)
+    tree_width: int = Field(4, ge=1, le=8)
+    intra_op_threads: int = Field(1, ge=1, le=256)
+    stream_interval_ms: int = Field(10, ge=0, le=10_000)
+    draft_runtime: Literal["kernel", "onnxruntime"] = "kernel"
+    max_concurrent_requests: int = Field(4, ge=1, le=256)
+    max_queued_requests: int = Field(16, ge=0, le=100_000)
+    max_queue_wait_ms: int = Field(30_000, ge=0)
+    batch_verification: bool = False
+    max_context: int = Field(0, ge=0)  # 0 = the model's own context
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str], path: Optional[Path] = None) -> "ServingConfig":
+        try:
+            return cls(**{k: v for k, v in params.items() if v != ""})
+        except ValidationError as error:
+            raise from_validation_error(error, ConfigError, prefix="parameters", path=path) from None
+
+
+@dataclass
+class _Job:
+    run: Callable[[], None]
+    reject: Callable[[BaseException], None]
+    deadline: float
+
+
+class RequestPool:
+    """``workers`` threads run requests; up to ``max_queued`` more wait, each at most
+    ``max_wait_s``; beyond that a request is answered UNAVAILABLE at once. ``close`` answers
+    what still waits and joins the workers (whose requests see ``closing`` and end)."""
+
+    def __init__(self, workers: int, max_queued: int, max_wait_s: float, name: str = "request"):
+        self.max_wait_s = max_wait_s
+        self.closing = threading.Event()
+        self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue(maxsize=max_queued + workers)
+        self._workers = workers
+        self._busy = 0
+        self._lock = threading.Lock()
+        self._max_queued = max_queued
+        self._waiting = 0
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                         for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, run: Callable[[], None], reject: Callable[[BaseException], None]) -> None:
+        """Run ``run`` on a worker, or call ``reject`` with an UnavailableError."""
+        with self._lock:
+            if self.closing.is_set():
+                error = UnavailableError("the model is shutting down", "shutdown")
+            elif self._busy + self._waiting >= self._workers + self._max_queued:
+                error = UnavailableError(
+                    f"busy: {self._workers} requests running and {self._max_queued} waiting; "
+                    "retry later", "busy")
+            else:
+                self._waiting += 1
+                self._jobs.put_nowait(_Job(run, reject, time.monotonic() + self.max_wait_s))
+                return
+        reject(error)
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(running, waiting)."""
+        with self._lock:
+            return self._busy, self._waiting
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            with self._lock:
+                self._waiting -= 1
+                self._busy += 1
+            try:
+                if self.closing.is_set():
+                    job.reject(UnavailableError("the model is shutting down", "shutdown"))
+                elif time.monotonic() > job.deadline:
+                    job.reject(UnavailableError(
+                        f"busy: waited {self.max_wait_s:g} s for one of {self._workers} workers; "
+                        "retry later", "queue_timeout"))
+                else:
+                    job.run()
+            except BaseException as error:  # noqa: BLE001 - a job's own handler failed; keep serving
+                try:
+                    job.reject(error)
+                except BaseException:  # noqa: BLE001
+                    pass
+            finally:
+                with self._lock:
+                    self._busy -= 1
+
+    def close(self, timeout_s: float) -> bool:
+        """Stop: queued requests are rejected, running ones see ``closing``; True when every
+        worker ended within ``timeout_s``."""
+        self.closing.set()
+        for _ in self._threads:
+            self._jobs.put(None)  # after the queued jobs, which are rejected on the way
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)
