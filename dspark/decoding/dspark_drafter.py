@@ -40,6 +40,30 @@ FORMAT = "dspark-drafter/1"
 EmbedRows = Callable[[np.ndarray], np.ndarray]  # token ids -> float32 rows [n, hidden]
 
 
+def default_weights() -> Path:
+    """The drafter trained for SmolLM2-135M-Instruct (tools/train_dspark.py)."""
+    from dspark.paths import project_root
+
+    return project_root() / "tools" / "weights" / "dspark_smollm2.npz"
+
+
+def gguf_embedding(model) -> EmbedRows:
+    """Rows of the target's token embedding, dequantized on demand from the GGUF's own blocks
+    (a dspark.llm.gguf_model.GGUFModel): the drafter shares the target's embedding and holds no
+    float copy of the whole table."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType[model.tensor_type("token_embd.weight")]
+    raw = model.raw("token_embd.weight")
+
+    def rows(ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        return np.asarray(dequantize(raw[ids], qtype), np.float32).reshape(len(ids), -1)
+
+    return rows
+
+
 @dataclass(frozen=True)
 class DrafterConfig:
     hidden: int
@@ -175,6 +199,15 @@ class DSparkDrafter:
         if vocab_ids.max() >= target_vocab:
             raise ConfigError("vocab_ids", f"token {vocab_ids.max()} >= target vocab {target_vocab}", path)
         return cls(cfg, arrays, vocab_ids, embed_rows)
+
+    @classmethod
+    def for_gguf(cls, model, path: str | Path | None = None) -> "DSparkDrafter":
+        """The drafter for a target GGUF (a GGUFModel), its embedding shared."""
+        drafter = cls.load(path or default_weights(), gguf_embedding(model), model.config.vocab)
+        if drafter.cfg.hidden != model.config.hidden:
+            raise ConfigError("hidden", f"drafter {drafter.cfg.hidden} != target {model.config.hidden}",
+                              path or default_weights())
+        return drafter
 
     # ------------------------------------------------------------------ context
     def new_context(self, capacity: int) -> DraftContext:

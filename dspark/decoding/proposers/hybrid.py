@@ -53,6 +53,9 @@ class HybridDrafter(BaseDrafter):
                  taps: Optional[np.ndarray], target_s: float) -> None:
         for drafter in self.used:
             drafter.verified(tree, path, new, taps, target_s)
+        if self.model not in self.used and taps is not None:
+            # a drafter that reads the target's taps (DSpark) needs every committed row's
+            self.model.verified(DraftTree(), [], new, taps, target_s)
         self.used = []
 
     def finish(self, output: list[int]) -> None:
