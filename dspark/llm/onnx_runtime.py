@@ -1,21 +1,24 @@
 """The target runtime of contract C1 on ONNX Runtime: a graph from :mod:`dspark.llm.onnx_graph`.
 
 ``OnnxLlama(path)`` serves one imported model. Its KV caches live in a pool of ``max_batch``
-slots per layer (``[slots, kv_heads, rows, head_dim]``, float16 by default); a cache is one
+slots per layer (``[slots, kv_heads, rows, head_dim]``, float32: ORT's CPU attention casts a float16
+cache whole on every call); a cache is one
 slot, and ORT's attention writes new rows straight into it (the graph's past and present
 tensors are bound to the same memory), so a call copies no cache. The pool is allocated
 zeroed and untouched, so memory becomes resident only as rows are written.
 
-Taps: ``forward(..., want_taps=True)`` returns ``(logits, taps)``, taps ``[T, len(TAP_LAYERS) *
-hidden]`` float32 (the residual stream after the blocks in ``dspark.llm.taps.TAP_LAYERS``), so
-no state is kept between calls. ``forward_batch`` runs several requests' rows in one call when
-their caches share the pool (it pays because decoding is bound by reading the weights).
+Taps: ``forward(..., want_taps=True)`` returns ``(logits, taps)``, taps ``[T, len(tap_layers) *
+hidden]`` float32: the residual stream after the blocks in ``self.tap_layers``
+(``dspark.llm.taps.TAP_LAYERS`` for SmolLM2), so no state is kept between calls.
+``forward_batch`` runs several requests' rows in one call when their caches share the pool
+(it pays because decoding is bound by reading the weights).
 
 All calls on one runtime are serialised by a lock: the ORT call already uses every core given
 to it, and batch calls write scratch rows past other slots' valid lengths.
 """
 from __future__ import annotations
 
+import json
 import threading
 import weakref
 from dataclasses import dataclass, replace
@@ -24,14 +27,12 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 
 from dspark.engines.onnx_session import make_session_options
 from dspark.errors import ConfigError
 from dspark.llm.gguf_model import LlamaConfig
 from dspark.llm.onnx_graph import GRAPH_FORMAT
-from dspark.llm.taps import TAP_LAYERS
 
 # Every call runs at least this many rows: ORT's kernels take another path for one row, which
 # changes the last bits; with two, a decode step and a verification row see the same kernels.
@@ -107,7 +108,7 @@ class LlamaKVCache:
         if n and not np.array_equal(rows, np.arange(n)):
             src = start + rows
             for arr in (*self.pool.keys, *self.pool.values):
-                arr[self.slot, :, start:start + n] = arr[self.slot, :, src]
+                arr[self.slot, :, start:start + n] = arr[self.slot][:, src]
             self.positions[start:start + n] = self.positions[src]
         self.length = start + n
 
@@ -123,15 +124,15 @@ class _Rows:
     past_visible: np.ndarray | None
 
 
-def read_graph(path: str | Path) -> tuple[onnx.ModelProto, LlamaConfig, str]:
-    """The graph, its config and cache dtype; refuses graphs of another format."""
-    model = onnx.load(str(path), load_external_data=False)
-    props = {p.key: p.value for p in model.metadata_props}
+def graph_metadata(session: ort.InferenceSession, path) -> tuple[LlamaConfig, str, tuple[int, ...]]:
+    """The graph's config, cache dtype and tap layers; refuses graphs of another format."""
+    props = session.get_modelmeta().custom_metadata_map
     if props.get("dspark_llm_format") != GRAPH_FORMAT:
         raise ConfigError("dspark_llm_format", f"found {props.get('dspark_llm_format')!r}, this dspark "
                           f"needs {GRAPH_FORMAT!r}: re-import the GGUF (make setup, or dspark llm import)",
                           path)
-    return model, LlamaConfig.from_json(props["dspark_llm_config"]), props["dspark_llm_cache_dtype"]
+    return (LlamaConfig.from_json(props["dspark_llm_config"]), props["dspark_llm_cache_dtype"],
+            tuple(json.loads(props["dspark_llm_tap_layers"])))
 
 
 class OnnxLlama:
@@ -143,13 +144,15 @@ class OnnxLlama:
 
     def __init__(self, path: str | Path, threads: int = 2, max_context: int = DEFAULT_MAX_CONTEXT,
                  max_batch: int = DEFAULT_MAX_BATCH, spinning: bool = False):
-        model, cfg, cache_dtype = read_graph(path)
-        self.config = replace(cfg, ctx=min(cfg.ctx, max_context))
-        self.cache_dtype = np.dtype(cache_dtype)
         options = make_session_options(intra_op_threads=threads, inter_op_threads=1,
                                        allow_spinning=spinning)
-        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        del model
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # ORT raises its own Fail/InvalidGraph/NoSuchFile types
+            raise ConfigError("model", f"ONNX Runtime cannot load the graph ({exc})", path) from None
+        cfg, cache_dtype, self.tap_layers = graph_metadata(self.session, path)
+        self.config = replace(cfg, ctx=min(cfg.ctx, max_context))
+        self.cache_dtype = np.dtype(cache_dtype)
         self.max_batch = max_batch
         self._pool = self._new_pool(max_batch)
         self._lock = threading.Lock()
@@ -182,7 +185,7 @@ class OnnxLlama:
         tokens = np.asarray(tokens, np.int64).reshape(-1)
         if len(tokens) == 0:
             empty = np.zeros((0, self.config.vocab), np.float32)
-            return (empty, np.zeros((0, len(TAP_LAYERS) * self.config.hidden), np.float32)) if want_taps else empty
+            return (empty, np.zeros((0, len(self.tap_layers) * self.config.hidden), np.float32)) if want_taps else empty
         item = self._rows(cache, tokens, positions, tree_mask, past_visible)
         logits, taps = self._run([item], max(item.t, MIN_ROWS), logit_rows)[0]
         return (logits, taps) if want_taps else logits

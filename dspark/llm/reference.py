@@ -8,8 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from dspark.llm.gguf_model import GGUFModel
-from dspark.llm.onnx_graph import rope_tables
-from dspark.llm.taps import TAP_LAYERS
+from dspark.llm.onnx_graph import default_tap_layers, rope_tables
 
 
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -26,9 +25,10 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def reference_forward(model: GGUFModel, tokens) -> tuple[np.ndarray, np.ndarray]:
-    """(logits ``[T, vocab]``, taps ``[T, len(TAP_LAYERS) * hidden]``) for ``tokens`` at
+    """(logits ``[T, vocab]``, taps ``[T, len(tap_layers) * hidden]``) for ``tokens`` at
     positions 0..T-1, causal attention."""
     cfg = model.config
+    tap_layers = default_tap_layers(cfg.n_layer)
     tokens = np.asarray(tokens, np.int64)
     t, dh, group = len(tokens), cfg.head_dim, cfg.group
     cos, sin = (a.astype(np.float64) for a in rope_tables(cfg, t))
@@ -52,7 +52,7 @@ def reference_forward(model: GGUFModel, tokens) -> tuple[np.ndarray, np.ndarray]
         h = _rms_norm(x, w(p + "ffn_norm.weight"), cfg.rms_eps)
         gate, up = h @ w(p + "ffn_gate.weight").T, h @ w(p + "ffn_up.weight").T
         x = x + (gate / (1.0 + np.exp(-gate)) * up) @ w(p + "ffn_down.weight").T
-        if i in TAP_LAYERS:
+        if i in tap_layers:
             taps.append(x)
     head = w("token_embd.weight" if cfg.tied_embeddings else "output.weight")
     logits = _rms_norm(x, w("output_norm.weight"), cfg.rms_eps) @ head.T
