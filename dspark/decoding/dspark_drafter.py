@@ -37,6 +37,7 @@ import numpy as np
 from dspark.errors import ConfigError, RequestError
 
 FORMAT = "dspark-drafter/1"
+BACKENDS = ("numpy", "onnxruntime")
 EmbedRows = Callable[[np.ndarray], np.ndarray]  # token ids -> float32 rows [n, hidden]
 
 
@@ -119,13 +120,17 @@ def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x * (w / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
 
 
+def rope_trig(positions: np.ndarray, d: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [n, d/2] float32 of the rotation angles for consecutive pairs (2i, 2i+1)."""
+    inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = np.asarray(positions, np.float64)[:, None] * inv[None]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
 def _rope_pairs(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
     """Rotate consecutive pairs (2i, 2i+1). x [n, heads, d], positions [n]."""
-    d = x.shape[-1]
-    inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
-    ang = positions[:, None].astype(np.float64) * inv[None]
-    cos = np.cos(ang).astype(np.float32)[:, None]
-    sin = np.sin(ang).astype(np.float32)[:, None]
+    cos, sin = rope_trig(positions, x.shape[-1], base)
+    cos, sin = cos[:, None], sin[:, None]
     x0, x1 = x[..., 0::2], x[..., 1::2]
     out = np.empty_like(x)
     out[..., 0::2] = x0 * cos - x1 * sin
@@ -141,8 +146,13 @@ class DSparkDrafter:
     """Weights and the block forward; per-request state lives in a DraftContext."""
 
     def __init__(self, cfg: DrafterConfig, weights: dict[str, np.ndarray], vocab_ids: np.ndarray,
-                 embed_rows: EmbedRows):
+                 embed_rows: EmbedRows, backend: str = "numpy", head=None, threads: int = 1):
+        """``backend``: "numpy" (float32) or "onnxruntime" (dspark_onnx: 8-bit weights; ``head``
+        the head's NBitsWeight, default the embedding rows quantized to 8 bits)."""
+        if backend not in BACKENDS:
+            raise ConfigError("backend", f"{backend!r} is not one of {BACKENDS}")
         self.cfg = cfg
+        self.backend = backend
         w = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}
         H, nh, nkv, hd = cfg.hidden, cfg.n_head, cfg.n_kv_head, cfg.head_dim
         self.vocab_ids = np.asarray(vocab_ids, dtype=np.int64)
@@ -179,11 +189,18 @@ class DSparkDrafter:
             if w[name].shape != shape:
                 raise ConfigError(name, f"shape {w[name].shape}, expected {shape}")
         self.q_dim, self.kv_dim = nh * hd, nkv * hd
+        self.ort = None
+        if backend == "onnxruntime":
+            from dspark.decoding.dspark_onnx import OrtDrafterPasses, quantize8
+
+            self.ort = OrtDrafterPasses(self, head if head is not None else quantize8(self.head_t.T), threads)
+            self.layers, self.head_t, self.fc_t = [], None, None  # held by the ORT sessions now
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, path: str | Path, embed_rows: EmbedRows, target_vocab: int) -> "DSparkDrafter":
-        """Weights from an .npz written by tools/train_dspark.py export."""
+    def load(cls, path: str | Path, embed_rows: EmbedRows, target_vocab: int, **options) -> "DSparkDrafter":
+        """Weights from an .npz written by tools/train_dspark.py export; ``options`` as for
+        the constructor (backend, head, threads)."""
         path = Path(path)
         try:
             with np.load(path, allow_pickle=False) as z:
@@ -198,12 +215,22 @@ class DSparkDrafter:
         vocab_ids = arrays.pop("vocab_ids")
         if vocab_ids.max() >= target_vocab:
             raise ConfigError("vocab_ids", f"token {vocab_ids.max()} >= target vocab {target_vocab}", path)
-        return cls(cfg, arrays, vocab_ids, embed_rows)
+        return cls(cfg, arrays, vocab_ids, embed_rows, **options)
 
     @classmethod
-    def for_gguf(cls, model, path: str | Path | None = None) -> "DSparkDrafter":
-        """The drafter for a target GGUF (a GGUFModel), its embedding shared."""
-        drafter = cls.load(path or default_weights(), gguf_embedding(model), model.config.vocab)
+    def for_gguf(cls, model, path: str | Path | None = None, backend: str = "onnxruntime",
+                 threads: int = 1) -> "DSparkDrafter":
+        """The drafter for a target GGUF (a GGUFModel), its embedding shared; with ORT its head
+        is the target's own quantized embedding rows."""
+        path = path or default_weights()
+        head = None
+        if backend == "onnxruntime":
+            from dspark.decoding.dspark_onnx import head_from_gguf
+
+            with np.load(path) as z:
+                head = head_from_gguf(model, z["vocab_ids"])
+        drafter = cls.load(path, gguf_embedding(model), model.config.vocab, backend=backend,
+                           head=head, threads=threads)
         if drafter.cfg.hidden != model.config.hidden:
             raise ConfigError("hidden", f"drafter {drafter.cfg.hidden} != target {model.config.hidden}",
                               path or default_weights())
@@ -235,8 +262,16 @@ class DSparkDrafter:
                                f"capacity {ctx.capacity}")
         if n == 0:
             return
-        feats = self.context_features(taps)
         pos = np.arange(ctx.length, ctx.length + n)
+        if self.ort is not None:
+            cos, sin = rope_trig(pos, c.head_dim, c.rope_base)
+            new_keys, new_values = self.ort.run_context(taps, cos, sin)
+            for keys, values, k, v in zip(ctx.keys, ctx.values, new_keys, new_values):
+                keys[ctx.length:ctx.length + n] = k
+                values[ctx.length:ctx.length + n] = v
+            ctx.length += n
+            return
+        feats = self.context_features(taps)
         for layer, keys, values in zip(self.layers, ctx.keys, ctx.values):
             kv = feats @ layer["wkv"]
             k = kv[:, :self.kv_dim].reshape(n, c.n_kv_head, c.head_dim)
@@ -245,9 +280,10 @@ class DSparkDrafter:
         ctx.length += n
 
     # ------------------------------------------------------------------ block pass
-    def block_hidden(self, ctx: DraftContext, anchor: int, k: int) -> np.ndarray:
-        """The backbone's one pass: normed hidden states [k, H] of the block at positions
-        ctx.length .. ctx.length + k - 1 (the anchor sits at ctx.length)."""
+    def block_pass(self, ctx: DraftContext, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The backbone's one pass over the block at positions ctx.length .. ctx.length + k - 1
+        (the anchor sits at ctx.length): normed hidden states [k, H] and the head's logits
+        [k, V] (before the Markov bias)."""
         c = self.cfg
         if not 1 <= k <= c.block:
             raise RequestError("num_speculative_tokens", f"{k}: the drafter drafts 1..{c.block}")
@@ -255,6 +291,16 @@ class DSparkDrafter:
         x[0] = self.embed_rows(np.array([anchor]))[0]
         x[1:] = self.mask_emb
         C = ctx.length
+        if self.ort is not None:
+            cos, sin = rope_trig(np.arange(C, C + k), c.head_dim, c.rope_base)
+            return self.ort.run_block(x, cos, sin, [kk[:C] for kk in ctx.keys],
+                                      [vv[:C] for vv in ctx.values])
+        hid = self._numpy_backbone(x, ctx)
+        return hid, hid @ self.head_t
+
+    def _numpy_backbone(self, x: np.ndarray, ctx: DraftContext) -> np.ndarray:
+        c = self.cfg
+        k, C = x.shape[0], ctx.length
         pos = np.arange(C, C + k)
         group = c.n_head // c.n_kv_head
         scale = 1.0 / np.sqrt(c.head_dim)
@@ -287,8 +333,7 @@ class DSparkDrafter:
         """Draft k tokens after ``anchor``. Greedy (argmax) at temperature 0, else each token
         is sampled from softmax(logits / temperature) over the draft vocabulary, and (with
         ``want_probs``) that distribution is returned over the full vocabulary."""
-        hid = self.block_hidden(ctx, anchor, k)
-        base = hid @ self.head_t                             # [k, V]
+        hid, base = self.block_pass(ctx, anchor, k)
         V = self.vocab_ids.size
         tokens = np.empty(k, np.int64)
         conf = np.empty(k, np.float32)

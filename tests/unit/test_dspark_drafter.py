@@ -12,7 +12,7 @@ from dspark.decoding.dspark_schedule import CostCurve, choose_verify_length, exp
 from dspark.errors import ConfigError, RequestError
 
 TARGET_VOCAB = 100
-CFG = DrafterConfig(hidden=32, n_head=4, n_kv_head=2, head_dim=8, ffn=48, rope_base=10000.0,
+CFG = DrafterConfig(hidden=32, n_head=4, n_kv_head=2, head_dim=8, ffn=64, rope_base=10000.0,
                     n_layer=2, block=5, markov_rank=6, taps=(1, 2, 3), target_vocab=TARGET_VOCAB)
 
 
@@ -44,8 +44,8 @@ def embed_rows(ids):
     return EMBED[np.asarray(ids)]
 
 
-def make(weights=None):
-    return DSparkDrafter(CFG, weights or tiny_weights(), VOCAB_IDS, embed_rows)
+def make(weights=None, backend="numpy"):
+    return DSparkDrafter(CFG, weights or tiny_weights(), VOCAB_IDS, embed_rows, backend=backend)
 
 
 def with_context(drafter, n=7, seed=1):
@@ -112,17 +112,38 @@ def test_markov_bias_follows_the_previous_draft_token():
 def test_context_matters_and_rollback_restores_it():
     d = make()
     ctx, taps = with_context(d, n=6)
-    before = d.block_hidden(ctx, 11, 4)
+    before = d.block_pass(ctx, 11, 4)[0]
     other = np.random.default_rng(9).standard_normal((3, 3 * CFG.hidden)).astype(np.float32)
     d.extend(ctx, other)
-    assert not np.allclose(d.block_hidden(ctx, 11, 4), before)
+    assert not np.allclose(d.block_pass(ctx, 11, 4)[0], before)
     ctx.truncate(6)
-    np.testing.assert_allclose(d.block_hidden(ctx, 11, 4), before, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(d.block_pass(ctx, 11, 4)[0], before, rtol=1e-5, atol=1e-6)
     # extending in pieces equals extending at once
     one = d.new_context(64)
     d.extend(one, taps[:2])
     d.extend(one, taps[2:])
-    np.testing.assert_allclose(d.block_hidden(one, 11, 4), before, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(d.block_pass(one, 11, 4)[0], before, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["hidden", "logits"])
+def test_onnxruntime_backend_computes_the_same_block_up_to_8bit_weights(kind):
+    """The ORT graphs (8-bit weights) against the float32 numpy pass: same context keys and
+    values, same hidden states and logits within the quantization error, same argmax mostly."""
+    ref, fast = make(), make(backend="onnxruntime")
+    c1, taps = with_context(ref, n=9)
+    c2 = fast.new_context(64)
+    fast.extend(c2, taps[:4])
+    fast.extend(c2, taps[4:])
+    for a, b in zip(c1.keys + c1.values, c2.keys + c2.values):
+        assert np.abs(a[:9] - b[:9]).max() <= 0.05 * np.abs(a[:9]).max()
+    i = ["hidden", "logits"].index(kind)
+    for anchor in (0, 8, 13):
+        want, got = ref.block_pass(c1, anchor, 5)[i], fast.block_pass(c2, anchor, 5)[i]
+        assert got.shape == want.shape
+        assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+    p = fast.propose(c2, 8, 5, 0.8, np.random.default_rng(0))
+    assert set(p.tokens.tolist()) <= set(VOCAB_IDS.tolist())
+    np.testing.assert_allclose(p.probs.sum(1), 1.0, rtol=1e-5)
 
 
 def test_bad_inputs_name_the_field():
@@ -155,6 +176,8 @@ def test_load_round_trip_and_refusals(tmp_path):
         DSparkDrafter.load(bad, embed_rows, TARGET_VOCAB)
     with pytest.raises(ConfigError, match="vocab_ids"):
         DSparkDrafter.load(path, embed_rows, 50)
+    with pytest.raises(ConfigError, match="backend"):
+        DSparkDrafter.load(path, embed_rows, TARGET_VOCAB, backend="gpu")
 
 
 # ------------------------------------------------------------------ confidence scheduling
