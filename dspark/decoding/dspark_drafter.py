@@ -7,7 +7,9 @@ DSpark (Cheng et al., arXiv 2607.05147) on a DFlash-style block-parallel backbon
   projected to one context feature (``fc``, RMSNorm). Every draft layer turns the context
   features into its own keys and values once (``extend``), like a KV cache.
 - **Block**: slot 0 holds the embedding of the anchor (the token the target sampled last, not
-  yet run by the target), slots 1..k-1 a learned mask embedding. The draft layers (Llama
+  yet run by the target), slots 1..k-1 a learned mask embedding; every slot also gets the
+  last committed row's context feature through ``last_proj`` (as vLLM's DSpark feeds the
+  hidden state of the last accepted position). The draft layers (Llama
   blocks: RoPE on consecutive pairs, grouped-query attention, SwiGLU) let each slot attend to
   all context positions and, bidirectionally, to the whole block; slot j predicts the token
   at anchor + j + 1. One pass, k rows.
@@ -91,7 +93,9 @@ class DrafterConfig:
 
 @dataclass
 class DraftContext:
-    """One request's drafter state: per draft layer, keys and values of the context rows."""
+    """One request's drafter state: the context features and, per draft layer, the keys and
+    values of the context rows."""
+    features: np.ndarray      # [capacity, hidden]
     keys: list[np.ndarray]    # [capacity, n_kv_head, head_dim] per layer (RoPE applied)
     values: list[np.ndarray]
     length: int = 0
@@ -166,6 +170,7 @@ class DSparkDrafter:
         self.fc_t = np.ascontiguousarray(w["fc"].T)        # [n_taps*H, H]
         self.ctx_norm = w["ctx_norm"]
         self.mask_emb = w["mask_emb"]
+        self.last_proj_t = np.ascontiguousarray(w["last_proj"].T)
         self.out_norm = w["out_norm"]
         self.markov_w1 = w["markov_w1"]                    # [V + 1, r]
         self.markov_w2 = w["markov_w2"]                    # [r, V]
@@ -231,16 +236,21 @@ class DSparkDrafter:
                 head = head_from_gguf(model, z["vocab_ids"])
         drafter = cls.load(path, gguf_embedding(model), model.config.vocab, backend=backend,
                            head=head, threads=threads)
-        if drafter.cfg.hidden != model.config.hidden:
-            raise ConfigError("hidden", f"drafter {drafter.cfg.hidden} != target {model.config.hidden}",
-                              path or default_weights())
+        from dspark.llm.onnx_graph import default_tap_layers
+
+        taps = default_tap_layers(model.config.n_layer)
+        if drafter.cfg.hidden != model.config.hidden or drafter.cfg.taps != taps:
+            raise ConfigError("config", f"drafter for hidden {drafter.cfg.hidden}, taps {drafter.cfg.taps}; "
+                              f"the target has hidden {model.config.hidden}, taps {taps}: train a "
+                              "drafter for this model (tools/train_dspark.py)", path)
         return drafter
 
     # ------------------------------------------------------------------ context
     def new_context(self, capacity: int) -> DraftContext:
         c = self.cfg
         shape = (capacity, c.n_kv_head, c.head_dim)
-        return DraftContext([np.zeros(shape, np.float32) for _ in range(c.n_layer)],
+        return DraftContext(np.zeros((capacity, c.hidden), np.float32),
+                            [np.zeros(shape, np.float32) for _ in range(c.n_layer)],
                             [np.zeros(shape, np.float32) for _ in range(c.n_layer)])
 
     def context_features(self, taps: np.ndarray) -> np.ndarray:
@@ -265,13 +275,15 @@ class DSparkDrafter:
         pos = np.arange(ctx.length, ctx.length + n)
         if self.ort is not None:
             cos, sin = rope_trig(pos, c.head_dim, c.rope_base)
-            new_keys, new_values = self.ort.run_context(taps, cos, sin)
+            feats, new_keys, new_values = self.ort.run_context(taps, cos, sin)
+            ctx.features[ctx.length:ctx.length + n] = feats
             for keys, values, k, v in zip(ctx.keys, ctx.values, new_keys, new_values):
                 keys[ctx.length:ctx.length + n] = k
                 values[ctx.length:ctx.length + n] = v
             ctx.length += n
             return
         feats = self.context_features(taps)
+        ctx.features[ctx.length:ctx.length + n] = feats
         for layer, keys, values in zip(self.layers, ctx.keys, ctx.values):
             kv = feats @ layer["wkv"]
             k = kv[:, :self.kv_dim].reshape(n, c.n_kv_head, c.head_dim)
@@ -291,6 +303,8 @@ class DSparkDrafter:
         x[0] = self.embed_rows(np.array([anchor]))[0]
         x[1:] = self.mask_emb
         C = ctx.length
+        if C:  # every slot reads the last committed row's feature directly
+            x += ctx.features[C - 1] @ self.last_proj_t
         if self.ort is not None:
             cos, sin = rope_trig(np.arange(C, C + k), c.head_dim, c.rope_base)
             return self.ort.run_block(x, cos, sin, [kk[:C] for kk in ctx.keys],

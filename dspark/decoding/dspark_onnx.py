@@ -12,8 +12,8 @@ up to the 8-bit rounding, which can change a draft but never an output.
   the block positions, per layer ``ctx_key_i``/``ctx_value_i`` [C, kv_heads, D] (the request's
   context) -> ``hidden`` [k, H] (normed) and ``logits`` [k, V] (head only; the Markov bias is
   added per slot in numpy).
-* ``context`` graph: ``taps`` [n, taps*H], ``cos``/``sin`` [n, D/2] -> per layer ``key_i`` (RoPE
-  applied) and ``value_i`` [n, kv_heads, D]: what ``extend`` appends.
+* ``context`` graph: ``taps`` [n, taps*H], ``cos``/``sin`` [n, D/2] -> ``features`` [n, H] and per
+  layer ``key_i`` (RoPE applied) and ``value_i`` [n, kv_heads, D]: what ``extend`` appends.
 """
 from __future__ import annotations
 
@@ -155,7 +155,8 @@ def context_graph(drafter) -> onnx.ModelProto:
     t = g.op("Reshape", t, g.const("shape_taps_flat", np.array([-1, n_taps * H], np.int64)))
     feats = b.rms(b.linear(t, quantize8(np.ascontiguousarray(drafter.fc_t.T)), "fc"), drafter.ctx_norm,
                   "ctx_norm")
-    outputs = []
+    g.nodes.append(helper.make_node("Identity", [feats], ["features"]))
+    outputs = [helper.make_tensor_value_info("features", f, ["N", H])]
     for i, layer in enumerate(drafter.layers):
         kv = b.linear(feats, _kv_weights(layer), f"l{i}.wkv")
         k, v = g.op("Split", kv, g.const(f"l{i}.split_kv", np.array([nkv * D, nkv * D], np.int64)),
@@ -188,7 +189,7 @@ class OrtDrafterPasses:
 
     def run_context(self, taps, cos, sin):
         outs = self.context.run(None, {"taps": taps, "cos": cos, "sin": sin})
-        return outs[0::2], outs[1::2]
+        return outs[0], outs[1::2], outs[2::2]
 
 
 def head_from_gguf(model, vocab_ids: np.ndarray) -> NBitsWeight:

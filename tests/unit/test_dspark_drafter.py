@@ -24,6 +24,7 @@ def tiny_weights(seed=0, cfg=CFG, n_vocab=40):
         return (rng.standard_normal(shape) * s).astype(np.float32)
 
     w = {"tap_norm": 1 + m(3, H, s=0.1), "fc": m(H, 3 * H, s=0.1), "ctx_norm": np.ones(H, np.float32),
+         "last_proj": m(H, H, s=0.2),
          "mask_emb": m(H), "out_norm": np.ones(H, np.float32), "markov_w1": m(n_vocab + 1, r),
          "markov_w2": m(r, n_vocab), "conf_w": m(H + r, 2), "conf_b": np.zeros(2, np.float32)}
     for i in range(cfg.n_layer):
@@ -134,7 +135,7 @@ def test_onnxruntime_backend_computes_the_same_block_up_to_8bit_weights(kind):
     c2 = fast.new_context(64)
     fast.extend(c2, taps[:4])
     fast.extend(c2, taps[4:])
-    for a, b in zip(c1.keys + c1.values, c2.keys + c2.values):
+    for a, b in zip([c1.features] + c1.keys + c1.values, [c2.features] + c2.keys + c2.values):
         assert np.abs(a[:9] - b[:9]).max() <= 0.05 * np.abs(a[:9]).max()
     i = ["hidden", "logits"].index(kind)
     for anchor in (0, 8, 13):

@@ -11,7 +11,9 @@ distributions, recorded in the tree for the rejection sampler (lossless).
 """
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import ClassVar, Optional
 
 import numpy as np
@@ -20,6 +22,7 @@ from dspark.decoding.dspark_drafter import DSparkDrafter
 from dspark.decoding.dspark_schedule import CostCurve, choose_verify_length
 from dspark.decoding.proposers.base import BaseDrafter, DraftRequest
 from dspark.decoding.tree import DraftTree
+from dspark.errors import ConfigError
 
 DRAFT_START_COST = 0.3  # a draft pass relative to a one-row target pass, until measured
 SMOOTHING = 0.2
@@ -31,6 +34,22 @@ class DSparkProposer:
 
     def __init__(self, drafter: DSparkDrafter):
         self.drafter = drafter
+
+    @classmethod
+    def for_import(cls, folder: str | Path, weights: str | Path | None = None,
+                   backend: str = "onnxruntime", threads: int = 1) -> "DSparkProposer":
+        """For a model imported by ``dspark llm import`` (its import.json names the GGUF the
+        drafter shares the embedding with); ``weights`` default: the drafter trained for
+        SmolLM2-135M-Instruct."""
+        from dspark.llm.gguf_model import GGUFModel
+        from dspark.llm.importer import STAMP_FILE
+
+        stamp = Path(folder) / STAMP_FILE
+        try:
+            source = json.loads(stamp.read_text())["source"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError("source", f"cannot read the imported model's source GGUF: {exc}", stamp) from exc
+        return cls(DSparkDrafter.for_gguf(GGUFModel(source), weights, backend, threads))
 
     def start(self, request: DraftRequest) -> "DSparkRequestDrafter":
         return DSparkRequestDrafter(self.drafter, request)
