@@ -2,12 +2,12 @@
 
 tools/weights/spec_{target,draft}.npz (fp16, made by tools/spec_train.py) become
 model_repository/spec_target/1/model.onnx and spec_draft/1/model.onnx (graphs from
-dspark.decoding.onnx_lm), and the tokenizer is copied next to the speculative model spec_lm.
+dspark.decoding.onnx_lm): the fast 5 M-parameter test fixture `spec_toy` (tests/spec_toy_repository)
+reads them with the tokenizer tools/weights/spec_bpe.json.
 Skips a model whose ONNX file is newer than its weights and the graph builder.
 """
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import onnx
@@ -17,7 +17,6 @@ from dspark.decoding.onnx_lm import build_lm_onnx, load_weights_npz
 ROOT = Path(__file__).resolve().parent.parent
 WEIGHTS = ROOT / "tools" / "weights"
 REPOSITORY = ROOT / "model_repository"
-TOKENIZER = WEIGHTS / "spec_bpe.json"
 
 
 def build(role: str) -> Path:
@@ -35,7 +34,3 @@ def build(role: str) -> Path:
 if __name__ == "__main__":
     for role in ("target", "draft"):
         print(f"built {build(role).relative_to(ROOT)}")
-    tokenizer = REPOSITORY / "spec_lm" / "1" / "tokenizer.json"
-    tokenizer.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(TOKENIZER, tokenizer)
-    print(f"copied {tokenizer.relative_to(ROOT)}")

@@ -12,24 +12,31 @@ wait at most max_queue_wait_ms, beyond that UNAVAILABLE); a request's loop check
 cancellation every round; finalize cancels what runs and drains it.
 """
 import json
+import os
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dspark.decoding.models import toy_generator
+from dspark.decoding.models import llm_generator, toy_generator
 from dspark.decoding.request import parse_generate_options, parse_messages
 from dspark.decoding.sampling import SpeculativeParams
-from dspark.decoding.serving import RequestPool, ServingConfig
+from dspark.decoding.serving import RequestPool, ServingConfig, limit_heap_growth
 from dspark.decoding.stats import DecodeStats
 from dspark.decoding.text import send_coalesced
-from dspark.errors import ConfigError, RequestError
-from dspark.triton.adapter import config_parameters, triton_error
+from dspark.errors import ConfigError, RequestError, UnavailableError
+from dspark.triton.adapter import config_parameters, server_http_url, triton_error
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 DRAIN_TIMEOUT_S = 3.0  # finalize: requests in flight end at their next round, well within this
+# Triton calls finalize only once every request has had its final response, so a model with
+# requests in flight learns of an unload (or a server stop) from the server's health endpoints:
+# while busy, it asks every this many seconds whether the server and the model are still ready.
+UNLOAD_POLL_S = 0.25
 
 INPUTS = [
     {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
@@ -63,6 +70,21 @@ def _text(request, name):
                                  f"{error.start}); send UTF-8 text") from None
 
 
+def _http_ok(url: str) -> bool:
+    """True for 200, False for another status; OSError when the server does not answer."""
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as reply:
+            return reply.status == 200
+    except urllib.error.HTTPError:
+        return False
+
+
+def _model_file(repository: Path, name: str) -> Path:
+    """A sibling model's graph (``name``), or a model folder given relative to this one."""
+    folder = repository / name if "/" in name else repository.parent / name
+    return (folder / "1" / "model.onnx").resolve()
+
+
 def _text_tensor(text: str):
     return pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))
 
@@ -94,17 +116,32 @@ class TritonPythonModel:
         version_dir = repository / args["model_version"]
         self.config = settings = ServingConfig.from_parameters(
             config_parameters(config), repository / "config.pbtxt")
-        target = repository.parent / settings.target_model / "1" / "model.onnx"
-        draft = (repository.parent / settings.draft_model / "1" / "model.onnx"
-                 if settings.draft_model else None)
-        tokenizer = version_dir / settings.tokenizer
-        for path in (target, draft, tokenizer):
-            if path is not None and not path.is_file():
-                raise ConfigError("parameters", f"{path} does not exist: run `make setup` (it builds "
-                                                "the models) or fix the model's parameters")
-        self.generator = toy_generator(target, draft, tokenizer, settings.intra_op_threads,
-                                       settings.draft_runtime, settings.batch_verification,
-                                       settings.max_context or None)
+        limit_heap_growth()  # this stub runs one model: its heap settings are ours to choose
+        if settings.llm_model:
+            folder = version_dir / settings.llm_model
+            if not (folder / "model.onnx").is_file():
+                raise ConfigError("parameters.llm_model", f"{folder}/model.onnx does not exist: run "
+                                  "`make setup` (it imports the model) or `dspark llm import`")
+            self.generator = llm_generator(folder, settings.intra_op_threads,
+                                           settings.max_context or None,
+                                           settings.batch_verification,
+                                           settings.max_concurrent_requests)
+            served = f"llm={settings.llm_model}"
+        else:
+            if not settings.target_model:
+                raise ConfigError("parameters.target_model", "give llm_model (an imported LLM) or "
+                                  "target_model (an LM pair in dspark's graph format)")
+            target = _model_file(repository, settings.target_model)
+            draft = _model_file(repository, settings.draft_model) if settings.draft_model else None
+            tokenizer = version_dir / settings.tokenizer
+            for path in (target, draft, tokenizer):
+                if path is not None and not path.is_file():
+                    raise ConfigError("parameters", f"{path} does not exist: run `make setup` (it "
+                                                    "builds the models) or fix the model's parameters")
+            self.generator = toy_generator(target, draft, tokenizer, settings.intra_op_threads,
+                                           settings.draft_runtime, settings.batch_verification,
+                                           settings.max_context or None)
+            served = f"target={settings.target_model} draft={settings.draft_model or 'none'}"
         self.default_spec = SpeculativeParams(
             method=settings.default_method, num_speculative_tokens=settings.num_speculative_tokens,
             tree_width=settings.tree_width)
@@ -116,22 +153,60 @@ class TritonPythonModel:
         self._init_metrics(args)
         self.pool = RequestPool(settings.max_concurrent_requests, settings.max_queued_requests,
                                 settings.max_queue_wait_ms / 1e3, name=args["model_name"])
+        self.name, self.version = args["model_name"], args["model_version"]
+        self.watcher = threading.Thread(target=self._watch_unload, name="unload-watch", daemon=True)
+        self.watcher.start()
         pb_utils.Logger.log_info(
-            f"speculative backend: {args['model_name']} target={settings.target_model} "
-            f"draft={settings.draft_model or 'none'} methods={self.generator.engine.methods} "
+            f"speculative backend: {args['model_name']} {served} "
+            f"context={self.generator.engine.context} methods={self.generator.engine.methods} "
             f"default={settings.default_method} workers={settings.max_concurrent_requests} "
             f"batch_verification={settings.batch_verification}")
 
+    def _watch_unload(self):
+        """While requests run, ask the server every UNLOAD_POLL_S whether it and this model are
+        still ready; when not, stop the requests (they end at their next round, answered)."""
+        base = server_http_url()
+        if base is None:
+            return
+        urls = [f"http://{base}/v2/health/ready",
+                f"http://{base}/v2/models/{self.name}/versions/{self.version}/ready"]
+        failures = 0
+        while not self.pool.closing.wait(UNLOAD_POLL_S):
+            if self.pool.load == (0, 0):
+                continue
+            try:
+                ready = all(_http_ok(url) for url in urls)
+                failures = 0
+            except (ConnectionError, urllib.error.URLError) as error:
+                if isinstance(getattr(error, "reason", error), TimeoutError):
+                    continue  # a busy server answers late; that is no reason to stop
+                failures += 1  # refused: the server is gone
+                ready = failures < 2
+            except OSError:  # a timeout, or anything else the network says: ask again
+                continue
+            if not ready:
+                running, waiting = self.pool.load
+                self.pool.closing.set()
+                pb_utils.Logger.log_info(f"speculative backend: {self.name} is unloading; stopping "
+                                         f"{running} running and {waiting} waiting requests")
+
     def _init_metrics(self, args):
-        labels = {"model": args["model_name"], "version": args["model_version"]}
+        # Triton shares a Metric between stubs with equal labels, and the first stub to release it
+        # frees it for all (triton-inference-server/server#8663): a reload's new stub starts
+        # before the old one ends, so each stub's series carries its own pid.
+        labels = {"model": args["model_name"], "version": args["model_version"],
+                  "pid": str(os.getpid())}
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
         specs = {  # name: (kind, description); families must outlive their metrics
             "proposed": (counter, "Draft tokens proposed (tree: deepest path per target pass)"),
             "accepted": (counter, "Draft tokens accepted by the target"),
             "generated": (counter, "Tokens generated"),
-            "target_passes": (counter, "Target model passes after the prompt"),
+            "target_passes": (counter, "Target model passes after the prompt, per request"),
+            "target_calls": (counter, "Target model calls of the round loops (one call verifies "
+                                      "the passes of every request batched into it)"),
             "mean_accepted_length": (gauge, "Tokens per target pass, last request"),
             "tokens_per_second": (gauge, "Generated tokens per second, last request"),
+            "requests_running": (gauge, "Requests generating now"),
         }
         self.families, self.metrics = [], {}
         for key, (kind, description) in specs.items():
@@ -141,6 +216,8 @@ class TritonPythonModel:
             self.families.append(family)
             self.metrics[key] = family.Metric(labels=labels)
         self.metrics_lock = threading.Lock()
+        self.running = 0
+        self.calls_reported = 0
 
     def execute(self, requests):
         for request in requests:
@@ -150,16 +227,24 @@ class TritonPythonModel:
         return None
 
     def _fail(self, sender, error):
-        if not isinstance(error, RequestError):
-            pb_utils.Logger.log_warn(f"speculative backend: request failed: {error}")
         sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, error, "generation failed")),
                     flags=FINAL)
+        if not isinstance(error, (RequestError, UnavailableError)):
+            pb_utils.Logger.log_warn(f"speculative backend: request failed: {error!r}")
 
     def _serve(self, request, sender):
+        self._running(+1)
         try:
             self._generate(request, sender)
         except Exception as error:  # noqa: BLE001 - report, close the stream, keep serving
             self._fail(sender, error)
+        finally:
+            self._running(-1)
+
+    def _running(self, change: int):
+        with self.metrics_lock:
+            self.running += change
+            self.metrics["requests_running"].set(self.running)
 
     def _cancelled(self, sender):
         return lambda: self.pool.closing.is_set() or sender.is_cancelled()
@@ -167,14 +252,21 @@ class TritonPythonModel:
     def _generate(self, request, sender):
         prompt = _text(request, "text_input")
         messages = parse_messages(_text(request, "messages"))
-        options = parse_generate_options(_scalar(request, "sampling_parameters"), self.default_spec)
+        options = parse_generate_options(_scalar(request, "sampling_parameters"), self.default_spec,
+                                         self.generator.engine.methods)
         if messages is None and prompt is None:
             raise RequestError("text_input", "is required (or a messages input)")
         if messages is None and not prompt:
             raise RequestError("text_input", "is empty; give a prompt")
-        if messages is not None or options.chat:
-            raise RequestError("sampling_parameters.chat", "this model has no chat template")
-        ids = self.generator.encode(prompt)
+        if messages is not None and prompt:
+            raise RequestError("messages", "give text_input or messages, not both")
+        if messages is None and options.chat:
+            messages = [{"role": "user", "content": prompt}]
+        # a chat's reply is the assistant's message alone; a completion echoes its prompt
+        # unless exclude_input_in_output, as Triton's LLM backends do
+        echo = "" if messages is not None else prompt
+        ids = self.generator.encode_chat(messages) if messages is not None else \
+            self.generator.encode(prompt)
         self.generator.engine.check(ids, options.spec)  # before any model work
         stream = bool(_scalar(request, "stream"))
         exclude = bool(_scalar(request, "exclude_input_in_output"))
@@ -184,24 +276,44 @@ class TritonPythonModel:
                                        cancelled=self._cancelled(sender))
         if stream:
             def send(text):
+                self._count_generated(stats)  # live, so a cancelled request is seen to stop
                 if not sender.is_cancelled():
                     sender.send(pb_utils.InferenceResponse(output_tensors=[_text_tensor(text)]))
 
             send_coalesced(pieces, send, self.stream_interval_s)
+            self._record(stats, time.perf_counter() - started)
+            self._unless_unloading(stats)
             sender.send(flags=FINAL)
         else:
             text = "".join(pieces)
-            if not exclude and prompt:
-                text = prompt + text
+            self._record(stats, time.perf_counter() - started)
+            self._unless_unloading(stats)
+            if not exclude:
+                text = echo + text
             sender.send(pb_utils.InferenceResponse(output_tensors=[_text_tensor(text)]), flags=FINAL)
-        self._record(stats, time.perf_counter() - started)
+
+    def _unless_unloading(self, stats: DecodeStats):
+        """A request the unload stopped gets an error, not a text that looks complete."""
+        if stats.finish_reason == "cancelled" and self.pool.closing.is_set():
+            raise UnavailableError(f"{self.name} is unloading; the request was stopped after "
+                                   f"{stats.generated_tokens} tokens", "shutdown")
+
+    def _count_generated(self, stats: DecodeStats):
+        with self.metrics_lock:  # metric calls go to the server one at a time
+            new = stats.generated_tokens - stats.reported
+            if new > 0:
+                stats.reported += new
+                self.metrics["generated"].increment(new)
 
     def _record(self, stats: DecodeStats, seconds: float):
+        self._count_generated(stats)
         with self.metrics_lock:
             self.metrics["proposed"].increment(stats.proposed)
             self.metrics["accepted"].increment(stats.accepted)
-            self.metrics["generated"].increment(stats.generated_tokens)
             self.metrics["target_passes"].increment(stats.rounds)
+            calls = self.generator.engine.target_calls
+            self.metrics["target_calls"].increment(calls - self.calls_reported)
+            self.calls_reported = calls
             self.metrics["mean_accepted_length"].set(stats.mean_accepted_length)
             if seconds > 0:
                 self.metrics["tokens_per_second"].set(stats.generated_tokens / seconds)
@@ -211,6 +323,7 @@ class TritonPythonModel:
         waits, then release the engine and the metric families."""
         started = time.monotonic()
         drained = self.pool.close(DRAIN_TIMEOUT_S)
+        self.watcher.join(DRAIN_TIMEOUT_S)
         self.generator.engine.close()
         self.metrics.clear()
         self.families.clear()

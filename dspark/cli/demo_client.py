@@ -11,7 +11,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 FEATURES = 16
-GENERATE_PROMPT = "def read_config(path):\n    \"\"\"Read the configuration file"
+CHAT_QUESTION = "Why is the sky blue? Answer in two sentences."
+CODE_PROMPT = ("Complete this Python function. Reply with the code only.\n\n"
+               "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
 CLASSES = ("setosa-like", "versicolor-like", "virginica-like", "other")
 
 
@@ -26,16 +28,29 @@ def classify(client_module, url: str, model: str, input_name: str, features: np.
     return client_module.InferenceServerClient(url).infer(model, [tensor]).as_numpy("probabilities")
 
 
-def generate_http(url: str, model: str, prompt: str, **sampling) -> tuple[str, float]:
-    """Triton's generate endpoint, as LLM clients call it: the continuation and the seconds it took."""
+def generate_http(url: str, model: str, prompt: str, chat: bool = False, **sampling) -> tuple[str, float]:
+    """Triton's generate endpoint, as LLM clients call it: the reply (a chat's answer, or the
+    continuation of a prompt) and the seconds it took."""
     body = json.dumps({"text_input": prompt, "exclude_input_in_output": True,
-                       "sampling_parameters": json.dumps(sampling)}).encode()
+                       "sampling_parameters": json.dumps({**sampling, "chat": chat})}).encode()
     request = urllib.request.Request(f"http://{url}/v2/models/{model}/generate", data=body,
                                      headers={"Content-Type": "application/json"})
     start = time.perf_counter()
     with urllib.request.urlopen(request, timeout=120) as response:
         text = json.loads(response.read())["text_output"]
     return text, time.perf_counter() - start
+
+
+def _plain_and_speculative(http_url: str, echo: Callable[[str], None], label: str, prompt: str,
+                           chat: bool, max_tokens: int) -> None:
+    """The same greedy request without speculation and with the model's default method."""
+    plain, plain_s = generate_http(http_url, "spec_lm", prompt, chat, max_tokens=max_tokens,
+                                   speculative={"method": "none"})
+    fast, fast_s = generate_http(http_url, "spec_lm", prompt, chat, max_tokens=max_tokens)
+    echo(f"spec_lm (SmolLM2-135M-Instruct) {label} over HTTP /generate, greedy, up to {max_tokens} "
+         f"tokens: plain {plain_s * 1e3:.0f} ms, speculative {fast_s * 1e3:.0f} ms, identical text: "
+         f"{plain == fast}")
+    echo("  " + fast.strip().replace("\n", "\n  "))
 
 
 def _describe(row: np.ndarray) -> str:
@@ -53,10 +68,7 @@ def run_samples(http_url: str, grpc_url: str, echo: Callable[[str], None] = prin
     echo("scaled_classifier ensemble over gRPC (feature_scaler -> mlp_classifier, raw measurements):")
     for row in probabilities:
         echo(_describe(row))
-    plain, plain_s = generate_http(http_url, "spec_lm", GENERATE_PROMPT, max_tokens=64,
-                                   speculative={"method": "none"})
-    draft, draft_s = generate_http(http_url, "spec_lm", GENERATE_PROMPT, max_tokens=64,
-                                   speculative={"method": "draft"})
-    echo(f"spec_lm over HTTP /generate, greedy, 64 tokens: plain {plain_s * 1e3:.0f} ms, "
-         f"draft speculation {draft_s * 1e3:.0f} ms, identical text: {plain == draft}")
-    echo("  " + (GENERATE_PROMPT + draft).replace("\n", "\n  "))
+    echo(f"chat question: {CHAT_QUESTION}")
+    _plain_and_speculative(http_url, echo, "chat", CHAT_QUESTION, True, 64)
+    echo("code completion: " + CODE_PROMPT.splitlines()[0])
+    _plain_and_speculative(http_url, echo, "code completion", CODE_PROMPT, True, 96)

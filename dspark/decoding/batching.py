@@ -23,14 +23,14 @@ _DONE = object()
 
 
 class RoundBatcher:
-    def __init__(self, target, max_batch: int = 8):
-        self.target = target
+    def __init__(self, engine, max_batch: int = 8):
+        self.engine = engine
+        self.target = engine.target
         self.max_batch = max_batch
         self._arrivals: "queue.Queue[tuple[Generation, queue.Queue]]" = queue.Queue()
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._closed = False
-        self.batch_sizes: list[int] = []  # rows' owners per call, for the benchmark (bounded)
 
     def run(self, generation: Generation) -> Iterator[list[int]]:
         """The generation's new tokens per round, its rounds batched with the others'."""
@@ -101,10 +101,14 @@ class RoundBatcher:
             active = [(g, o) for g, o in active if not g.done]
             if not planned:
                 continue
+            want_taps = any(generation.want_taps for generation, _, _ in planned)
+            items = [(i.cache, i.tokens, i.positions, i.tree_mask) for _, _, i in planned]
             start = time.perf_counter()
             try:
-                logits = self.target.forward_batch(
-                    [(i.cache, i.tokens, i.positions, i.tree_mask) for _, _, i in planned])
+                if want_taps:
+                    results = self.target.forward_batch(items, want_taps=True)
+                else:
+                    results = [(logits, None) for logits in self.target.forward_batch(items)]
             except BaseException as error:  # noqa: BLE001 - every request of the call fails
                 for generation, out, _ in planned:
                     generation.finish("error")
@@ -112,11 +116,11 @@ class RoundBatcher:
                 active = [(g, o) for g, o in active if not g.done]
                 continue
             seconds = time.perf_counter() - start
-            if len(self.batch_sizes) < 100_000:
-                self.batch_sizes.append(len(planned))
-            for (generation, out, _), rows in zip(planned, logits):
+            self.engine.verified_call(sum(len(i.tokens) for _, _, i in planned), seconds)
+            for (generation, out, _), (logits, taps) in zip(planned, results):
                 try:
-                    out.put(generation.commit(rows, None, seconds))
+                    out.put(generation.commit(logits, taps if generation.want_taps else None,
+                                              seconds))
                 except BaseException as error:  # noqa: BLE001
                     generation.finish("error")
                     out.put(error)

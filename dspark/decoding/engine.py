@@ -30,7 +30,9 @@ from dspark.decoding.tree import DraftTree
 from dspark.errors import RequestError
 
 PREFILL_CHUNK = 64
-COST_ROWS = (1, 2, 4, 8, 16)  # row counts whose pass cost is measured (interpolated between)
+# A verified row's cost relative to a pass, until measured: about 0.03 (fp32 graphs) to 0.15
+# (4-bit weights, where a pass is cheap) on the CPUs seen (docs/speculative.md).
+PRIOR_ROW_COST = 0.05
 
 
 class PromptTooLong(RequestError):
@@ -49,37 +51,38 @@ def forward(lm, cache, tokens, positions, tree_mask: Optional[np.ndarray] = None
 
 
 class VerifyCost:
-    """The target's cost of a pass over n rows relative to one row, measured once (median of a
-    few passes at a short context) on first use, linear between the measured row counts."""
+    """The target's cost of a pass over n rows relative to one row, learnt from the passes the
+    engine runs: seconds per row count, exponentially smoothed, fitted with a line a + b (n - 1)
+    (decode on a CPU reads every weight once per pass, so a pass costs a fixed part plus a
+    little per row). Before passes of two row counts are seen, b / a is ``prior_row_cost``."""
 
-    def __init__(self, lm, context: int = 128, repeats: int = 3):
-        self.lm, self.context, self.repeats = lm, context, repeats
-        self._table: Optional[np.ndarray] = None
+    def __init__(self, prior_row_cost: float = PRIOR_ROW_COST, max_rows: int = 64,
+                 smoothing: float = 0.1):
+        self.smoothing = smoothing
+        self._seconds = np.zeros(max_rows + 1)
+        self._seen = np.zeros(max_rows + 1)
+        self._row_cost = prior_row_cost
+        self._observed = 0
         self._lock = threading.Lock()
 
-    def _measure(self) -> np.ndarray:
-        cache = self.lm.new_cache(self.context + max(COST_ROWS))
-        self.lm.forward(cache, np.zeros(self.context, np.int64), np.arange(self.context))
-        seconds = []
-        for rows in COST_ROWS:
-            runs = []
-            for _ in range(self.repeats):
-                start = time.perf_counter()
-                self.lm.forward(cache, np.zeros(rows, np.int64),
-                                np.arange(self.context, self.context + rows))
-                runs.append(time.perf_counter() - start)
-                cache.truncate(self.context)
-            seconds.append(float(np.median(runs)))
-        # a pass never gets cheaper with more rows; noise must not say otherwise
-        return np.maximum.accumulate(np.array(seconds) / seconds[0])
+    def observe(self, rows: int, seconds: float) -> None:
+        rows = min(rows, len(self._seconds) - 1)
+        with self._lock:
+            if self._seen[rows]:
+                self._seconds[rows] += self.smoothing * (seconds - self._seconds[rows])
+            else:
+                self._seconds[rows] = seconds
+            new_count = not self._seen[rows]
+            self._seen[rows] = min(self._seen[rows] + 1, 10)
+            self._observed += 1
+            known = np.flatnonzero(self._seen)
+            if len(known) >= 2 and (new_count or self._observed % 16 == 0):  # a fit is ~50 us
+                b, a = np.polyfit(known - 1.0, self._seconds[known], 1, w=self._seen[known])
+                if a > 0:
+                    self._row_cost = max(b, 0.0) / a
 
     def __call__(self, rows: int) -> float:
-        if self._table is None:
-            with self._lock:
-                if self._table is None:
-                    self._table = self._measure()
-        return float(np.interp(rows, COST_ROWS, self._table, right=None)) if rows <= COST_ROWS[-1] \
-            else float(self._table[-1] * rows / COST_ROWS[-1])
+        return 1.0 + self._row_cost * (max(rows, 1) - 1)
 
 
 @dataclass
@@ -101,12 +104,14 @@ class SpeculativeEngine:
         self.proposers: dict[str, Proposer] = {p.name: p for p in (PlainDecoding(), *proposers)}
         self.context = min(context or target.config.ctx, target.config.ctx)
         self.eos_ids = frozenset(eos_ids)
-        self.verify_cost = VerifyCost(target)
+        self.verify_cost = VerifyCost()
+        self._calls = 0  # target calls of the round loops (a batched call verifies several)
+        self._calls_lock = threading.Lock()
         self.batcher = None
         if batch_verification:
             from dspark.decoding.batching import RoundBatcher
 
-            self.batcher = RoundBatcher(target)
+            self.batcher = RoundBatcher(self)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -136,9 +141,19 @@ class SpeculativeEngine:
         """Yield the newly committed tokens after each target pass (batched with other
         requests' passes when the engine batches verification)."""
         generation = self.start(prompt, sampling, spec, stats, cancelled)
-        if self.batcher is not None and not generation.want_taps:
+        if self.batcher is not None:
             return self.batcher.run(generation)
         return generation.run()
+
+    def verified_call(self, rows: int, seconds: float) -> None:
+        """A round loop's target call over ``rows`` rows took ``seconds``."""
+        self.verify_cost.observe(rows, seconds)
+        with self._calls_lock:
+            self._calls += 1
+
+    @property
+    def target_calls(self) -> int:
+        return self._calls
 
     def close(self) -> None:
         """Stop batching; requests still decoding end as cancelled."""
@@ -236,6 +251,7 @@ class Generation:
             self.done = True
             self.stats.finish_reason = self.stats.finish_reason or reason
             self.drafter.finish(self.history[self.prompt_length:])
+            self.cache = None  # the runtime's cache slot goes back to its pool now
         return None
 
     def run(self) -> Iterator[list[int]]:
@@ -246,6 +262,8 @@ class Generation:
                 start = time.perf_counter()
                 logits, taps = forward(self.engine.target, item.cache, item.tokens, item.positions,
                                        item.tree_mask, self.want_taps)
-                yield self.commit(logits, taps, time.perf_counter() - start)
+                seconds = time.perf_counter() - start
+                self.engine.verified_call(len(item.tokens), seconds)
+                yield self.commit(logits, taps, seconds)
         finally:
             self.finish("stopped")

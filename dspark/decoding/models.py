@@ -23,3 +23,20 @@ def toy_generator(target: Path, draft: Optional[Path], tokenizer: Path, threads:
                                context=context, batch_verification=batch_verification)
     bpe = BPETokenizer.load(tokenizer)
     return TextGenerator(engine, bpe, max_token_bytes=max(len(t) for t in bpe.tokens))
+
+
+def llm_generator(folder: Path, threads: int = 2, max_context: Optional[int] = None,
+                  batch_verification: bool = False, max_batch: int = 4,
+                  model_proposers: tuple = ()) -> TextGenerator:
+    """A real LLM imported by ``dspark llm import`` (``folder``/model.onnx + tokenizer.json) on
+    ONNX Runtime, with the model-free proposers and ``model_proposers`` (e.g. DSpark's)."""
+    from dspark.llm.onnx_runtime import DEFAULT_MAX_CONTEXT, OnnxLlama
+    from dspark.llm.tokenizer import LlamaTokenizer
+
+    target = OnnxLlama(folder / "model.onnx", threads=threads,
+                       max_context=max_context or DEFAULT_MAX_CONTEXT, max_batch=max_batch)
+    tokenizer = LlamaTokenizer.load(folder / "tokenizer.json")
+    engine = SpeculativeEngine(target, standard_proposers(model_proposers=model_proposers),
+                               eos_ids=[tokenizer.eos_id], batch_verification=batch_verification)
+    longest = max(len(tokenizer.decode_bytes([i])) for i in range(tokenizer.vocab_size))
+    return TextGenerator(engine, tokenizer, max_token_bytes=longest)

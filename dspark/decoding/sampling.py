@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import numpy as np
 from pydantic import ConfigDict, Field, field_validator
 from pydantic.dataclasses import dataclass
+from pydantic_core import PydanticCustomError
 
 # Below this a temperature divides logits into overflow (and a subnormal one into inf - inf);
 # 0 means greedy, anything in between is refused rather than silently changed.
@@ -42,8 +43,8 @@ class SamplingParams:
     @classmethod
     def _greedy_or_usable(cls, value: float) -> float:
         if 0.0 < value < MIN_TEMPERATURE:
-            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}; "
-                             f"{value!r} would overflow the logits")
+            raise PydanticCustomError("temperature_range", "must be 0 (greedy) or at least "
+                                      f"{MIN_TEMPERATURE}: smaller values overflow the logits")
         return value
 
     @field_validator("stop", mode="before")

@@ -15,6 +15,7 @@ class DecodeStats:
     draft_s: float = 0.0
     target_s: float = 0.0
     finish_reason: str = ""  # length, stop, eos, cancelled
+    reported: int = 0  # generated tokens a server has already counted in its metrics
     # per depth d (index d - 1): passes whose tree reached depth d, and that accepted a token there
     proposed_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)

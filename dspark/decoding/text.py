@@ -2,6 +2,7 @@
 engine."""
 from __future__ import annotations
 
+import codecs
 import queue
 import threading
 import time
@@ -24,23 +25,26 @@ class Tokenizer(Protocol):
 
 class Detokenizer:
     """Text deltas of a growing token sequence. Byte-level BPE splits characters across tokens:
-    a delta that ends inside a character (a replacement character at its end) is held back
-    until the character is complete; the text is always the decoding of all tokens so far."""
+    with the tokenizer's exact bytes (``decode_bytes``) an incremental UTF-8 decoder holds an
+    unfinished character back; with only ``decode``, a delta ending in a replacement character
+    is held back until the character is complete."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
+        self._bytes = getattr(tokenizer, "decode_bytes", None)
+        if self._bytes is None and isinstance(tokenizer.decode([]), bytes):
+            self._bytes = tokenizer.decode
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.ids: list[int] = []
         self._prefix = 0  # ids[_prefix:_read] decode to text already returned
         self._read = 0
 
-    def _decode(self, ids: list[int]) -> str:
-        text = self.tokenizer.decode(ids)
-        return text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
-
     def add(self, new: list[int]) -> str:
         self.ids.extend(new)
-        done = self._decode(self.ids[self._prefix:self._read])
-        text = self._decode(self.ids[self._prefix:])
+        if self._bytes is not None:
+            return self._utf8.decode(self._bytes(new))
+        done = self.tokenizer.decode(self.ids[self._prefix:self._read])
+        text = self.tokenizer.decode(self.ids[self._prefix:])
         if len(text) <= len(done) or text.endswith(REPLACEMENT):
             return ""
         self._prefix, self._read = self._read, len(self.ids)
@@ -48,8 +52,10 @@ class Detokenizer:
 
     def flush(self) -> str:
         """What is held back (an incomplete character at the very end stays replaced)."""
-        done = self._decode(self.ids[self._prefix:self._read])
-        text = self._decode(self.ids[self._prefix:])
+        if self._bytes is not None:
+            return self._utf8.decode(b"", final=True)
+        done = self.tokenizer.decode(self.ids[self._prefix:self._read])
+        text = self.tokenizer.decode(self.ids[self._prefix:])
         self._prefix = self._read = len(self.ids)
         return text[len(done):]
 
@@ -63,14 +69,28 @@ class TextGenerator:
         # than context x this is refused before it is tokenized
         self.max_token_bytes = max_token_bytes or 256
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, field: str = "text_input") -> list[int]:
         """Token ids of a prompt; one too long for the context is refused by its size first,
         so an oversized prompt costs no tokenization."""
         size = len(prompt.encode("utf-8"))
         if size > self.engine.context * self.max_token_bytes:
-            raise RequestError("text_input", f"prompt is {size} bytes, more than the context of "
-                                             f"{self.engine.context} tokens can hold; shorten it")
+            raise RequestError(field, f"prompt is {size} bytes, more than the context of "
+                                      f"{self.engine.context} tokens can hold; shorten it")
         return self.tokenizer.encode(prompt)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The model's chat template over ``messages``, the assistant's turn opened."""
+        if not self.has_chat_template:
+            raise RequestError("sampling_parameters.chat", "this model has no chat template")
+        size = sum(len(m["content"].encode("utf-8")) for m in messages)
+        if size > self.engine.context * self.max_token_bytes:
+            raise RequestError("messages", f"the messages are {size} bytes, more than the context "
+                                           f"of {self.engine.context} tokens can hold; shorten them")
+        return self.encode(self.tokenizer.apply_chat_template(messages), "messages")
 
     def stream(self, prompt: "str | list[int]", sampling: SamplingParams, spec: SpeculativeParams,
                stats: Optional[DecodeStats] = None,

@@ -1,5 +1,6 @@
-"""Import a GGUF file into a folder the runtimes serve: ``model.onnx``, ``tokenizer.json``,
-``import.json`` (what it was made from, so an unchanged import is skipped)."""
+"""Import a GGUF file into a folder the runtimes serve: ``model.onnx`` (+ ``model.onnx.data``, its
+weights), ``tokenizer.json``, ``import.json`` (what it was made from, so an unchanged import is
+skipped)."""
 from __future__ import annotations
 
 import hashlib
@@ -11,6 +12,7 @@ from pathlib import Path
 from dspark.paths import project_root
 
 MODEL_FILE = "model.onnx"
+WEIGHTS_FILE = "model.onnx.data"
 TOKENIZER_FILE = "tokenizer.json"
 STAMP_FILE = "import.json"
 # Where `make setup` puts the demo model: next to the speculative model that serves it (a folder
@@ -53,8 +55,8 @@ def import_gguf(gguf: str | Path, out_dir: str | Path, cache_dtype: str = "float
     gguf, out_dir = Path(gguf), Path(out_dir)
     stamp = _stamp(gguf, cache_dtype, accuracy_level) if gguf.is_file() else None
     stamp_path = out_dir / STAMP_FILE
-    if not force and stamp and stamp_path.is_file() and (out_dir / MODEL_FILE).is_file() \
-            and (out_dir / TOKENIZER_FILE).is_file():
+    if not force and stamp and stamp_path.is_file() \
+            and all((out_dir / f).is_file() for f in (MODEL_FILE, WEIGHTS_FILE, TOKENIZER_FILE)):
         try:
             if json.loads(stamp_path.read_text()) == stamp:
                 return ImportResult(out_dir, True, time.perf_counter() - start)
@@ -65,9 +67,12 @@ def import_gguf(gguf: str | Path, out_dir: str | Path, cache_dtype: str = "float
     tokenizer = LlamaTokenizer.from_gguf(model)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp_path.unlink(missing_ok=True)  # a half-written import is never taken for a good one
-    partial = out_dir / (MODEL_FILE + ".partial")
-    onnx.save(graph, str(partial))
-    partial.replace(out_dir / MODEL_FILE)
+    # weights in a separate file, which ORT memory-maps: untouched pages (most of the embedding
+    # table) never become resident, and no second copy sits in the parsed protobuf
+    for name in (MODEL_FILE, WEIGHTS_FILE):  # onnx appends to an existing data file
+        (out_dir / name).unlink(missing_ok=True)
+    onnx.save(graph, str(out_dir / MODEL_FILE), save_as_external_data=True, location=WEIGHTS_FILE,
+              size_threshold=4096)
     tokenizer.save(out_dir / TOKENIZER_FILE)
     stamp_path.write_text(json.dumps(stamp, indent=1) + "\n")
     return ImportResult(out_dir, False, time.perf_counter() - start)

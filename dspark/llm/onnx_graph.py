@@ -5,8 +5,9 @@ the verification of a chain or a tree of draft tokens alike:
 
 * inputs ``input_ids``, ``position_ids`` ``[B, T]``; ``attention_bias`` ``[B, 1, T, S]`` (0 where
   a row may see a key, -inf elsewhere; S = ``total_sequence_length``, the longest past + T);
-  ``seqlens_k`` ``[B]`` (each request's past + T - 1); ``logit_rows`` ``[R]`` (which of the B*T
-  rows get logits: a prompt needs only its last);
+  ``seqlens_k`` ``[B]`` (each request's past + T - 1); ``query_seqlens`` ``[B]`` (T for every
+  request: without it ORT's CPU attention refuses B > 1 with T > 1); ``logit_rows`` ``[R]``
+  (which of the B*T rows get logits: a prompt needs only its last);
 * per layer ``past_key_i`` / ``past_value_i`` ``[B, kv_heads, capacity, head_dim]``: the cache
   itself. ``present_*`` outputs are bound to the same buffers (ORT's GroupQueryAttention then
   writes the T new rows in place at ``seqlens_k + 1 - T``), so no cache is copied per call;
@@ -39,7 +40,7 @@ from dspark.llm.gguf_model import GGUFModel, LlamaConfig
 from dspark.llm.quant import NBITS_TYPES, QK, NBitsWeight, concat_rows, to_nbits
 from dspark.llm.taps import TAP_LAYERS
 
-GRAPH_FORMAT = "llama-1"  # bumped when inputs, outputs or weight layout change
+GRAPH_FORMAT = "llama-3"  # bumped when inputs, outputs or weight layout change
 OPSET = 21
 MS_DOMAIN = "com.microsoft"
 CACHE_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
@@ -134,10 +135,35 @@ def default_tap_layers(n_layer: int) -> tuple[int, ...]:
     return tuple(sorted({max(0, round((t + 1) * n_layer / 30) - 1) for t in TAP_LAYERS}))
 
 
+def _attention_ops(g: _Graph, cfg: LlamaConfig, i: int, qkv: str) -> str:
+    """Attention from plain ops, measured against GroupQueryAttention (docs/llm.md) and not used
+    by the runtime: ``past_*`` ``[B, kv_heads, P, head_dim]`` in, ``present_*`` = past + the T new
+    rows out, as HF exports do (the whole cache is copied every call)."""
+    h, kvh, dh, group = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.group
+    c = lambda name, v: name if any(t.name == name for t in g.inits) else g.const(name, np.array(v, np.int64))
+    q, k, v = g.op("Split", qkv, c("ops.split", [h * dh, kvh * dh, kvh * dh]), axis=-1, n_out=3)
+    rope = dict(domain=MS_DOMAIN, interleaved=1)
+    q = g.op("RotaryEmbedding", q, "position_ids", "rope.cos", "rope.sin", **rope)
+    k = g.op("RotaryEmbedding", k, "position_ids", "rope.cos", "rope.sin", **rope)
+    q = g.op("Transpose", g.op("Reshape", q, c("ops.q5", [0, 0, kvh, group, dh])), perm=[0, 2, 3, 1, 4])
+    q = g.op("Reshape", q, c("ops.q4", [0, kvh, -1, dh]))  # [B, kvh, group*T, dh]
+    k_all, v_all = (g.op("Concat", f"past_{kind}_{i}", g.op("Transpose", g.op("Reshape", new, c("ops.kv4", [0, 0, kvh, dh])),
+                                                          perm=[0, 2, 1, 3]),
+                         axis=2, outputs=[f"present_{kind}_{i}"]) for kind, new in (("key", k), ("value", v)))
+    scores = g.op("FusedMatMul", q, k_all, domain=MS_DOMAIN, transB=1, alpha=float(1 / np.sqrt(dh)))
+    shape5 = g.op("Concat", g.op("Shape", "input_ids", end=1), c("ops.s5", [kvh, group, -1]),
+                  g.op("Shape", "attention_bias", start=3), axis=0)
+    scores = g.op("Reshape", scores, shape5)  # [B, kvh, group, T, S]
+    scores = g.op("Add", scores, g.op("Unsqueeze", "attention_bias", c("ops.ax1", [1])))
+    out = g.op("MatMul", g.op("Softmax", scores, axis=-1), g.op("Unsqueeze", v_all, c("ops.ax2", [2])))
+    return g.op("Transpose", out, perm=[0, 3, 1, 2, 4])  # [B, T, kvh, group, dh]
+
+
 def build_llama_onnx(model: GGUFModel, cache_dtype: str = "float32", accuracy_level: int = 4,
-                     max_positions: int | None = None) -> onnx.ModelProto:
+                     max_positions: int | None = None, attention: str = "gqa") -> onnx.ModelProto:
     """The decoder graph of ``model`` (see module docstring). ``max_positions`` bounds the RoPE
-    tables (default: the model's context length)."""
+    tables (default: the model's context length); ``attention="ops"`` builds the plain-ops
+    variant that only the benchmark runs (:func:`_attention_ops`)."""
     cfg = model.config
     tap_layers = default_tap_layers(cfg.n_layer)
     g = _Graph()
@@ -157,6 +183,7 @@ def build_llama_onnx(model: GGUFModel, cache_dtype: str = "float32", accuracy_le
         helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["B", "T"]),
         helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT, ["B", 1, "T", "S"]),
         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
+        helper.make_tensor_value_info("query_seqlens", TensorProto.INT32, ["B"]),
         helper.make_tensor_value_info("logit_rows", TensorProto.INT64, ["R"]),
     ]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["R", cfg.vocab]),
@@ -181,11 +208,15 @@ def build_llama_onnx(model: GGUFModel, cache_dtype: str = "float32", accuracy_le
             if i - 1 in tap_layers:
                 taps[i - 1] = x
         qkv = w.linear(h, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], p + "qkv")
-        attn, _, _ = g.op("GroupQueryAttention", g.op("Reshape", qkv, shape_btx), "", "",
-                    f"past_key_{i}", f"past_value_{i}", "seqlens_k", total, "rope.cos", "rope.sin",
-                    "position_ids", "attention_bias",
-                    outputs=[f"attn_{i}", f"present_key_{i}", f"present_value_{i}"], domain=MS_DOMAIN,
-                    num_heads=cfg.n_head, kv_num_heads=kvh, do_rotary=1, rotary_interleaved=1)
+        if attention == "gqa":
+            attn, _, _ = g.op(
+                "GroupQueryAttention", g.op("Reshape", qkv, shape_btx), "", "",
+                f"past_key_{i}", f"past_value_{i}", "seqlens_k", total, "rope.cos", "rope.sin",
+                "position_ids", "attention_bias", "", "", "", "", "", "query_seqlens",
+                outputs=[f"attn_{i}", f"present_key_{i}", f"present_value_{i}"], domain=MS_DOMAIN,
+                num_heads=cfg.n_head, kv_num_heads=kvh, do_rotary=1, rotary_interleaved=1)
+        else:
+            attn = _attention_ops(g, cfg, i, g.op("Reshape", qkv, shape_btx))
         attn = w.linear(g.op("Reshape", attn, rows_2d), [p + "attn_output.weight"], p + "attn_output")
         h, _, _, x = g.op("SkipSimplifiedLayerNormalization", attn, x, norm2, n_out=4,
                           domain=MS_DOMAIN, epsilon=cfg.rms_eps)
@@ -214,5 +245,6 @@ def build_llama_onnx(model: GGUFModel, cache_dtype: str = "float32", accuracy_le
                                         "dspark_llm_format": GRAPH_FORMAT,
                                         "dspark_llm_cache_dtype": cache_dtype,
                                         "dspark_llm_tap_layers": json.dumps(tap_layers),
+                                        "dspark_llm_attention": attention,
                                         "dspark_llm_source": model.path.name})
     return onnx_model

@@ -131,6 +131,9 @@ def graph_metadata(session: ort.InferenceSession, path) -> tuple[LlamaConfig, st
         raise ConfigError("dspark_llm_format", f"found {props.get('dspark_llm_format')!r}, this dspark "
                           f"needs {GRAPH_FORMAT!r}: re-import the GGUF (make setup, or dspark llm import)",
                           path)
+    if props.get("dspark_llm_attention") != "gqa":
+        raise ConfigError("dspark_llm_attention", f"found {props.get('dspark_llm_attention')!r}: the "
+                          "runtime serves graphs with GroupQueryAttention only", path)
     return (LlamaConfig.from_json(props["dspark_llm_config"]), props["dspark_llm_cache_dtype"],
             tuple(json.loads(props["dspark_llm_tap_layers"])))
 
@@ -151,6 +154,7 @@ class OnnxLlama:
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph/NoSuchFile types
             raise ConfigError("model", f"ONNX Runtime cannot load the graph ({exc})", path) from None
         cfg, cache_dtype, self.tap_layers = graph_metadata(self.session, path)
+        self._max_position = cfg.ctx  # the graph's RoPE tables end there
         self.config = replace(cfg, ctx=min(cfg.ctx, max_context))
         self.cache_dtype = np.dtype(cache_dtype)
         self.max_batch = max_batch
@@ -222,11 +226,20 @@ class OnnxLlama:
         return results if want_taps else [logits for logits, _ in results]
 
     def _rows(self, cache, tokens, positions, tree_mask, past_visible) -> _Rows:
+        """Checked arguments of one request (ORT would read a bad id as a zero embedding)."""
         t = len(tokens)
         cache.check_room(t)
         positions = np.asarray(positions, np.int64).reshape(-1)
         if len(positions) != t:
             raise ValueError(f"{t} tokens but {len(positions)} positions")
+        if t and (tokens.min() < 0 or tokens.max() >= self.config.vocab):
+            raise ValueError(f"token ids must be in [0, {self.config.vocab}), got {tokens.min()}..{tokens.max()}")
+        if t and (positions.min() < 0 or positions.max() >= self._max_position):
+            raise ValueError(f"positions must be in [0, {self._max_position}), got {positions.min()}..{positions.max()}")
+        if tree_mask is not None and np.shape(tree_mask) != (t, t):
+            raise ValueError(f"tree_mask must be {t} x {t}, got {np.shape(tree_mask)}")
+        if past_visible is not None and np.shape(past_visible) != (t, cache.length):
+            raise ValueError(f"past_visible must be {t} x {cache.length}, got {np.shape(past_visible)}")
         return _Rows(cache, t, tokens, positions, tree_mask, past_visible)
 
     def _run(self, items: list[_Rows], rows: int, logit_rows) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -258,6 +271,7 @@ class OnnxLlama:
             io.bind_cpu_input("position_ids", positions)
             io.bind_cpu_input("attention_bias", bias)
             io.bind_cpu_input("seqlens_k", seqlens)
+            io.bind_cpu_input("query_seqlens", np.full(batch, rows, np.int32))
             io.bind_cpu_input("logit_rows", np.concatenate(select))
             io.bind_output("logits")
             io.bind_output("taps")

@@ -1,6 +1,7 @@
 """Helpers for backends/*/model.py that need no pb_utils: model config parameters, stub facts."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -68,3 +69,27 @@ def stub_version_dir() -> Optional[Path]:
     if len(argv) < 2 or not argv[1]:
         return None
     return Path(argv[1].decode()).parent
+
+
+def server_http_url(argv: Optional[list[str]] = None) -> Optional[str]:
+    """``host:port`` of the HTTP endpoint of the tritonserver this stub belongs to, from the
+    server's command line (the stub's parent; ``argv`` for tests), or None when HTTP is off.
+
+    A Python model learns of its unload only through finalize, after its last request ended; a
+    model with long requests in flight asks the server's health endpoints instead (the stub's
+    own model-readiness call can block while the server stops)."""
+    if argv is None:
+        try:
+            argv = [a.decode() for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0") if a]
+        except OSError:
+            return None
+    options: dict[str, str] = {}
+    for arg, following in zip(argv[1:], [*argv[2:], ""]):
+        if arg.startswith("--"):
+            key, _, value = arg[2:].partition("=")
+            options[key] = value if "=" in arg else following
+    if options.get("allow-http", "true").lower() in ("false", "0", "no"):
+        return None
+    host = options.get("http-address", "0.0.0.0")
+    host = "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
+    return f"{host}:{options.get('http-port', '8000')}"

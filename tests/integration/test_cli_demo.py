@@ -28,7 +28,11 @@ def test_demo_serves_and_prints_inference_results():
     values = [[float(v) for v in row.split(",")] for row in rows]
     assert all(abs(sum(row) - 1) < 1e-3 for row in values)
     assert values[:2] == values[2:]  # the ensemble standardizes raw input into the same features
-    assert re.search(r"spec_lm over HTTP /generate.*draft speculation \d+ ms, identical text: True", result.stdout)
+    spec = re.findall(r"spec_lm \(SmolLM2-135M-Instruct\) (chat|code completion) over HTTP /generate.*"
+                      r"plain \d+ ms, speculative \d+ ms, identical text: True", result.stdout)
+    assert spec == ["chat", "code completion"], result.stdout
+    assert "Rayleigh" in result.stdout or "scatter" in result.stdout  # the chat answer is on topic
+    assert "def fibonacci(n):" in result.stdout and "return" in result.stdout
 
 
 def test_serve_forwards_sigterm_as_a_clean_shutdown():

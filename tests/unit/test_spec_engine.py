@@ -228,3 +228,79 @@ def test_cancellation_stops_between_passes():
     out = [t for c in engine.generate([1, 2], SamplingParams(max_tokens=50), SpeculativeParams("none"),
                                       stats, cancelled=lambda: calls.append(1) or len(calls) > 3) for t in c]
     assert len(out) == 3 and stats.finish_reason == "cancelled"
+
+
+def test_batched_verification_gives_every_request_its_own_greedy_text():
+    """Rounds of concurrent requests verified in shared target calls (RoundBatcher): each
+    request's text equals its plain decoding, and fewer calls than passes were made."""
+    import threading
+
+    solo = ENGINES[2]
+    batched = make_engine(solo.target, solo.proposers["draft"].lm, batch_verification=True)
+    rng = np.random.default_rng(7)
+    prompts = [list(rng.integers(0, CFG.vocab, n)) for n in (5, 17, 30, 9)]
+    methods = ["none", "draft", "suffix", "hybrid"]
+    sampling = SamplingParams(max_tokens=25)
+    expected = [run(solo, p, sampling, SpeculativeParams("none")) for p in prompts]
+    got, stats = [None] * 4, [DecodeStats() for _ in prompts]
+    calls = batched.target_calls
+
+    def one(i):
+        got[i] = run(batched, prompts[i], sampling, SpeculativeParams(methods[i]), stats[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    batched.close()
+    assert got == expected
+    assert batched.target_calls - calls < sum(s.rounds for s in stats)
+
+
+def test_cancelling_a_batched_generation_ends_it_at_the_next_round():
+    batched = make_engine(ENGINES[1].target, None, batch_verification=True)
+    calls = []
+    stats = DecodeStats()
+    out = [t for c in batched.generate([1, 2], SamplingParams(max_tokens=50), SpeculativeParams("none"),
+                                       stats, cancelled=lambda: calls.append(1) or len(calls) > 3)
+           for t in c]
+    batched.close()
+    assert len(out) == 3 and stats.finish_reason == "cancelled"
+
+
+def test_end_of_sequence_ends_the_text_without_it():
+    engine = ENGINES[2]
+    prompt = [3, 1, 4, 1, 5]
+    plain = run(engine, prompt, SamplingParams(max_tokens=30), SpeculativeParams("none"))
+    eos = plain[6]
+    with_eos = make_engine(engine.target, engine.proposers["draft"].lm, eos_ids=[eos])
+    for method in ("none", "draft", "ngram", "suffix", "hybrid", "tree"):
+        stats = DecodeStats()
+        out = run(with_eos, prompt, SamplingParams(max_tokens=30), SpeculativeParams(method), stats)
+        assert out == plain[:plain.index(eos)] and stats.finish_reason == "eos", method
+
+
+def test_suffix_proposes_from_this_models_earlier_outputs():
+    """A second request whose text repeats an earlier request's output is guessed from it."""
+    engine = make_engine(ENGINES[2].target, None)
+    sampling = SamplingParams(max_tokens=40)
+    first = run(engine, [7, 3, 9], sampling, SpeculativeParams("suffix"))
+    stats = DecodeStats()
+    again = run(engine, [7, 3, 9], sampling, SpeculativeParams("suffix"), stats)
+    assert again == first
+    assert stats.accepted >= 30  # nearly every token came from the cached output
+    fresh, cold = make_engine(ENGINES[2].target, None), DecodeStats()
+    run(fresh, [7, 3, 9], sampling, SpeculativeParams("suffix"), cold)
+    assert cold.accepted < stats.accepted
+
+
+def test_verify_cost_learns_the_cost_per_row():
+    from dspark.decoding.engine import VerifyCost
+
+    cost = VerifyCost(prior_row_cost=0.05)
+    assert cost(9) == pytest.approx(1.4)
+    for _ in range(5):
+        for rows in (1, 5, 9):
+            cost.observe(rows, 0.010 + 0.002 * (rows - 1))  # a row costs a fifth of a pass
+    assert cost(6) == pytest.approx(2.0, rel=0.02)
