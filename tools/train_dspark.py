@@ -465,7 +465,10 @@ def export(args) -> None:
     for name, t in ck["state"].items():
         arrays[name.removesuffix(".weight")] = t.detach().float().numpy().astype(np.float16)
     arrays["vocab_ids"] = np.load(DATA / "draft_vocab.npy").astype(np.int32)
-    meta = {"format": FORMAT, "config": cfg, "trained": ck.get("info", {})}
+    from dspark_target import smollm2_gguf_path
+
+    meta = {"format": FORMAT, "config": cfg, "target": smollm2_gguf_path().name,
+            "trained": ck.get("info", {})}
     arrays["__config__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,16 @@ def default_weights() -> Path:
     return project_root() / "tools" / "weights" / "dspark_smollm2.npz"
 
 
+def drafter_target(path: str | Path) -> Optional[str]:
+    """The file name of the GGUF a drafter's weights were trained for (their metadata)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["__config__"]).decode())
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError("drafter weights", f"cannot read: {exc}", path) from exc
+    return meta.get("target")
+
+
 def gguf_embedding(model) -> EmbedRows:
     """Rows of the target's token embedding, dequantized on demand from the GGUF's own blocks
     (a dspark.llm.gguf_model.GGUFModel): the drafter shares the target's embedding and holds no

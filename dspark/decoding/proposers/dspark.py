@@ -12,18 +12,20 @@ distributions, recorded in the tree for the rejection sampler (lossless).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import ClassVar, Optional
 
 import numpy as np
 
-from dspark.decoding.dspark_drafter import DSparkDrafter
+from dspark.decoding.dspark_drafter import DSparkDrafter, default_weights, drafter_target
 from dspark.decoding.dspark_schedule import CostCurve, choose_verify_length
 from dspark.decoding.proposers.base import BaseDrafter, DraftRequest
 from dspark.decoding.tree import DraftTree
 from dspark.errors import ConfigError
 
+log = logging.getLogger(__name__)
 DRAFT_START_COST = 0.3  # a draft pass relative to a one-row target pass, until measured
 SMOOTHING = 0.2
 
@@ -42,14 +44,8 @@ class DSparkProposer:
         drafter shares the embedding with); ``weights`` default: the drafter trained for
         SmolLM2-135M-Instruct."""
         from dspark.llm.gguf_model import GGUFModel
-        from dspark.llm.importer import STAMP_FILE
 
-        stamp = Path(folder) / STAMP_FILE
-        try:
-            source = json.loads(stamp.read_text())["source"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise ConfigError("source", f"cannot read the imported model's source GGUF: {exc}", stamp) from exc
-        return cls(DSparkDrafter.for_gguf(GGUFModel(source), weights, backend, threads))
+        return cls(DSparkDrafter.for_gguf(GGUFModel(_import_source(folder)), weights, backend, threads))
 
     def start(self, request: DraftRequest) -> "DSparkRequestDrafter":
         return DSparkRequestDrafter(self.drafter, request)
@@ -105,3 +101,29 @@ class DSparkRequestDrafter(BaseDrafter):
             one_row = target_s / self.request.verify_cost(len(tree) + 1)
             self.draft_cost += SMOOTHING * (self.draft_s / one_row - self.draft_cost)
         self.draft_s = 0.0
+
+
+def _import_source(folder: str | Path) -> Path:
+    from dspark.llm.importer import STAMP_FILE
+
+    stamp = Path(folder) / STAMP_FILE
+    try:
+        return Path(json.loads(stamp.read_text())["source"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError("source", f"cannot read the imported model's source GGUF: {exc}", stamp) from exc
+
+
+def dspark_proposers(folder: str | Path, weights: str | Path | None = None) -> tuple[DSparkProposer, ...]:
+    """DSpark's proposer for an imported model when a drafter was trained for it (the weights
+    name the GGUF they were trained on), else none: the model still serves every other method."""
+    path = Path(weights or default_weights())
+    if not path.is_file():
+        log.info("dspark: no drafter weights at %s; method 'dspark' not offered", path)
+        return ()
+    trained_on = drafter_target(path)
+    source = _import_source(folder)
+    if trained_on != source.name:
+        log.info("dspark: drafter %s was trained for %s, not %s; method 'dspark' not offered",
+                 path, trained_on, source.name)
+        return ()
+    return (DSparkProposer.for_import(folder, path),)
