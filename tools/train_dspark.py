@@ -38,6 +38,7 @@ DATA = ROOT / "build" / "dspark"
 WEIGHTS = ROOT / "tools" / "weights" / "dspark_smollm2.npz"
 HIDDEN = 576
 N_TAPS = 3
+TAP_CLIP = 8.0  # standardized taps are clipped here (rare massive activations)
 
 
 def _torch(threads: int):
@@ -202,7 +203,11 @@ def build_model(torch, cfg: dict, target_tensors: dict | None):
         def __init__(self):
             super().__init__()
             V = cfg["draft_vocab"]
-            self.tap_norm = nn.Parameter(torch.ones(N_TAPS, H))
+            # taps standardized per dimension with the training data's statistics (a few
+            # dimensions of the residual stream are ~100x the others), then a learnt scale
+            self.register_buffer("tap_mean", torch.zeros(N_TAPS * H))
+            self.register_buffer("tap_std", torch.ones(N_TAPS * H))
+            self.tap_norm = nn.Parameter(torch.ones(N_TAPS * H))
             self.fc = nn.Linear(N_TAPS * H, H, bias=False)
             self.ctx_norm = nn.Parameter(torch.ones(H))
             self.mask_emb = nn.Parameter(torch.randn(H) * 0.02)
@@ -228,9 +233,8 @@ def build_model(torch, cfg: dict, target_tensors: dict | None):
 
         def context(self, taps):
             """taps [C, N_TAPS*H] -> context features [C, H]."""
-            t = taps.view(-1, N_TAPS, H)
-            t = rms(t, self.tap_norm).reshape(-1, N_TAPS * H)
-            return rms(self.fc(t), self.ctx_norm)
+            z = ((taps - self.tap_mean) / self.tap_std).clamp(-TAP_CLIP, TAP_CLIP)
+            return rms(self.fc(z * self.tap_norm), self.ctx_norm)
 
         def forward(self, ctx, block_emb, q_pos, k_pos, mask, head, prev_rows, last_rows):
             """Block hidden [Q, H], logits [Q, V] (with the Markov bias for prev_rows),
@@ -262,6 +266,13 @@ def _split(seqs):
     """Every 40th sequence is held out from training (validation on the training prompts'
     distribution; the real held-out evaluation uses tools/dspark_prompts.heldout_prompts)."""
     return [s for i, s in enumerate(seqs) if i % 40], [s for i, s in enumerate(seqs) if i % 40 == 0]
+
+
+def tap_statistics(seqs, rows: int = 50_000) -> tuple[np.ndarray, np.ndarray]:
+    """Per-dimension mean and standard deviation of the taps over (up to) `rows` rows."""
+    x = np.concatenate([np.asarray(s[1][:, HIDDEN:], np.float32) for s in seqs[:: max(1, len(seqs) // 200)]])
+    x = x[:rows]
+    return x.mean(0), np.maximum(x.std(0), 1e-3)
 
 
 class Batcher:
@@ -367,6 +378,10 @@ def train(args) -> None:
     del tensors
     seqs = load_data()
     train_seqs, val_seqs = _split(seqs)
+    mean, std = tap_statistics(train_seqs)
+    with torch.no_grad():
+        model.tap_mean.copy_(torch.from_numpy(mean))
+        model.tap_std.copy_(torch.from_numpy(std))
     print(f"{len(train_seqs)} training sequences "
           f"({sum(len(s[0]) - s[2] for s in train_seqs)} answer tokens), {len(val_seqs)} validation",
           flush=True)
@@ -461,6 +476,7 @@ def export(args) -> None:
 
     ck = torch.load(DATA / "drafter.pt")
     cfg = {k: v for k, v in ck["cfg"].items() if k not in ("init_blocks", "draft_vocab")}
+    cfg["tap_clip"] = TAP_CLIP
     arrays = {}
     for name, t in ck["state"].items():
         arrays[name.removesuffix(".weight")] = t.detach().float().numpy().astype(np.float16)

@@ -3,8 +3,9 @@
 DSpark (Cheng et al., arXiv 2607.05147) on a DFlash-style block-parallel backbone:
 
 - **Context**: for every accepted position the target exports the hidden states of blocks
-  ``TAP_LAYERS`` (dspark.llm.taps). Each tap is RMS-normed, the three are concatenated and
-  projected to one context feature (``fc``, RMSNorm). Every draft layer turns the context
+  ``TAP_LAYERS`` (dspark.llm.taps). They are standardized per dimension with the training
+  data's mean and deviation (a few dimensions of the residual stream are ~100x the others),
+  clipped, scaled and projected to one context feature (``fc``, RMSNorm). Every draft layer turns the context
   features into its own keys and values once (``extend``), like a KV cache.
 - **Block**: slot 0 holds the embedding of the anchor (the token the target sampled last, not
   yet run by the target), slots 1..k-1 a learned mask embedding; every slot also gets the
@@ -90,12 +91,13 @@ class DrafterConfig:
     markov_rank: int
     taps: tuple[int, ...]
     target_vocab: int
+    tap_clip: float = 8.0
     rms_eps: float = 1e-5
 
     @classmethod
     def from_dict(cls, d: dict) -> "DrafterConfig":
         names = cls.__dataclass_fields__
-        missing = [n for n in names if n not in d and n != "rms_eps"]
+        missing = [n for n in names if n not in d and n not in ("rms_eps", "tap_clip")]
         if missing:
             raise ConfigError("config", f"missing {', '.join(missing)}")
         return cls(**{k: (tuple(v) if k == "taps" else v) for k, v in d.items() if k in names})
@@ -176,7 +178,8 @@ class DSparkDrafter:
         self.to_draft[self.vocab_ids] = np.arange(self.vocab_ids.size)
         self.embed_rows = embed_rows
         self.head_t = np.ascontiguousarray(embed_rows(self.vocab_ids).T, dtype=np.float32)  # [H, V]
-        self.tap_norm = w["tap_norm"]                     # [n_taps, H]
+        self.tap_mean, self.tap_std = w["tap_mean"], w["tap_std"]  # [n_taps*H], fixed
+        self.tap_norm = w["tap_norm"]                     # [n_taps*H], learnt
         self.fc_t = np.ascontiguousarray(w["fc"].T)        # [n_taps*H, H]
         self.ctx_norm = w["ctx_norm"]
         self.mask_emb = w["mask_emb"]
@@ -265,9 +268,8 @@ class DSparkDrafter:
 
     def context_features(self, taps: np.ndarray) -> np.ndarray:
         c = self.cfg
-        t = np.asarray(taps, dtype=np.float32).reshape(-1, len(c.taps), c.hidden)
-        t = _rms(t, self.tap_norm, c.rms_eps).reshape(-1, len(c.taps) * c.hidden)
-        return _rms(t @ self.fc_t, self.ctx_norm, c.rms_eps)
+        z = np.clip((np.asarray(taps, np.float32) - self.tap_mean) / self.tap_std, -c.tap_clip, c.tap_clip)
+        return _rms((z * self.tap_norm) @ self.fc_t, self.ctx_norm, c.rms_eps)
 
     def extend(self, ctx: DraftContext, taps: np.ndarray) -> None:
         """Append the taps of the next context positions (rows ctx.length, ...): the rows

@@ -150,9 +150,11 @@ def context_graph(drafter) -> onnx.ModelProto:
               helper.make_tensor_value_info("cos", f, ["N", D // 2]),
               helper.make_tensor_value_info("sin", f, ["N", D // 2])]
     cos4, sin4 = b.trig_inputs()
-    t = g.op("Reshape", "taps", g.const("shape_taps", np.array([-1, n_taps, H], np.int64)))
-    t = g.op("Mul", b.rms(t, np.ones(H, np.float32), "unit"), g.const("tap_norm", drafter.tap_norm))
-    t = g.op("Reshape", t, g.const("shape_taps_flat", np.array([-1, n_taps * H], np.int64)))
+    z = g.op("Mul", g.op("Sub", "taps", g.const("tap_mean", drafter.tap_mean)),
+             g.const("tap_inv_std", (1.0 / drafter.tap_std).astype(np.float32)))
+    z = g.op("Clip", z, g.const("clip_lo", np.array(-cfg.tap_clip, np.float32)),
+             g.const("clip_hi", np.array(cfg.tap_clip, np.float32)))
+    t = g.op("Mul", z, g.const("tap_norm", drafter.tap_norm))
     feats = b.rms(b.linear(t, quantize8(np.ascontiguousarray(drafter.fc_t.T)), "fc"), drafter.ctx_norm,
                   "ctx_norm")
     g.nodes.append(helper.make_node("Identity", [feats], ["features"]))

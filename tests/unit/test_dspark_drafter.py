@@ -23,7 +23,7 @@ def tiny_weights(seed=0, cfg=CFG, n_vocab=40):
     def m(*shape, s=0.3):
         return (rng.standard_normal(shape) * s).astype(np.float32)
 
-    w = {"tap_norm": 1 + m(3, H, s=0.1), "fc": m(H, 3 * H, s=0.1), "ctx_norm": np.ones(H, np.float32),
+    w = {"tap_norm": 1 + m(3 * H, s=0.1), "tap_mean": m(3 * H, s=0.5), "tap_std": 1 + np.abs(m(3 * H)), "fc": m(H, 3 * H, s=0.1), "ctx_norm": np.ones(H, np.float32),
          "last_proj": m(H, H, s=0.2),
          "mask_emb": m(H), "out_norm": np.ones(H, np.float32), "markov_w1": m(n_vocab + 1, r),
          "markov_w2": m(r, n_vocab), "conf_w": m(H + r, 2), "conf_b": np.zeros(2, np.float32)}
@@ -145,6 +145,21 @@ def test_onnxruntime_backend_computes_the_same_block_up_to_8bit_weights(kind):
     p = fast.propose(c2, 8, 5, 0.8, np.random.default_rng(0))
     assert set(p.tokens.tolist()) <= set(VOCAB_IDS.tolist())
     np.testing.assert_allclose(p.probs.sum(1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
+def test_massive_activations_are_clipped(backend):
+    """A residual-stream outlier (SmolLM2 has dimensions ~1000x the median) saturates at the
+    clip: the context is the same for 1e4 and 1e8 there, and finite."""
+    d = make(backend=backend)
+    taps = np.random.default_rng(5).standard_normal((2, 3 * CFG.hidden)).astype(np.float32)
+    a, b = taps.copy(), taps.copy()
+    a[:, 7], b[:, 7] = 1e4, 1e8
+    ca, cb = d.new_context(8), d.new_context(8)
+    d.extend(ca, a)
+    d.extend(cb, b)
+    assert np.all(np.isfinite(ca.features[:2]))
+    np.testing.assert_allclose(ca.features[:2], cb.features[:2], rtol=1e-5, atol=1e-6)
 
 
 def test_bad_inputs_name_the_field():
