@@ -92,3 +92,33 @@ def choose_verify_length(confidence: np.ndarray, cost: CostCurve, min_drafts: in
     rate = e / t
     lo = min(max(min_drafts, 0), k)
     return lo + int(np.argmax(rate[lo:]))
+
+
+class DraftGate:
+    """Whether a request should draft this round. Drafting pays only while drafted rounds
+    yield more tokens per unit of cost than plain decoding (1 token per one-row pass): the
+    gate smooths ``tokens / (rows_cost + draft_cost)`` over drafted rounds and, when it falls
+    below 1, pauses drafting for ``backoff`` rounds, doubling the pause each time (up to
+    ``max_pause``) until a drafted round pays again."""
+
+    def __init__(self, smoothing: float = 0.2, margin: float = 0.1, max_pause: int = 32):
+        self.smoothing, self.margin, self.max_pause = smoothing, margin, max_pause
+        self.gain = 1.0 + margin
+        self.pause = 0
+        self.backoff = 1
+
+    def should_draft(self) -> bool:
+        if self.pause > 0:
+            self.pause -= 1
+            return False
+        return True
+
+    def update(self, tokens: int, rows_cost: float, draft_cost: float) -> None:
+        """After a drafted round that emitted ``tokens`` for a pass of ``rows_cost`` (relative
+        to one row) and a draft of ``draft_cost`` (likewise)."""
+        self.gain += self.smoothing * (tokens / (rows_cost + draft_cost) - self.gain)
+        if self.gain < 1.0:
+            self.pause, self.backoff = self.backoff, min(2 * self.backoff, self.max_pause)
+            self.gain = 1.0 + self.margin
+        elif self.gain > 1.0 + self.margin:
+            self.backoff = 1

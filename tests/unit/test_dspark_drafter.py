@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dspark.decoding.dspark_drafter import FORMAT, DrafterConfig, DSparkDrafter
-from dspark.decoding.dspark_schedule import CostCurve, choose_verify_length, expected_tokens
+from dspark.decoding.dspark_schedule import CostCurve, DraftGate, choose_verify_length, expected_tokens
 from dspark.errors import ConfigError, RequestError
 
 TARGET_VOCAB = 100
@@ -236,3 +236,20 @@ def test_measured_curve_is_monotone_and_bad_curves_are_refused():
         CostCurve((1.0, 0.0))
     with pytest.raises(ConfigError, match="draft_seconds"):
         CostCurve((1.0,), draft_seconds=float("nan"))
+
+
+def test_draft_gate_pauses_drafting_that_does_not_pay_for_longer_each_time():
+    gate = DraftGate(smoothing=0.5, margin=0.1, max_pause=4)
+    pattern = []
+    for _ in range(40):
+        drafted = gate.should_draft()
+        pattern.append(drafted)
+        if drafted:
+            gate.update(tokens=1, rows_cost=1.5, draft_cost=0.3)  # 1 token for 1.8 units
+    # pauses of 1, 2, 4, 4, ... rounds between drafted rounds
+    runs = [len(r) for r in "".join("d" if p else "." for p in pattern).split("d") if r]
+    assert runs[:3] == [1, 2, 4] and max(runs) == 4
+    good = DraftGate(smoothing=0.5)
+    for _ in range(20):
+        assert good.should_draft()
+        good.update(tokens=3, rows_cost=1.5, draft_cost=0.3)

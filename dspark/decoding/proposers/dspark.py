@@ -7,7 +7,9 @@ after the last committed token, and the schedule keeps the first n of them: the 
 expected tokens per second given the block's confidences, the target's measured cost of a pass
 over n + 1 rows (``DraftRequest.verify_cost``) and the drafter's own measured cost. Greedy
 requests get the drafter's argmax chain; sampled ones a chain drawn from the drafter's
-distributions, recorded in the tree for the rejection sampler (lossless).
+distributions, recorded in the tree for the rejection sampler (lossless). When drafted rounds
+stop paying for themselves (fewer tokens per unit of cost than plain decoding, smoothed), the
+request decodes plainly for a while, for longer each time, and then tries again.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import ClassVar, Optional
 import numpy as np
 
 from dspark.decoding.dspark_drafter import DSparkDrafter, default_weights, drafter_target
-from dspark.decoding.dspark_schedule import CostCurve, choose_verify_length
+from dspark.decoding.dspark_schedule import CostCurve, DraftGate, choose_verify_length
 from dspark.decoding.proposers.base import BaseDrafter, DraftRequest
 from dspark.decoding.tree import DraftTree
 from dspark.errors import ConfigError
@@ -63,6 +65,7 @@ class DSparkRequestDrafter(BaseDrafter):
         self.draft_cost = DRAFT_START_COST  # draft pass / one-row target pass, smoothed
         self.draft_s = 0.0
         self.lost = False  # a round's taps went missing: no more drafting for this request
+        self.gate = DraftGate(SMOOTHING)
 
     def prefilled(self, taps: Optional[np.ndarray]) -> None:
         self.drafter.extend(self.ctx, taps)
@@ -72,6 +75,8 @@ class DSparkRequestDrafter(BaseDrafter):
         if self.ctx.length != len(history) - 1:
             self.lost = True  # never draft from a context that misses committed rows
         if k <= 0 or self.lost:
+            return DraftTree()
+        if not self.gate.should_draft():
             return DraftTree()
         sampling = self.request.sampling
         start = time.perf_counter()
@@ -98,8 +103,9 @@ class DSparkRequestDrafter(BaseDrafter):
             return
         self.drafter.extend(self.ctx, taps)
         if self.draft_s > 0 and target_s > 0:
-            one_row = target_s / self.request.verify_cost(len(tree) + 1)
-            self.draft_cost += SMOOTHING * (self.draft_s / one_row - self.draft_cost)
+            rows_cost = self.request.verify_cost(len(tree) + 1)
+            self.draft_cost += SMOOTHING * (self.draft_s / (target_s / rows_cost) - self.draft_cost)
+            self.gate.update(len(new), rows_cost, self.draft_cost)
         self.draft_s = 0.0
 
 
