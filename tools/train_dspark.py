@@ -378,10 +378,16 @@ def train(args) -> None:
     del tensors
     seqs = load_data()
     train_seqs, val_seqs = _split(seqs)
-    mean, std = tap_statistics(train_seqs)
-    with torch.no_grad():
-        model.tap_mean.copy_(torch.from_numpy(mean))
-        model.tap_std.copy_(torch.from_numpy(std))
+    if args.init_from:  # continue a run: its weights (and tap statistics), a new schedule
+        ck = torch.load(args.init_from)
+        if ck["cfg"] != cfg:
+            raise SystemExit(f"{args.init_from} was trained with {ck['cfg']}, not {cfg}")
+        model.load_state_dict(ck["state"])
+    else:
+        mean, std = tap_statistics(train_seqs)
+        with torch.no_grad():
+            model.tap_mean.copy_(torch.from_numpy(mean))
+            model.tap_std.copy_(torch.from_numpy(std))
     print(f"{len(train_seqs)} training sequences "
           f"({sum(len(s[0]) - s[2] for s in train_seqs)} answer tokens), {len(val_seqs)} validation",
           flush=True)
@@ -464,7 +470,7 @@ def validate(torch, model, head, batcher, val_seqs, cfg, args) -> dict:
 
 def save_checkpoint(torch, model, cfg, vocab, args) -> None:
     DATA.mkdir(parents=True, exist_ok=True)
-    torch.save({"state": model.state_dict(), "cfg": cfg}, DATA / "drafter.pt")
+    torch.save({"state": model.state_dict(), "cfg": cfg}, args.out)
 
 
 # ---------------------------------------------------------------------------------- export
@@ -474,7 +480,7 @@ def export(args) -> None:
     torch = _torch(1)
     from dspark.decoding.dspark_drafter import FORMAT
 
-    ck = torch.load(DATA / "drafter.pt")
+    ck = torch.load(args.checkpoint)
     cfg = {k: v for k, v in ck["cfg"].items() if k not in ("init_blocks", "draft_vocab")}
     cfg["tap_clip"] = TAP_CLIP
     arrays = {}
@@ -549,7 +555,9 @@ def main() -> None:
     t.add_argument("--minutes", type=float, default=75)
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--layers", type=int, default=2)
-    t.add_argument("--init-blocks", default="28,29", help="target blocks the layers start from")
+    t.add_argument("--init-blocks", default="", help="target blocks the layers start from (default: random)")
+    t.add_argument("--init-from", default="", help="a drafter.pt to continue from")
+    t.add_argument("--out", default=str(DATA / "drafter.pt"))
     t.add_argument("--block", type=int, default=8)
     t.add_argument("--markov-rank", type=int, default=128)
     t.add_argument("--anchors", type=int, default=24)
@@ -566,6 +574,7 @@ def main() -> None:
     t.add_argument("--val-seqs", type=int, default=40)
     e = sub.add_parser("export")
     e.add_argument("--out", default=str(WEIGHTS))
+    e.add_argument("--checkpoint", default=str(DATA / "drafter.pt"))
     args = ap.parse_args()
     {"gather": gather, "vocab": vocab, "train": train, "export": export}[args.cmd](args)
 
