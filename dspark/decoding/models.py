@@ -27,9 +27,14 @@ def toy_generator(target: Path, draft: Optional[Path], tokenizer: Path, threads:
 
 def llm_generator(folder: Path, threads: int = 2, max_context: Optional[int] = None,
                   batch_verification: bool = False, max_batch: int = 4,
-                  model_proposers: tuple = ()) -> TextGenerator:
+                  model_proposers: Optional[tuple] = None) -> TextGenerator:
     """A real LLM imported by ``dspark llm import`` (``folder``/model.onnx + tokenizer.json) on
-    ONNX Runtime, with the model-free proposers and ``model_proposers`` (e.g. DSpark's)."""
+    ONNX Runtime, with the model-free proposers and ``model_proposers`` (default: DSpark's when
+    a drafter was trained for this model)."""
+    if model_proposers is None:
+        from dspark.decoding.proposers.dspark import dspark_proposers
+
+        model_proposers = dspark_proposers(folder)
     from dspark.llm.onnx_runtime import DEFAULT_MAX_CONTEXT, OnnxLlama
     from dspark.llm.tokenizer import LlamaTokenizer
 

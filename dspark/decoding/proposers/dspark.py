@@ -1,0 +1,135 @@
+"""``dspark``: DSpark's block drafter (dspark.decoding.dspark_drafter) with confidence-scheduled
+verification (dspark.decoding.dspark_schedule).
+
+Each round the drafter reads the target's tapped hidden states of the rows committed since the
+last round (the engine hands them over: ``wants_taps``), drafts a block of k tokens in one pass
+after the last committed token, and the schedule keeps the first n of them: the n with the most
+expected tokens per second given the block's confidences, the target's measured cost of a pass
+over n + 1 rows (``DraftRequest.verify_cost``) and the drafter's own measured cost. Greedy
+requests get the drafter's argmax chain; sampled ones a chain drawn from the drafter's
+distributions, recorded in the tree for the rejection sampler (lossless). When drafted rounds
+stop paying for themselves (fewer tokens per unit of cost than plain decoding, smoothed), the
+request decodes plainly for a while, for longer each time, and then tries again.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import ClassVar, Optional
+
+import numpy as np
+
+from dspark.decoding.dspark_drafter import DSparkDrafter, default_weights, drafter_target
+from dspark.decoding.dspark_schedule import CostCurve, DraftGate, choose_verify_length
+from dspark.decoding.proposers.base import BaseDrafter, DraftRequest
+from dspark.decoding.tree import DraftTree
+from dspark.errors import ConfigError
+
+log = logging.getLogger(__name__)
+DRAFT_START_COST = 0.3  # a draft pass relative to a one-row target pass, until measured
+SMOOTHING = 0.2
+
+
+class DSparkProposer:
+    name: ClassVar[str] = "dspark"
+    wants_taps: ClassVar[bool] = True
+
+    def __init__(self, drafter: DSparkDrafter):
+        self.drafter = drafter
+
+    @classmethod
+    def for_import(cls, folder: str | Path, weights: str | Path | None = None,
+                   backend: str = "onnxruntime", threads: int = 1) -> "DSparkProposer":
+        """For a model imported by ``dspark llm import`` (its import.json names the GGUF the
+        drafter shares the embedding with); ``weights`` default: the drafter trained for
+        SmolLM2-135M-Instruct."""
+        from dspark.llm.gguf_model import GGUFModel
+
+        return cls(DSparkDrafter.for_gguf(GGUFModel(_import_source(folder)), weights, backend, threads))
+
+    def start(self, request: DraftRequest) -> "DSparkRequestDrafter":
+        return DSparkRequestDrafter(self.drafter, request)
+
+
+class DSparkRequestDrafter(BaseDrafter):
+    """One request: the drafter's context (keys/values of every committed row) and the
+    running costs that the schedule weighs."""
+
+    def __init__(self, drafter: DSparkDrafter, request: DraftRequest):
+        self.drafter = drafter
+        self.request = request
+        self.ctx = drafter.new_context(request.context)
+        self.k_max = min(request.spec.num_speculative_tokens, drafter.cfg.block)
+        self.draft_cost = DRAFT_START_COST  # draft pass / one-row target pass, smoothed
+        self.draft_s = 0.0
+        self.lost = False  # a round's taps went missing: no more drafting for this request
+        self.gate = DraftGate(SMOOTHING)
+
+    def prefilled(self, taps: Optional[np.ndarray]) -> None:
+        self.drafter.extend(self.ctx, taps)
+
+    def propose(self, history: list[int], max_depth: int, max_nodes: int) -> DraftTree:
+        k = min(self.k_max, max_depth, max_nodes)
+        if self.ctx.length != len(history) - 1:
+            self.lost = True  # never draft from a context that misses committed rows
+        if k <= 0 or self.lost:
+            return DraftTree()
+        if not self.gate.should_draft():
+            return DraftTree()
+        sampling = self.request.sampling
+        start = time.perf_counter()
+        proposal = self.drafter.propose(self.ctx, history[-1], k, sampling.temperature,
+                                        self.request.rng, want_probs=not sampling.greedy)
+        cost = self.request.verify_cost
+        curve = CostCurve(tuple(cost(rows) for rows in range(1, k + 2)), self.draft_cost)
+        n = choose_verify_length(proposal.confidence, curve)
+        tree = DraftTree()
+        node = -1
+        for j in range(n):
+            if proposal.probs is not None:
+                tree.q[node] = proposal.probs[j]
+            node = tree.add(int(proposal.tokens[j]), node)
+        stats = self.request.stats
+        stats.draft_calls += 1
+        self.draft_s = time.perf_counter() - start
+        return tree
+
+    def verified(self, tree: DraftTree, path: list[int], new: list[int],
+                 taps: Optional[np.ndarray], target_s: float) -> None:
+        if taps is None:
+            self.lost = True
+            return
+        self.drafter.extend(self.ctx, taps)
+        if self.draft_s > 0 and target_s > 0:
+            rows_cost = self.request.verify_cost(len(tree) + 1)
+            self.draft_cost += SMOOTHING * (self.draft_s / (target_s / rows_cost) - self.draft_cost)
+            self.gate.update(len(new), rows_cost, self.draft_cost)
+        self.draft_s = 0.0
+
+
+def _import_source(folder: str | Path) -> Path:
+    from dspark.llm.importer import STAMP_FILE
+
+    stamp = Path(folder) / STAMP_FILE
+    try:
+        return Path(json.loads(stamp.read_text())["source"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError("source", f"cannot read the imported model's source GGUF: {exc}", stamp) from exc
+
+
+def dspark_proposers(folder: str | Path, weights: str | Path | None = None) -> tuple[DSparkProposer, ...]:
+    """DSpark's proposer for an imported model when a drafter was trained for it (the weights
+    name the GGUF they were trained on), else none: the model still serves every other method."""
+    path = Path(weights or default_weights())
+    if not path.is_file():
+        log.info("dspark: no drafter weights at %s; method 'dspark' not offered", path)
+        return ()
+    trained_on = drafter_target(path)
+    source = _import_source(folder)
+    if trained_on != source.name:
+        log.info("dspark: drafter %s was trained for %s, not %s; method 'dspark' not offered",
+                 path, trained_on, source.name)
+        return ()
+    return (DSparkProposer.for_import(folder, path),)

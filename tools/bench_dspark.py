@@ -1,0 +1,158 @@
+#!/usr/bin/env python
+"""DSpark on the real target, in process: tokens/s against plain decoding in the same run,
+accepted tokens per target pass, per-position acceptance of the block drafter, on held-out
+prompts (tools/dspark_prompts.heldout_prompts: documents and questions the drafter never
+trained on). Writes JSON (settings, CPU, per-method results) and prints a markdown table.
+
+    python tools/bench_dspark.py --max-tokens 96 --out bench-results/dspark.json
+
+Methods are interleaved per prompt (noise hits all alike); each prompt's time is the median of
+``--repeats`` runs; tokens/s counts decoding only (the prompt's prefill is the same work for
+every method and is reported apart).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from dspark.decoding.dspark_drafter import DSparkDrafter, default_weights  # noqa: E402
+from dspark.decoding.engine import SpeculativeEngine  # noqa: E402
+from dspark.decoding.proposers import standard_proposers  # noqa: E402
+from dspark.decoding.proposers.dspark import DSparkProposer  # noqa: E402
+from dspark.decoding.sampling import SamplingParams, SpeculativeParams  # noqa: E402
+from dspark.decoding.stats import DecodeStats  # noqa: E402
+from dspark.llm.gguf_model import GGUFModel, installed_smollm2  # noqa: E402
+from dspark.llm.onnx_runtime import OnnxLlama  # noqa: E402
+from dspark.llm.tokenizer import LlamaTokenizer  # noqa: E402
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def distinct_8gram_share(texts: list[str]) -> float:
+    grams = [t[i:i + 8] for t in texts for i in range(max(len(t) - 7, 0))]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def main() -> None:
+    from dspark_prompts import heldout_prompts
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=str(ROOT / "model_repository/spec_lm/1/smollm2/model.onnx"))
+    ap.add_argument("--weights", default=str(default_weights()))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--per-kind", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    ap.add_argument("--methods", default="none,dspark,hybrid,ngram,suffix")
+    ap.add_argument("--temperatures", default="0,0.8")
+    ap.add_argument("--out", default=str(ROOT / "bench-results" / "dspark.json"))
+    args = ap.parse_args()
+
+    gguf = GGUFModel(installed_smollm2())
+    tok = LlamaTokenizer.from_gguf(gguf)
+    target = OnnxLlama(args.model, threads=args.threads)
+    drafter = DSparkDrafter.for_gguf(gguf, args.weights)
+    engine = SpeculativeEngine(target, standard_proposers(model_proposers=(DSparkProposer(drafter),)),
+                               eos_ids=[tok.eos_id])
+    prompts = heldout_prompts(args.per_kind)
+    encoded = [tok.encode_chat([{"role": "user", "content": p["text"]}]) if p["chat"]
+               else tok.encode(p["text"]) for p in prompts]
+    methods = args.methods.split(",")
+    results = {}
+    for temp in (float(t) for t in args.temperatures.split(",")):
+        res = {m: {"seconds": [], "tokens": [], "rounds": 0, "generated": 0, "prefill_s": 0.0,
+                   "draft_s": 0.0, "proposed_at": [], "accepted_at": [], "texts": []}
+               for m in methods}
+        for i, ids in enumerate(encoded):
+            for m in methods:  # interleaved per prompt
+                runs = []
+                for rep in range(args.repeats):
+                    stats = DecodeStats()
+                    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=1000 + i)
+                    spec = SpeculativeParams(method=m, num_speculative_tokens=args.k)
+                    t0 = time.perf_counter()
+                    out = [x for chunk in engine.generate(ids, sampling, spec, stats) for x in chunk]
+                    total = time.perf_counter() - t0
+                    runs.append((total - stats.prefill_s, out, stats))
+                seconds, out, stats = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+                r = res[m]
+                r["seconds"].append(seconds)
+                r["tokens"].append(len(out))
+                r["rounds"] += stats.rounds
+                r["generated"] += stats.generated_tokens
+                r["prefill_s"] += stats.prefill_s
+                r["draft_s"] += stats.draft_s
+                for key in ("proposed_at", "accepted_at"):
+                    vals = getattr(stats, key)
+                    r[key] += [0] * (len(vals) - len(r[key]))
+                    for d, v in enumerate(vals):
+                        r[key][d] += v
+                r["texts"].append(tok.decode(out))
+            print(f"T={temp} prompt {i + 1}/{len(encoded)} ({prompts[i]['kind']}) done", flush=True)
+        plain = sum(res["none"]["tokens"]) / sum(res["none"]["seconds"]) if "none" in res else None
+        summary = {}
+        for m, r in res.items():
+            tps = sum(r["tokens"]) / sum(r["seconds"])
+            summary[m] = {
+                "tokens_per_s": round(tps, 2),
+                "vs_plain": round(tps / plain, 3) if plain else None,
+                "tokens_per_pass": round(r["generated"] / max(r["rounds"], 1), 3),
+                "per_position_acceptance": [round(a / p, 3) if p else None
+                                            for a, p in zip(r["accepted_at"], r["proposed_at"])],
+                "verified_at_position": r["proposed_at"],
+                "draft_share_of_decode": round(r["draft_s"] / sum(r["seconds"]), 3),
+                "distinct_8gram": round(distinct_8gram_share(r["texts"]), 3),
+                "identical_to_plain": (sum(a == b for a, b in zip(r["texts"], res["none"]["texts"]))
+                                       if "none" in res else None),
+            }
+        results[str(temp)] = {"summary": summary,
+                              "samples": {m: res[m]["texts"][:1] for m in methods},
+                              "per_kind": {
+                                  kind: {m: round(sum(res[m]["tokens"][j] for j in idx) /
+                                                  sum(res[m]["seconds"][j] for j in idx), 2)
+                                         for m in methods}
+                                  for kind in dict.fromkeys(p["kind"] for p in prompts)
+                                  for idx in [[j for j, p in enumerate(prompts) if p["kind"] == kind]]}}
+    report = {"cpu": cpu_model(), "threads": args.threads, "max_tokens": args.max_tokens,
+              "prompts": len(prompts), "k": args.k, "weights": str(args.weights),
+              "command": " ".join(sys.argv), "results": results}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"\n{report['cpu']}, {args.threads} threads, {len(prompts)} held-out prompts, "
+          f"<= {args.max_tokens} tokens, k = {args.k}")
+    for temp, r in results.items():
+        print(f"\ntemperature {temp}\n")
+        print("| method | tokens/s | vs plain | tokens per target pass | acceptance at position 1..k "
+              "| draft share | distinct 8-gram | same text as plain |")
+        print("|---|---|---|---|---|---|---|---|")
+        for m, s in r["summary"].items():
+            acc = " / ".join(f"{a:.2f}" for a in s["per_position_acceptance"] if a is not None)
+            print(f"| {m} | {s['tokens_per_s']} | {s['vs_plain']}x | {s['tokens_per_pass']} | {acc} "
+                  f"| {s['draft_share_of_decode']} | {s['distinct_8gram']} | "
+                  f"{s['identical_to_plain']}/{len(prompts)} |")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
