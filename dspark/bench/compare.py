@@ -5,15 +5,18 @@ For each metric the result declares (and both rows have), the ratio NEW/BASE is 
 noise band: the root-sum-square of the two rows' relative bands (the spread of the windows or
 rounds of each run, and, when BASE or NEW is a folder of repeated runs, the spread across those
 runs), at least ``min_band``. A change beyond the band in the bad direction is a regression.
-A target (``qps=+20%``, ``p99=-10%``) must be met by the ratio itself. Either failing makes
-the comparison fail.
+A target must be met: a change the ratio must reach (``qps=+20%``, ``p99=-10%``), a bound on
+the ratio (``p99<=2x``, ``goodput>=0.97x``: NEW may be up to that much worse), or a bound on
+NEW's own value (``within_deadline>=0.995``, ``added_p50_ms<1``). Either failing makes the
+comparison fail. ``select`` keeps the rows with given field values, so rows of one result can
+be compared with each other (a router's rows against FIFO's in the same run).
 """
 from __future__ import annotations
 
 import math
 import re
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -21,31 +24,84 @@ from dspark.bench.results import BenchResult, Metric, load, relative_band
 from dspark.bench.table import Column, format_table
 from dspark.errors import ConfigError
 
-TARGET = re.compile(r"^\s*([A-Za-z0-9_.]+)\s*=\s*([+-]?\d+(?:\.\d+)?)\s*%\s*$")
+CHANGE = re.compile(r"^\s*([A-Za-z0-9_.]+)\s*=\s*([+-]?\d+(?:\.\d+)?)\s*%\s*$")
+BOUND = re.compile(r"^\s*([A-Za-z0-9_.]+)\s*(<=|>=|<|>)\s*(\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*(x?)\s*$")
 ABSOLUTE_ZERO_TOLERANCE = 1e-3  # a metric whose base is 0 (error rate) regresses beyond this
+OPERATORS = {">=": float.__ge__, "<=": float.__le__, ">": float.__gt__, "<": float.__lt__}
 
 
 @dataclass(frozen=True)
 class Target:
-    metric: str
-    change: float  # +0.20: at least 20 % higher; -0.10: at least 10 % lower
+    """What NEW must reach: ``op bound`` on NEW/BASE (``of_base``) or on NEW's own value.
+    ``qps=+20%`` is ``>= 1.2`` of the base and must also not regress; ``p99<=2x`` is a
+    tolerance (up to 2x the base is fine); ``within_deadline>=0.995`` is on the value alone."""
 
-    def met(self, ratio: float) -> bool:
-        return ratio - 1 >= self.change if self.change >= 0 else ratio - 1 <= self.change
+    metric: str
+    op: str
+    bound: float
+    of_base: bool = True
+    text: str = ""
+
+    @property
+    def is_change(self) -> bool:
+        return self.text.endswith("%")
+
+    def met(self, ratio: float, value: float | None = None) -> bool:
+        measured = ratio if self.of_base else value
+        return measured is not None and OPERATORS[self.op](float(measured), self.bound)
 
     def __str__(self) -> str:
-        return f"{self.metric}={self.change:+.0%}"
+        return self.text or f"{self.metric}{self.op}{self.bound:g}{'x' if self.of_base else ''}"
+
+
+def parse_target(text: str) -> Target:
+    change = CHANGE.match(text)
+    if change:
+        value = float(change.group(2)) / 100
+        return Target(change.group(1), ">=" if value >= 0 else "<=", 1 + value, True,
+                      f"{change.group(1)}={value:+.0%}")
+    bound = BOUND.match(text)
+    if bound:
+        metric, op, number, times = bound.groups()
+        return Target(metric, op, float(number), bool(times), f"{metric}{op}{number}{times}")
+    raise ConfigError("target", f"{text!r}: expected METRIC=+N% or METRIC=-N% (a change), METRIC<=Rx or "
+                      "METRIC>=Rx (a bound on NEW/BASE), or METRIC<=V (on NEW's value), e.g. qps=+20% p99<=2x")
 
 
 def parse_targets(texts: Sequence[str]) -> list[Target]:
-    targets = []
+    return [parse_target(part) for text in texts for part in text.replace(",", " ").split()]
+
+
+def select(result: BenchResult, where: dict[str, str]) -> BenchResult:
+    """The result with only the rows whose fields have these values (compared as text, or as
+    numbers when both are numbers)."""
+    def matches(row: dict) -> bool:
+        for key, wanted in where.items():
+            value = row.get(key)
+            if str(value) == wanted:
+                continue
+            try:
+                if isinstance(value, (int, float)) and float(wanted) == value:
+                    continue
+            except ValueError:
+                pass
+            return False
+        return True
+    rows = [row for row in result.rows if matches(row)]
+    if not rows:
+        shown = ", ".join(f"{k}={v}" for k, v in where.items())
+        raise ConfigError("where", f"no row of the {result.benchmark} result has {shown}")
+    return replace(result, rows=rows)
+
+
+def parse_where(texts: Sequence[str]) -> dict[str, str]:
+    where = {}
     for text in texts:
-        for part in text.replace(",", " ").split():
-            match = TARGET.match(part)
-            if not match:
-                raise ConfigError("target", f"{part!r}: expected METRIC=+N% or METRIC=-N%, e.g. qps=+20% p99=-10%")
-            targets.append(Target(match.group(1), float(match.group(2)) / 100))
-    return targets
+        key, sep, value = text.partition("=")
+        if not sep or not key:
+            raise ConfigError("where", f"{text!r}: expected FIELD=VALUE, e.g. mode=fifo")
+        where[key.strip()] = value.strip()
+    return where
 
 
 def resolve_metric(name: str, metrics: Sequence[Metric]) -> Metric:
@@ -148,7 +204,8 @@ def compare(base: BenchResult, new: BenchResult, targets: Sequence[Target] = (),
                 better = ratio < 1 - band if metric.better == "lower" else ratio > 1 + band
             verdict = "regression" if worse else "improved" if better else "ok"
             if target is not None:
-                verdict = "met" if target.met(ratio) and not worse else "missed"
+                met = target.met(ratio, float(n)) and not (worse and target.is_change)
+                verdict = "met" if met else "missed"
             checks.append(Check(point, metric.key, float(b), float(n), ratio, band,
                                 str(target) if target else None, verdict))
     if not matched:

@@ -135,6 +135,25 @@ def bands(windows: Sequence[dict]) -> dict[str, float]:
     return {k: relative_band([w[k] for w in windows]) for k in BAND_METRICS if all(k in w for w in windows)}
 
 
+def arrival_schedule(duration_s: float, rate_at: Callable[[float], float], weights: Sequence[float],
+                     seed: int) -> list[tuple[float, int]]:
+    """A seeded open-loop schedule for ``run_fixed``: Poisson arrivals thinned to ``rate_at(t)``
+    (per second; its peak found at 0.1 s steps) over ``duration_s``, each with the index of a
+    target drawn by ``weights``. The same seed gives the same arrivals, to replay against A and B."""
+    rng = random.Random(seed)
+    peak = max(rate_at(t / 10) for t in range(max(1, int(duration_s * 10))))
+    if peak <= 0:
+        raise ConfigError("rate", f"the arrival rate must be > 0 somewhere in {duration_s:g} s")
+    indices = range(len(weights))
+    out, t = [], 0.0
+    while True:
+        t += rng.expovariate(peak)
+        if t >= duration_s:
+            return out
+        if rng.random() < rate_at(t) / peak:
+            out.append((t, rng.choices(indices, weights=weights)[0]))
+
+
 class LoadGenerator:
     """Drives a transport with a traffic mix; ``run_point`` measures one level."""
 

@@ -1,5 +1,7 @@
-"""PNG plots of a model or system result (matplotlib, no display needed): latency against
-throughput, percentiles per level, and the server's resource use over time."""
+"""PNG plots of benchmark results (matplotlib, no display needed): for `model` and `system`,
+latency against throughput, percentiles per level, and the server's resource use over time; for
+`router`, latency over time per tier and goodput against the offered load. Every plot is drawn
+from the result alone (its rows and series), so a saved result.json can be re-plotted."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -80,6 +82,58 @@ def plot_result(result: BenchResult, out_dir: Path, stem: str = "model") -> list
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         written.append(_save(fig, out_dir / f"{stem}_resources.png"))
+    return written
+
+
+TIER_COLORS = {"diamond": "tab:blue", "gold": "tab:orange", "standard": "tab:gray"}
+
+
+def plot_router(result: BenchResult, out_dir: Path, stem: str = "router") -> list[Path]:
+    """Latency over time per tier (the first run of each scenario, one panel per mode; refused
+    requests marked at their tier's deadline) and goodput against the offered load."""
+    timeline = result.series.get("timeline") or {}
+    if not timeline:
+        return []
+    plt = _pyplot()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    deadlines_ms = result.settings.get("deadlines_ms", {})
+    panels = [key.split(" / ", 1) for key in timeline]
+    scenarios, modes = list(dict.fromkeys(s for s, _ in panels)), list(dict.fromkeys(m for _, m in panels))
+    fig, axes = plt.subplots(len(scenarios), len(modes), figsize=(4.5 * len(modes), 3.2 * len(scenarios)),
+                             squeeze=False, sharey="row")
+    for i, scenario in enumerate(scenarios):
+        for j, mode in enumerate(modes):
+            ax = axes[i][j]
+            for tier, points in reversed(list(timeline.get(f"{scenario} / {mode}", {}).items())):
+                ok = [(at, ms) for at, ms in points if ms is not None]
+                refused = [at for at, ms in points if ms is None]
+                color = TIER_COLORS.get(tier)
+                if ok:
+                    ax.scatter(*zip(*ok), s=3, color=color, label=tier)
+                if refused:
+                    ax.scatter(refused, [deadlines_ms.get(tier, 1.0)] * len(refused), s=6, marker="x", color=color,
+                               alpha=0.4, label=f"{tier} refused")
+            ax.set_yscale("log")
+            ax.set_title(f"{scenario}\n{mode}", fontsize=8)
+            ax.set_xlabel("arrival time (s)", fontsize=8)
+            if j == 0:
+                ax.set_ylabel("latency (ms)", fontsize=8)
+            ax.tick_params(labelsize=7)
+    axes[0][-1].legend(fontsize=6, markerscale=3)
+    written = [_save(fig, out_dir / f"{stem}_latency.png")]
+
+    summaries = [r for r in result.rows if r.get("table") == "scenarios" and r.get("tier") == "all"]
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    for mode in dict.fromkeys(r["mode"] for r in summaries):
+        mine = sorted((r for r in summaries if r["mode"] == mode), key=lambda r: r["offered_x"])
+        ax.plot([r["offered_x"] for r in mine], [r["goodput_x"] for r in mine], marker="o", label=mode)
+    top = max([r["offered_x"] for r in summaries], default=1.0)
+    ax.plot([0, top], [0, top], color="lightgray", lw=0.8, ls=":")
+    ax.axhline(1.0, color="lightgray", lw=0.8)
+    ax.axhline(0.97, color="tab:red", lw=0.8, ls="--", label="target 0.97x")
+    ax.set(xlabel="offered load (x measured capacity)", ylabel="goodput (x measured capacity)", ylim=(0, 1.2))
+    ax.legend(fontsize=7)
+    written.append(_save(fig, out_dir / f"{stem}_goodput.png"))
     return written
 
 

@@ -11,21 +11,14 @@ from pathlib import Path
 from typing import Optional
 
 import click
-import numpy as np
 
 from dspark.errors import DsparkError
 from dspark.triton.server import API_KEY_ENV, API_KEY_HEADER, repository_headers
 
 
-
 @click.group()
 def bench() -> None:
     """Benchmarks: micro (operators), model and system (a running server), compare, profile, all."""
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Kept for the benchmarks not yet folded into dspark/bench (bench router)."""
-    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def bench_errors(command):
@@ -53,6 +46,24 @@ def emit(result, json_path: Optional[Path]) -> None:
     click.echo(result.table())
     if json_path:
         click.echo(f"wrote {result.save(json_path)}")
+
+
+def print_checks(checks, title: str) -> list:
+    """The checks' table and one line naming those that failed; returns them."""
+    from dspark.bench.compare import format_checks
+
+    click.echo(f"{title}:")
+    click.echo(format_checks(checks))
+    failed = [c for c in checks if c.failed]
+    if failed:
+        def measured(c) -> str:  # a bound on the value alone has no ratio
+            return f"{c.new:.4g}" if c.ratio != c.ratio else f"{c.ratio:.3f}x, band ±{c.band:.1%}"
+        click.echo(f"FAIL: {len(failed)} of {len(checks)} checks: " + "; ".join(
+            f"{c.point} {c.metric} {c.verdict} ({measured(c)}{', target ' + c.target if c.target else ''})"
+            for c in failed))
+    else:
+        click.echo(f"PASS: {len(checks)} checks within their bands and targets")
+    return failed
 
 
 # --- bench model / bench system -----------------------------------------------------------------
@@ -179,34 +190,38 @@ def system(models: tuple[str, ...], **options) -> None:
 @bench.command("compare")
 @click.argument("base", type=click.Path(path_type=Path, exists=True))
 @click.argument("new", type=click.Path(path_type=Path, exists=True))
-@click.option("--target", "targets", multiple=True, metavar="METRIC=+N%",
-              help="A change NEW must reach, e.g. --target qps=+20% --target p99=-10% (repeatable).")
+@click.option("--target", "targets", multiple=True, metavar="METRIC=+N%|METRIC<=Rx|METRIC>=V",
+              help="What NEW must reach (repeatable): a change (qps=+20%, p99=-10%), a bound on NEW/BASE "
+                   "(p99<=2x, goodput>=0.97x) or on NEW's own value (within_deadline>=0.995).")
 @click.option("--metric", "metrics", multiple=True, help="Only check these metrics (repeatable)  [default: all]")
 @click.option("--min-band", default=2.0, show_default=True, help="Smallest noise band, percent.")
 @click.option("--ignore-key", "ignore_keys", multiple=True,
               help="Match rows without this field, e.g. model, to compare two models at the same settings.")
+@click.option("--base-where", multiple=True, metavar="FIELD=VALUE",
+              help="Only BASE's rows with this value (repeatable), e.g. to compare rows of one result: "
+                   "--base-where mode=fifo --new-where mode=router --ignore-key mode.")
+@click.option("--new-where", multiple=True, metavar="FIELD=VALUE", help="Only NEW's rows with this value (repeatable).")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 @bench_errors
-def compare(base: Path, new: Path, targets, metrics, min_band: float, ignore_keys, json_out) -> None:
+def compare(base: Path, new: Path, targets, metrics, min_band: float, ignore_keys, base_where, new_where,
+            json_out) -> None:
     """NEW against BASE (result files, or folders of repeated runs): ratio per metric with its noise
     band; exit 1 when a target is missed or a metric regressed beyond the band."""
     from dspark.bench import compare as cmp
 
     base_result, new_result = cmp.load_side(base), cmp.load_side(new)
+    if base_where:
+        base_result = cmp.select(base_result, cmp.parse_where(base_where))
+    if new_where:
+        new_result = cmp.select(new_result, cmp.parse_where(new_where))
     checks = cmp.compare(base_result, new_result, cmp.parse_targets(targets), min_band / 100, ignore_keys, metrics)
-    click.echo(f"{new_result.benchmark}: {new} against {base}")
-    click.echo(cmp.format_checks(checks))
-    failed = [c for c in checks if c.failed]
+    failed = print_checks(checks, f"{new_result.benchmark}: {new} against {base}")
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps({"base": str(base), "new": str(new), "failed": len(failed),
                                         "checks": [vars(c) for c in checks]}, indent=1))
     if failed:
-        click.echo(f"FAIL: {len(failed)} of {len(checks)} checks: " + "; ".join(
-            f"{c.point} {c.metric} {c.verdict} ({c.ratio:.3f}x, band ±{c.band:.1%}{', target ' + c.target if c.target else ''})"
-            for c in failed))
         sys.exit(1)
-    click.echo(f"PASS: {len(checks)} checks within their bands" + (" and targets met" if targets else ""))
 
 
 # --- bench profile ------------------------------------------------------------------------------

@@ -109,3 +109,41 @@ def test_cli_names_a_file_that_is_not_a_result(tmp_path):
     bogus.write_text('{"rows": []}')
     out = CliRunner().invoke(cli, ["bench", "compare", str(bogus), str(bogus)])
     assert out.exit_code != 0 and "bogus.json: schema: not a dspark benchmark result" in out.output
+
+
+def test_bounds_on_the_ratio_are_tolerances_and_bounds_on_the_value_need_no_base():
+    from dspark.bench.compare import parse_target
+
+    base = result([row(qps=100, p99=10, band=0.01)])
+    worse = result([row(qps=97, p99=18, band=0.01)])  # 3% fewer req/s and 1.8x the p99: regressions
+    checks = {c.metric: c for c in compare(base, worse, parse_targets(["qps>=0.97x", "p99<=2x"]))}
+    assert checks["qps"].verdict == "met" and checks["p99_ms"].verdict == "met"
+    checks = {c.metric: c for c in compare(base, worse, parse_targets(["qps>0.97x", "p99<=1.5x"]))}
+    assert checks["qps"].verdict == "missed" and checks["p99_ms"].verdict == "missed"
+    # a bound on NEW's own value: the ratio does not matter
+    checks = {c.metric: c for c in compare(base, worse, parse_targets(["p99<20", "error_rate<=0"]))}
+    assert checks["p99_ms"].verdict == "met" and checks["error_rate"].verdict == "met"
+    assert verdicts(compare(base, worse, [parse_target("p99<15")]))[("model=m, level=1", "p99_ms")] == "missed"
+    assert [str(t) for t in parse_targets(["qps=+20%, p99<=2x", "within_deadline>=0.995"])] == \
+        ["qps=+20%", "p99<=2x", "within_deadline>=0.995"]
+    with pytest.raises(ConfigError, match="'p99<=x': expected"):
+        parse_targets(["p99<=x"])
+
+
+def test_rows_of_one_result_compare_with_each_other(tmp_path):
+    from dspark.bench.compare import parse_where, select
+
+    one = result([row(model="fifo", p99=100.0), row(model="router", p99=30.0)])
+    assert [r["model"] for r in select(one, {"model": "router"}).rows] == ["router"]
+    assert len(select(one, {"level": "1"}).rows) == 2  # numbers match their text
+    with pytest.raises(ConfigError, match="no row of the model result has model=lifo"):
+        select(one, {"model": "lifo"})
+    with pytest.raises(ConfigError, match="expected FIELD=VALUE"):
+        parse_where(["model"])
+    path = one.save(tmp_path / "one.json")
+    args = ["bench", "compare", str(path), str(path), "--base-where", "model=fifo", "--new-where", "model=router",
+            "--ignore-key", "model", "--target", "p99<=0.58x"]
+    out = CliRunner().invoke(cli, args)
+    assert out.exit_code == 0 and "met" in out.output, out.output
+    out = CliRunner().invoke(cli, args[:-1] + ["p99<=0.2x"])
+    assert out.exit_code == 1 and "p99_ms missed (0.300x" in out.output, out.output

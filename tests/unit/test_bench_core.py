@@ -351,3 +351,11 @@ def test_fixed_runs_send_exactly_the_requests_asked_for():
     assert sorted(r.target for r in replayed.records) == ["m", "m", "other", "other"]
     assert max(r.sent - r.scheduled for r in replayed.records) < 0.05
     assert replayed.duration_s >= 0.1 and replayed.windows[0]["requests"] == 4
+
+
+def test_every_docs_table_has_its_marker_pair_in_its_doc():
+    from dspark.paths import project_root
+
+    for table in docs.DOC_TABLES:
+        text = (project_root() / table.doc).read_text()
+        assert docs.marker(table.name).search(text), f"{table.doc} lacks <!-- bench:{table.name} --> markers"
