@@ -18,6 +18,7 @@ import random
 import re
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -135,8 +136,10 @@ def main() -> None:
 
     toy = args.model.startswith("spec_toy")
     repositories = [project_root() / "tests" / "spec_toy_repository"] if toy else demo_repositories()
+    # the server removes its own temp folder at a clean stop: keep the log, it is read afterwards
+    log = Path(tempfile.mkdtemp(prefix="dspark-soak-")) / "tritonserver.log"
     server = TritonServer(repositories=repositories, model_control="explicit", load_models=[args.model],
-                          exit_timeout_s=30)
+                          exit_timeout_s=30, log_path=log)
     server.start()
     pid, region = stub_pid(server, args.model)
     methods = re.findall(r"'(\w+)'", requests.post(
@@ -212,7 +215,7 @@ def main() -> None:
     print(f"stop with 4 requests in flight: model unloaded after "
           f"{'?' if unload_s is None else f'{unload_s:.1f}'} s (target {UNLOAD_TARGET_S:.0f} s: "
           f"{'ok' if report['unloaded_in_time'] else 'MISSED'}), server exited after {exit_s:.1f} s, "
-          f"shared memory left behind: {shm_left}")
+          f"shared memory left behind: {shm_left}; log {log}")
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(report, indent=1))
