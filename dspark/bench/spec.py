@@ -387,8 +387,9 @@ def served_rows(prompts: list[BenchPrompt], results: dict[str, MethodResult], sp
                 # a fresh stub: an empty output cache (suffix would otherwise find each prompt's
                 # own output from the previous pass), warmed up on a prompt outside the set
                 reply = requests.post(f"http://{server.http_url}/v2/repository/models/{MODEL}/load",
-                                      json={}, timeout=300)
-                reply.raise_for_status()
+                                      json={}, headers=server.repository_headers, timeout=300)
+                if reply.status_code != 200:
+                    raise UnavailableError(f"reloading {MODEL} failed: HTTP {reply.status_code} {reply.text[:300]}")
                 run_served(server.grpc_url, [BenchPrompt("warm-up", True, WARM_UP)], sampling, 1)
                 _stub_pid(pid)
                 sampler = ResourceSampler(pid, 0.5).start()
