@@ -94,3 +94,19 @@ def test_spec_docs_tables_measure_once_and_readme_shows_the_greedy_rows(tmp_path
     assert f"`dspark bench spec --json {tmp_path / 'r' / 'spec.json'}`" in readme
     assert "| greedy, in process | none | 20.0 |" in readme and spec.SERVED not in readme
     assert "| greedy, in process | none | 20.0 |" in full and f"| {spec.SERVED} | none | 1 | 18.0 |" in full
+
+
+def test_the_command_fails_when_a_greedy_output_differs_from_plain(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from dspark.cli.main import cli
+
+    rows = [{"run": spec.GREEDY, "method": "none", "tokens_per_s": 20.0, "identical": "4/4"},
+            {"run": spec.GREEDY, "method": "suffix", "tokens_per_s": 30.0, "identical": "3/4"}]
+    monkeypatch.setattr(spec, "run_spec_bench", lambda settings, log: BenchResult("spec", settings.to_json(), rows,
+                                                                                 spec.COLUMNS, group_by="run"))
+    out = CliRunner().invoke(cli, ["bench", "spec", "--json", str(tmp_path / "spec.json")])
+    assert out.exit_code != 0 and "greedy outputs differ from plain decoding for ['suffix']" in out.output
+    assert (tmp_path / "spec.json").is_file()  # written before failing
+    rows[1]["identical"] = "4/4"
+    assert CliRunner().invoke(cli, ["bench", "spec", "--json", str(tmp_path / "spec.json")]).exit_code == 0
