@@ -135,12 +135,10 @@ def run_one(gen: TextGenerator, ids: list[int], sampling: SamplingParams,
     return Run(tokens, text, first - start, end - first, token_ms, stats)
 
 
-def decode_rate(runs: Sequence) -> float:
-    """Tokens after the first, per second after the first token, over runs (Run or llama.cpp dicts)."""
-    def get(run, key):
-        return run[key] if isinstance(run, dict) else getattr(run, key)
-    seconds = sum(get(r, "decode_s") for r in runs)
-    return sum(max(len(get(r, "tokens")) - 1, 0) for r in runs) / seconds if seconds else 0.0
+def decode_rate(runs: Sequence[tuple[int, float]]) -> float:
+    """Tokens after the first per second after the first token, over (tokens, decode seconds) of runs."""
+    seconds = sum(s for _, s in runs)
+    return sum(max(n - 1, 0) for n, _ in runs) / seconds if seconds else 0.0
 
 
 @dataclass
@@ -151,7 +149,7 @@ class MethodResult:
     @property
     def decode_tokens_per_s(self) -> float:
         """Tokens after the first, per second after the first round (steady decoding)."""
-        return decode_rate(self.runs)
+        return decode_rate([(len(r.tokens), r.decode_s) for r in self.runs])
 
     @property
     def end_to_end_tokens_per_s(self) -> float:
@@ -251,7 +249,7 @@ def kind_rows(results: dict[str, MethodResult], prompts: list[BenchPrompt]) -> l
     plain = results["none"]
 
     def rate(r: MethodResult, kind: str) -> float:
-        return decode_rate([run for run, p in zip(r.runs, prompts) if p.kind == kind])
+        return decode_rate([(len(run.tokens), run.decode_s) for run, p in zip(r.runs, prompts) if p.kind == kind])
 
     kinds = list(dict.fromkeys(p.kind for p in prompts))
     rows = []
@@ -484,7 +482,7 @@ def run_llama_cpp(gguf: Path, prompt_tokens: list[list[int]], max_tokens: int, t
 
 
 def llama_cpp_row(name: str, runs: list[dict], detokenize, plain: Optional[MethodResult]) -> dict:
-    tps = decode_rate(runs)
+    tps = decode_rate([(len(r["tokens"]), r["decode_s"]) for r in runs])
     row = {"run": GREEDY, "method": name, "tokens_per_s": tps,
            "x_plain": tps / plain.decode_tokens_per_s if plain else None,
            "e2e_tokens_per_s": sum(len(r["tokens"]) for r in runs) / sum(r["ttft_s"] + r["decode_s"] for r in runs),
