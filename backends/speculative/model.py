@@ -125,8 +125,9 @@ class TritonPythonModel:
             self.generator = llm_generator(folder, settings.intra_op_threads,
                                            settings.max_context or None,
                                            settings.batch_verification,
-                                           settings.max_concurrent_requests)
-            served = f"llm={settings.llm_model}"
+                                           settings.max_concurrent_requests,
+                                           runtime=settings.llm_runtime)
+            served = f"llm={settings.llm_model} runtime={settings.llm_runtime}"
         else:
             if not settings.target_model:
                 raise ConfigError("parameters.target_model", "give llm_model (an imported LLM) or "

@@ -27,19 +27,28 @@ def toy_generator(target: Path, draft: Optional[Path], tokenizer: Path, threads:
 
 def llm_generator(folder: Path, threads: int = 2, max_context: Optional[int] = None,
                   batch_verification: bool = False, max_batch: int = 4,
-                  model_proposers: Optional[tuple] = None) -> TextGenerator:
-    """A real LLM imported by ``dspark llm import`` (``folder``/model.onnx + tokenizer.json) on
-    ONNX Runtime, with the model-free proposers and ``model_proposers`` (default: DSpark's when
-    a drafter was trained for this model)."""
+                  model_proposers: Optional[tuple] = None, runtime: str = "kernel") -> TextGenerator:
+    """A real LLM imported by ``dspark llm import`` (``folder``: import.json naming the GGUF,
+    model.onnx, tokenizer.json) on dspark's kernels (``runtime="kernel"``) or ONNX Runtime, with
+    the model-free proposers and ``model_proposers`` (default: DSpark's when a drafter was
+    trained for this model)."""
     if model_proposers is None:
         from dspark.decoding.proposers.dspark import dspark_proposers
 
         model_proposers = dspark_proposers(folder)
-    from dspark.llm.onnx_runtime import DEFAULT_MAX_CONTEXT, OnnxLlama
     from dspark.llm.tokenizer import LlamaTokenizer
 
-    target = OnnxLlama(folder / "model.onnx", threads=threads,
-                       max_context=max_context or DEFAULT_MAX_CONTEXT, max_batch=max_batch)
+    if runtime == "kernel":
+        from dspark.llm.importer import import_source
+        from dspark.llm.kernel_runtime import DEFAULT_MAX_CONTEXT, KernelRuntime
+
+        target = KernelRuntime(import_source(folder), threads=threads,
+                               max_context=max_context or DEFAULT_MAX_CONTEXT)
+    else:
+        from dspark.llm.onnx_runtime import DEFAULT_MAX_CONTEXT, OnnxLlama
+
+        target = OnnxLlama(folder / "model.onnx", threads=threads,
+                           max_context=max_context or DEFAULT_MAX_CONTEXT, max_batch=max_batch)
     tokenizer = LlamaTokenizer.load(folder / "tokenizer.json")
     engine = SpeculativeEngine(target, standard_proposers(model_proposers=model_proposers),
                                eos_ids=[tokenizer.eos_id], batch_verification=batch_verification)

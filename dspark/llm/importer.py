@@ -26,6 +26,17 @@ def smollm2_dir() -> Path:
     return project_root() / SMOLLM2_DIR
 
 
+def import_source(folder: str | Path) -> Path:
+    """The GGUF an imported folder was made from (the kernel runtime and drafters read it)."""
+    from dspark.errors import ConfigError
+
+    stamp = Path(folder) / STAMP_FILE
+    try:
+        return Path(json.loads(stamp.read_text())["source"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError("source", f"cannot read the imported model's source GGUF: {exc}", stamp) from exc
+
+
 @dataclass
 class ImportResult:
     out_dir: Path

@@ -152,6 +152,7 @@ class KernelRuntime:
     """A llama GGUF on dspark's C kernels, with the C1 interface (config, new_cache, forward,
     want_taps, logit_rows, forward_batch) plus ``project`` through the head or a vocabulary
     subset of it (``head_subset``)."""
+    exact_trees = True  # a tree row's logits are bitwise a chain's (docs/llm_kernels.md)
 
     def __init__(self, model: GGUFModel | str | Path, threads: int | None = None,
                  isa: str | None = None, max_context: int = DEFAULT_MAX_CONTEXT):

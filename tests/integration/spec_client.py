@@ -138,7 +138,8 @@ def wait_for(condition, timeout_s: float, interval_s: float = 0.05) -> float:
 
 
 def model_state(server, model: str) -> str:
-    index = requests.post(f"http://{server.http_url}/v2/repository/index", json={}, timeout=10).json()
+    index = requests.post(f"http://{server.http_url}/v2/repository/index", json={},
+                          headers=server.repository_headers, timeout=10).json()
     states = [m.get("state", "") for m in index if m["name"] == model]
     return states[0] if states else ""
 

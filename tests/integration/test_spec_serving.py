@@ -28,8 +28,10 @@ LONG = {"max_tokens": 900, "speculative": {"method": "none"}}  # several seconds
 
 
 def toy_server(request, models=(MODEL,)) -> TritonServer:
+    # the log in pytest's temp folder: the server removes its own folder when it stops
+    log = request.getfixturevalue("tmp_path_factory").mktemp("spec-serving") / "tritonserver.log"
     server = TritonServer(repositories=[REPOSITORY], model_control="explicit", load_models=models,
-                          exit_timeout_s=30)
+                          exit_timeout_s=30, log_path=log)
     server.failed_before = request.session.testsfailed
     server.start()
     return server
@@ -144,7 +146,7 @@ def test_statistics_reach_metrics(server):
 
 
 def load(server):
-    reply = requests.post(f"http://{server.http_url}/v2/repository/models/{MODEL}/load", json={}, timeout=120)
+    reply = requests.post(f"http://{server.http_url}/v2/repository/models/{MODEL}/load", json={}, headers=server.repository_headers, timeout=120)
     assert reply.status_code == 200, reply.text
 
 
@@ -169,7 +171,7 @@ def test_unload_and_reload_with_requests_in_flight(server):
         plain = pool.submit(generate, server, MODEL, PROMPT, **LONG)
         wait_for(lambda: metric(server, MODEL, "dspark_speculative_requests_running") == 4, 10)
         started = time.perf_counter()
-        reply = requests.post(f"http://{server.http_url}/v2/repository/models/{MODEL}/unload", json={}, timeout=60)
+        reply = requests.post(f"http://{server.http_url}/v2/repository/models/{MODEL}/unload", json={}, headers=server.repository_headers, timeout=60)
         assert reply.status_code == 200
         unloaded = wait_for(lambda: model_state(server, MODEL) == "UNAVAILABLE", 10)
         results = [s.result(timeout=30) for s in streams]
@@ -193,10 +195,10 @@ def test_a_config_that_cannot_serve_its_default_method_fails_the_load(server):
     original = requests.get(f"http://{server.http_url}/v2/models/{ONE}/config", timeout=10).json()
     config = json.loads(json.dumps(original))
     config["parameters"].update({"draft_model": {"string_value": ""}, "default_method": {"string_value": "draft"}})
-    reply = requests.post(url, json={"parameters": {"config": json.dumps(config)}}, timeout=120)
+    reply = requests.post(url, json={"parameters": {"config": json.dumps(config)}}, headers=server.repository_headers, timeout=120)
     assert reply.status_code == 400
     assert "parameters.default_method: 'draft' is not one of this model's methods" in reply.text
-    reply = requests.post(url, json={"parameters": {"config": json.dumps(original)}}, timeout=120)
+    reply = requests.post(url, json={"parameters": {"config": json.dumps(original)}}, headers=server.repository_headers, timeout=120)
     assert reply.status_code == 200 and stream_once(server, ONE, PROMPT, {"max_tokens": 4}).final
 
 

@@ -13,7 +13,6 @@ request decodes plainly for a while, for longer each time, and then tries again.
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from dspark.decoding.dspark_drafter import DSparkDrafter, default_weights, draft
 from dspark.decoding.dspark_schedule import CostCurve, DraftGate, choose_verify_length
 from dspark.decoding.proposers.base import BaseDrafter, DraftRequest
 from dspark.decoding.tree import DraftTree
-from dspark.errors import ConfigError
+from dspark.llm.importer import import_source
 
 log = logging.getLogger(__name__)
 DRAFT_START_COST = 0.3  # a draft pass relative to a one-row target pass, until measured
@@ -47,7 +46,7 @@ class DSparkProposer:
         SmolLM2-135M-Instruct."""
         from dspark.llm.gguf_model import GGUFModel
 
-        return cls(DSparkDrafter.for_gguf(GGUFModel(_import_source(folder)), weights, backend, threads))
+        return cls(DSparkDrafter.for_gguf(GGUFModel(import_source(folder)), weights, backend, threads))
 
     def start(self, request: DraftRequest) -> "DSparkRequestDrafter":
         return DSparkRequestDrafter(self.drafter, request)
@@ -109,16 +108,6 @@ class DSparkRequestDrafter(BaseDrafter):
         self.draft_s = 0.0
 
 
-def _import_source(folder: str | Path) -> Path:
-    from dspark.llm.importer import STAMP_FILE
-
-    stamp = Path(folder) / STAMP_FILE
-    try:
-        return Path(json.loads(stamp.read_text())["source"])
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError("source", f"cannot read the imported model's source GGUF: {exc}", stamp) from exc
-
-
 def dspark_proposers(folder: str | Path, weights: str | Path | None = None) -> tuple[DSparkProposer, ...]:
     """DSpark's proposer for an imported model when a drafter was trained for it (the weights
     name the GGUF they were trained on), else none: the model still serves every other method."""
@@ -127,7 +116,7 @@ def dspark_proposers(folder: str | Path, weights: str | Path | None = None) -> t
         log.info("dspark: no drafter weights at %s; method 'dspark' not offered", path)
         return ()
     trained_on = drafter_target(path)
-    source = _import_source(folder)
+    source = import_source(folder)
     if trained_on != source.name:
         log.info("dspark: drafter %s was trained for %s, not %s; method 'dspark' not offered",
                  path, trained_on, source.name)
