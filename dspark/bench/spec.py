@@ -542,7 +542,7 @@ def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lam
     greedy = SamplingParams(max_tokens=settings.max_tokens)
     results = run_inprocess(gen, prompts, specs, greedy, settings.repeats, log)
     rows = summary_rows(results, GREEDY, check_identical=True)
-    notes = [f"{MODEL} ({folder.name}), {len(prompts)} held-out prompts ({settings.per_kind} per kind) x up to "
+    notes = [f"{MODEL} ({folder.name}, {type(engine.target).__name__}), {len(prompts)} held-out prompts ({settings.per_kind} per kind) x up to "
              f"{settings.max_tokens} tokens, median of {settings.repeats}, {settings.threads} threads; tokens/s "
              "after the first token, TTFT holds the prompt's prefill"]
     gguf = installed_gguf()
@@ -587,7 +587,8 @@ def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lam
                      "included); response gaps between streamed responses")
     rows += [{"run": MEMORY, "measure": k, "value": v} for k, v in memory.items()]
     return BenchResult(
-        "spec", {**settings.to_json(), "model": f"{MODEL} ({folder.name})", "prompts": len(prompts),
+        "spec", {**settings.to_json(), "model": f"{MODEL} ({folder.name})", "target": type(engine.target).__name__,
+                 "prompts": len(prompts),
                  "specs": {n: vars(s) for n, s in specs.items()}, "context": engine.context},
         rows, COLUMNS, key_fields=["run", "method", "concurrency", "measure"], metrics=METRICS, notes=notes,
         series={"samples": samples(results, prompts)}, group_by="run")
