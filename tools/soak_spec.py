@@ -182,7 +182,7 @@ def main() -> None:
     time.sleep(3)
     stop_at = datetime.now()
     t = time.perf_counter()
-    server.stop()
+    server.stop(keep_log=True)  # its log tells when the model unloaded
     exit_s = time.perf_counter() - t
     in_flight.shutdown(wait=True)
     unload_s = None
