@@ -33,8 +33,9 @@ import tritonclient.grpc as grpcclient
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dspark.decoding.benchmark import (Sampler, cpu_model, load_prompts, resident_mb,  # noqa: E402
-                                       stub_processes)
+from dspark.bench.machine import this_machine  # noqa: E402
+from dspark.bench.resources import ResourceSampler, model_stubs, resident_mib, stub_processes  # noqa: E402
+from dspark.bench.spec import load_prompts  # noqa: E402
 from dspark.paths import demo_repositories, project_root  # noqa: E402
 from dspark.triton.server import TritonServer  # noqa: E402
 
@@ -147,7 +148,7 @@ def main() -> None:
         json={"text_input": "x", "sampling_parameters": '{"speculative": {"method": "?"}}'}).json()["error"])
     print(f"soak: {args.model} (stub pid {pid}, methods {methods}), {args.workers} workers, "
           f"{args.minutes} min, {args.cancel_share:.0%} of gRPC streams cancelled", flush=True)
-    sampler = Sampler(pid, args.sample_s).start()
+    sampler = ResourceSampler(server._process.pid, args.sample_s).start()
     outcomes: Counter = Counter()
     deadline = time.monotonic() + args.minutes * 60
     lock = threading.Lock()
@@ -170,11 +171,11 @@ def main() -> None:
             with lock:
                 total = sum(outcomes.values())
             print(f"  {(time.monotonic() - started) / 60:5.1f} min: {total} requests, "
-                  f"stub {resident_mb(pid):.0f} MB", flush=True)
-    idle_start = resident_mb(pid)
+                  f"stub {resident_mib(pid):.0f} MB", flush=True)
+    idle_start = resident_mib(pid)
     time.sleep(20)
-    samples = sampler.stop()
-    idle_end = resident_mb(pid)
+    samples = [(s["t"], sum(rss for _, rss in model_stubs(s, args.model))) for s in sampler.stop()]
+    idle_end = resident_mib(pid)
 
     # stop with requests in flight
     in_flight = ThreadPoolExecutor(4)
@@ -184,7 +185,7 @@ def main() -> None:
     time.sleep(3)
     stop_at = datetime.now()
     t = time.perf_counter()
-    server.stop()
+    server.stop(keep_log=True)  # its log tells when the model unloaded
     exit_s = time.perf_counter() - t
     in_flight.shutdown(wait=True)
     unload_s = None
@@ -200,7 +201,7 @@ def main() -> None:
     tenth = max(1, len(warm) // 10)
     early, late = statistics.median(warm[:tenth]), statistics.median(warm[-tenth:])
     growth = (late - early) / early
-    report = {"settings": vars(args) | {"json_out": str(args.json_out)}, "cpu": cpu_model(),
+    report = {"settings": vars(args) | {"json_out": str(args.json_out)}, "machine": this_machine().to_json(),
               "requests": sum(outcomes.values()), "outcomes": dict(outcomes),
               "rss_mb": {"first": rss[0], "after warm-up": early, "end": late, "max": max(rss),
                          "idle after 20 s": idle_end, "idle before": idle_start},

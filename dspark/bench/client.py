@@ -41,6 +41,7 @@ class Record:
     first: float | None = None  # first response carrying outputs (streaming)
     gaps: list[float] = field(default_factory=list)  # between responses carrying outputs (streaming)
     last: float | None = None   # the latest response carrying outputs (streaming)
+    kept: list[bytes] = field(default_factory=list)  # the kept output of each response (streaming, ``keep``)
 
     @property
     def latency(self) -> float:
@@ -261,7 +262,8 @@ class GrpcError(Exception):
 class _Lane:
     """One ModelStreamInfer call: requests go in through a queue, responses are matched by id."""
 
-    def __init__(self, stub, metadata: Sequence[tuple[str, str]]):
+    def __init__(self, stub, metadata: Sequence[tuple[str, str]], keep: str | None = None):
+        self.keep = keep
         self.queue: asyncio.Queue = asyncio.Queue()
         self.waiting: dict[str, tuple[Record, asyncio.Future, bool]] = {}
         self.call = stub.ModelStreamInfer(self._requests(), metadata=metadata or None)
@@ -289,6 +291,8 @@ class _Lane:
                     continue
                 now = time.perf_counter()
                 if inner.outputs:
+                    if self.keep:
+                        record.kept += _kept_output(inner, self.keep)
                     if record.first is None:
                         record.first = now
                     else:
@@ -311,6 +315,16 @@ class _Lane:
         self.reader.cancel()
 
 
+def _kept_output(response, name: str) -> list[bytes]:
+    """The elements of the BYTES output ``name`` of a ModelInferResponse (none if it lacks it)."""
+    from tritonclient.utils import deserialize_bytes_tensor
+
+    for index, output in enumerate(response.outputs):
+        if output.name == name and index < len(response.raw_output_contents):
+            return list(deserialize_bytes_tensor(response.raw_output_contents[index]))
+    return []
+
+
 class _StreamError(Exception):
     """An error response on the stream (Triton sends a message without a status code)."""
 
@@ -319,13 +333,18 @@ class _StreamError(Exception):
 
 class GrpcStreamTransport(GrpcTransport):
     """gRPC bidirectional streaming; for decoupled (generative) models also TTFT and inter-token
-    latency (between responses that carry outputs)."""
+    latency (between responses that carry outputs). ``keep``: a BYTES output whose elements each
+    response adds to ``Record.kept`` (a generative model's text, to check it)."""
 
     protocol = "grpc-stream"
 
+    def __init__(self, url: str, timeout_s: float, headers: dict[str, str] | None = None, keep: str | None = None):
+        super().__init__(url, timeout_s, headers)
+        self.keep = keep
+
     async def open(self, max_inflight: int) -> None:
         await super().open(max_inflight)
-        self.lanes = [_Lane(self.stub, self.metadata or ()) for _ in range(max(1, min(16, max_inflight)))]
+        self.lanes = [_Lane(self.stub, self.metadata or (), self.keep) for _ in range(max(1, min(16, max_inflight)))]
         self.next_lane = itertools.cycle(self.lanes)
         self.ids = itertools.count()
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from dspark.bench.compare import select as select_rows
 from dspark.bench.results import BenchResult, header_line, load
 from dspark.errors import ConfigError
 from dspark.paths import project_root
@@ -20,9 +21,15 @@ class DocTable:
     name: str               # the marker name
     doc: str                # the file under the project root
     args: tuple[str, ...]   # `dspark` arguments that measure it; {json} is the result path
+    source: str = ""        # a view: the rows ``where`` of the table ``source`` measures (args unused)
+    where: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def measured_as(self) -> str:
+        return self.source or self.name
 
     def json_path(self, results_dir: Path) -> Path:
-        return results_dir / f"{self.name}.json"
+        return results_dir / f"{self.measured_as}.json"
 
     def command(self, results_dir: Path) -> list[str]:
         return [a.replace("{json}", str(self.json_path(results_dir))) for a in self.args]
@@ -40,11 +47,18 @@ DOC_TABLES: tuple[DocTable, ...] = (
     DocTable("rollout", "docs/rollout.md", ("bench", "rollout", "--rollouts", "20", "--json", "{json}")),
     DocTable("rollout-fleet", "docs/rollout.md", ("bench", "rollout", "--rollouts", "20", "--servers", "3",
                                                   "--threads", "1", "--json", "{json}")),
+    DocTable("spec", "docs/speculative.md", ("bench", "spec", "--json", "{json}")),
+    DocTable("spec-greedy", "README.md", (), source="spec", where=(("run", "greedy, in process"),)),
 )
 
 
+def _known() -> dict[str, DocTable]:
+    return {t.name: t for t in DOC_TABLES}
+
+
 def args_for(table: DocTable, results_dir: Path) -> list[str]:
-    """The `dspark` arguments that measure a table into ``results_dir``."""
+    """The `dspark` arguments that measure a table (a view: its source) into ``results_dir``."""
+    table = _known()[table.source] if table.source else table
     return [a.replace("{dir}", str(results_dir)) for a in table.command(results_dir)]
 
 
@@ -70,7 +84,7 @@ def rewrite(doc: Path, name: str, block: str) -> None:
 
 
 def select(names: Sequence[str]) -> list[DocTable]:
-    known = {t.name: t for t in DOC_TABLES}
+    known = _known()
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ConfigError("table", f"no docs table {unknown[0]!r}; known: {', '.join(known)}")
@@ -85,12 +99,16 @@ def refresh(tables: Sequence[DocTable], measure: Callable[[list[str]], None] | N
     the benchmarks run, so each result's git state is the commit's. Returns the docs changed."""
     root = root or project_root()
     if measure is not None:
-        for table in tables:
-            echo(f"bench all: {table.name}: dspark {' '.join(args_for(table, results_dir))}")
-            measure(args_for(table, results_dir))
+        for name in dict.fromkeys(t.measured_as for t in tables):  # a view and its source: measured once
+            args = args_for(_known()[name], results_dir)
+            echo(f"bench all: {name}: dspark {' '.join(args)}")
+            measure(args)
     changed = []
     for table in tables:
         doc = root / table.doc
-        rewrite(doc, table.name, render(table, load(table.json_path(results_dir)), results_dir))
+        result = load(table.json_path(results_dir))
+        if table.where:
+            result = select_rows(result, dict(table.where))
+        rewrite(doc, table.name, render(table, result, results_dir))
         changed.append(doc)
     return sorted(set(changed))

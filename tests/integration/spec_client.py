@@ -13,7 +13,7 @@ import numpy as np
 import requests
 import tritonclient.grpc as grpcclient
 
-from dspark.decoding import benchmark
+from dspark.bench.resources import stub_processes as server_stubs
 
 
 def generate(server, model: str, prompt="def f(x):\n", timeout: float = 120, **sampling):
@@ -146,7 +146,7 @@ def model_state(server, model: str) -> str:
 
 def stub_processes(server, model: str) -> list[tuple[int, list[str]]]:
     """(pid, argv) of ``server``'s Python backend stubs serving ``model``."""
-    return benchmark.stub_processes(server._process.pid, model)
+    return server_stubs(server._process.pid, model)
 
 
 def shm_regions(stubs: list[tuple[int, list[str]]]) -> set[str]:

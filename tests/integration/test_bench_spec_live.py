@@ -1,0 +1,30 @@
+"""`bench spec`'s served pass against the real model on the session's server: the package's gRPC
+streaming transport sends the prompts in order, keeps the streamed text (the same as /generate's)
+and times the first response and the gaps; the stub is found and its memory sampled."""
+import json
+
+import requests
+
+from dspark.bench import spec
+from dspark.bench.load import summarize
+from dspark.bench.resources import ResourceSampler, model_stubs, stub_processes
+
+
+def test_served_pass_keeps_each_prompts_text_in_order_with_its_timings(triton_server):
+    prompts = spec.load_prompts(1)[:3]  # chat, rewrite, code
+    sampling = {"max_tokens": 12, "speculative": {"method": "ngram"}}
+    pid = triton_server._process.pid
+    stubs = stub_processes(pid, spec.MODEL)
+    assert len(stubs) == 1 and stubs[0][1][0].endswith("triton_python_backend_stub")
+    sampler = ResourceSampler(pid, 0.1).start()
+    records, wall = spec.run_served(triton_server.grpc_url, prompts, sampling, concurrency=2)
+    samples = sampler.stop()
+    texts = [b"".join(r.kept).decode() for r in records]
+    for prompt, text in zip(prompts, texts):
+        body = {"text_input": prompt.text, "sampling_parameters": json.dumps({**sampling, "chat": True})}
+        reply = requests.post(f"http://{triton_server.http_url}/v2/models/{spec.MODEL}/generate", json=body, timeout=120)
+        assert reply.status_code == 200 and reply.json()["text_output"] == text and len(text) > 10
+    figures = summarize(records, wall)
+    assert figures["ok"] == 3 and all(r.sent < r.first <= r.last <= r.done for r in records)
+    assert 0 < figures["ttft_p50_ms"] < 1e3 * wall and wall >= max(r.done for r in records) - min(r.sent for r in records)
+    assert samples and max(sum(rss for _, rss in model_stubs(s, spec.MODEL)) for s in samples) > 100  # MiB
