@@ -80,9 +80,13 @@ def distinct_char_8gram_share(text: str) -> float:
     return len(set(grams)) / len(grams) if grams else 1.0
 
 
-def kv_bytes_per_token(config) -> int:
-    """Bytes of KV cache one token of one request takes (float32 keys and values)."""
-    return config.n_layer * 2 * config.n_kv_head * config.head_dim * 4
+def kv_bytes_per_token(target) -> int:
+    """Bytes of KV cache one token of one request takes, measured on the runtime's own cache
+    (fp16 on dspark's kernels, float32 on the ONNX graph)."""
+    rows = 64
+    cache = target.new_cache(rows)
+    return cache.nbytes() // rows if callable(getattr(cache, "nbytes", None)) else \
+        target.config.n_layer * 2 * target.config.n_kv_head * target.config.head_dim * 4
 
 
 @dataclass
@@ -535,7 +539,7 @@ def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lam
     names = ["none"] + [n for n in names if n != "none"]
     specs = {n: SpeculativeParams(n, num_speculative_tokens=8 if n in ("dspark", "hybrid") else 4) for n in names}
     prompts = load_prompts(settings.per_kind)
-    kv = kv_bytes_per_token(engine.target.config)
+    kv = kv_bytes_per_token(engine.target)
     memory = {"in-process MiB after load": resident_mib(), "KV KiB per token": kv / 2**10,
               "KV MiB per request at full context": kv * engine.context / 2**20}
 
