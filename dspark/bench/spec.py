@@ -242,9 +242,9 @@ def summary_rows(results: dict[str, MethodResult], run: str, check_identical: bo
 
 def mismatched(rows: Sequence[dict]) -> list[str]:
     """The methods whose greedy outputs differ from plain decoding on some prompt."""
-    def differs(identical: str) -> bool:  # "same/prompts", or "-" when not checked
-        same, _, prompts = identical.partition("/")
-        return same != prompts
+    def differs(identical: str) -> bool:  # "same/prompts", or "-" when not checked (peers)
+        same, sep, prompts = identical.partition("/")
+        return bool(sep) and same != prompts
     return [r["method"] for r in rows if r.get("run") == GREEDY and differs(r.get("identical", "-"))]
 
 
@@ -349,7 +349,19 @@ def run_served(grpc_url: str, prompts: Sequence[BenchPrompt], sampling: dict, co
             return await _served_pass(transport, info, prompts, sampling, concurrency)
         finally:
             await transport.close()
-    return asyncio.run(go())
+    return _event_loop().run_until_complete(go())
+
+
+_loop: Optional[asyncio.AbstractEventLoop] = None
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop for every served pass: grpc.aio's poller outlives a loop that
+    asyncio.run closes, and then reports "Event loop is closed" from its thread."""
+    global _loop
+    if _loop is None or _loop.is_closed():
+        _loop = asyncio.new_event_loop()
+    return _loop
 
 
 def _stub_pid(server_pid: int) -> int:
