@@ -85,7 +85,8 @@ def kv_bytes_per_token(target) -> int:
     (fp16 on dspark's kernels, float32 on the ONNX graph)."""
     rows = 64
     cache = target.new_cache(rows)
-    return cache.nbytes() // rows if callable(getattr(cache, "nbytes", None)) else \
+    nbytes = getattr(cache, "nbytes", None)  # the kernels' cache says; the ONNX graph's is float32
+    return nbytes // rows if isinstance(nbytes, int) else \
         target.config.n_layer * 2 * target.config.n_kv_head * target.config.head_dim * 4
 
 
