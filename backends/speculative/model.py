@@ -171,25 +171,35 @@ class TritonPythonModel:
             return
         urls = [f"http://{base}/v2/health/ready",
                 f"http://{base}/v2/models/{self.name}/versions/{self.version}/ready"]
-        failures = 0
+        failures = late = 0
         while not self.pool.closing.wait(UNLOAD_POLL_S):
             if self.pool.load == (0, 0):
                 continue
             try:
                 ready = all(_http_ok(url) for url in urls)
-                failures = 0
+                failures = late = 0
             except (ConnectionError, urllib.error.URLError) as error:
                 if isinstance(getattr(error, "reason", error), TimeoutError):
+                    late = self._late_health(late, error)
                     continue  # a busy server answers late; that is no reason to stop
                 failures += 1  # refused: the server is gone
                 ready = failures < 2
-            except OSError:  # a timeout, or anything else the network says: ask again
+            except OSError as error:  # a timeout, or anything else the network says: ask again
+                late = self._late_health(late, error)
                 continue
             if not ready:
                 running, waiting = self.pool.load
                 self.pool.closing.set()
                 pb_utils.Logger.log_info(f"speculative backend: {self.name} is unloading; stopping "
                                          f"{running} running and {waiting} waiting requests")
+
+    def _late_health(self, late: int, error: BaseException) -> int:
+        """Count health checks that got no answer in time; say so once, at the fourth."""
+        late += 1
+        if late == 4:
+            pb_utils.Logger.log_warn(f"speculative backend: {self.name}: the server's health endpoints "
+                                     f"did not answer 4 times in a row ({error!r}); still asking")
+        return late
 
     def _init_metrics(self, args):
         # Triton shares a Metric between stubs with equal labels, and the first stub to release it
