@@ -6,6 +6,9 @@ trained on). Writes JSON (settings, CPU, per-method results) and prints a markdo
 
     python tools/bench_dspark.py --max-tokens 96 --out bench-results/dspark.json
 
+The target runs on dspark's C kernels over the GGUF (``--runtime kernel``, KernelRuntime, the
+served target) or on the imported ONNX graph (``--runtime onnx``, OnnxLlama).
+
 Methods are interleaved per prompt (noise hits all alike); each prompt's time is the median of
 ``--repeats`` runs; tokens/s counts decoding only (the prompt's prefill is the same work for
 every method and is reported apart).
@@ -33,6 +36,7 @@ from dspark.decoding.proposers.dspark import DSparkProposer  # noqa: E402
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams  # noqa: E402
 from dspark.decoding.stats import DecodeStats  # noqa: E402
 from dspark.llm.gguf_model import GGUFModel, installed_smollm2  # noqa: E402
+from dspark.llm.kernel_runtime import KernelRuntime  # noqa: E402
 from dspark.llm.onnx_runtime import OnnxLlama  # noqa: E402
 from dspark.llm.tokenizer import LlamaTokenizer  # noqa: E402
 
@@ -56,21 +60,25 @@ def main() -> None:
     from dspark_prompts import heldout_prompts
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=str(ROOT / "model_repository/spec_lm/1/smollm2/model.onnx"))
+    ap.add_argument("--runtime", choices=("kernel", "onnx"), default="kernel",
+                    help="the target: dspark's C kernels over the GGUF, or the imported ONNX graph")
+    ap.add_argument("--model", default=str(ROOT / "model_repository/spec_lm/1/smollm2/model.onnx"),
+                    help="the ONNX graph (--runtime onnx)")
     ap.add_argument("--weights", default=str(default_weights()))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--per-kind", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
-    ap.add_argument("--methods", default="none,dspark,hybrid,ngram,suffix")
+    ap.add_argument("--methods", default="none,dspark,suffix,hybrid")
     ap.add_argument("--temperatures", default="0,0.8")
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "dspark.json"))
     args = ap.parse_args()
 
     gguf = GGUFModel(installed_smollm2())
     tok = LlamaTokenizer.from_gguf(gguf)
-    target = OnnxLlama(args.model, threads=args.threads)
+    target = (KernelRuntime(gguf, threads=args.threads) if args.runtime == "kernel"
+              else OnnxLlama(args.model, threads=args.threads))
     drafter = DSparkDrafter.for_gguf(gguf, args.weights)
     engine = SpeculativeEngine(target, standard_proposers(model_proposers=(DSparkProposer(drafter),)),
                                eos_ids=[tok.eos_id])
@@ -133,13 +141,13 @@ def main() -> None:
                                          for m in methods}
                                   for kind in dict.fromkeys(p["kind"] for p in prompts)
                                   for idx in [[j for j, p in enumerate(prompts) if p["kind"] == kind]]}}
-    report = {"cpu": cpu_model(), "threads": args.threads, "max_tokens": args.max_tokens,
+    report = {"cpu": cpu_model(), "runtime": args.runtime, "threads": args.threads, "max_tokens": args.max_tokens,
               "prompts": len(prompts), "k": args.k, "weights": str(args.weights),
               "command": " ".join(sys.argv), "results": results}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
-    print(f"\n{report['cpu']}, {args.threads} threads, {len(prompts)} held-out prompts, "
+    print(f"\n{report['cpu']}, target on {args.runtime} runtime, {args.threads} threads, {len(prompts)} held-out prompts, "
           f"<= {args.max_tokens} tokens, k = {args.k}")
     for temp, r in results.items():
         print(f"\ntemperature {temp}\n")

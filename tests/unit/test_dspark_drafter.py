@@ -25,7 +25,7 @@ def tiny_weights(seed=0, cfg=CFG, n_vocab=40):
 
     w = {"tap_norm": 1 + m(3 * H, s=0.1), "tap_mean": m(3 * H, s=0.5), "tap_std": 1 + np.abs(m(3 * H)), "fc": m(H, 3 * H, s=0.1), "ctx_norm": np.ones(H, np.float32),
          "last_proj": m(H, H, s=0.2),
-         "mask_emb": m(H), "out_norm": np.ones(H, np.float32), "markov_w1": m(n_vocab + 1, r),
+         "mask_emb": m(H), "emb_norm": 1 + m(H, s=0.1), "last_norm": 1 + m(H, s=0.1), "out_norm": np.ones(H, np.float32), "markov_w1": m(n_vocab + 1, r),
          "markov_w2": m(r, n_vocab), "conf_w": m(H + r, 2), "conf_b": np.zeros(2, np.float32)}
     for i in range(cfg.n_layer):
         p = f"layers.{i}."
