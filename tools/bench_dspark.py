@@ -56,6 +56,42 @@ def distinct_8gram_share(texts: list[str]) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
+def pass_costs(target, drafter, ids: list[int], k: int, repeats: int = 21) -> dict:
+    """Median wall seconds of the passes a DSpark round is made of, on one prompt: the target
+    over 1 and k + 1 new rows, the drafter's block of k (backbone, Markov head, confidences)
+    and its context extension by 1 and 3 rows. They say what acceptance DSpark needs to pay."""
+    cache = target.new_cache(len(ids) + k + 8)
+    n = len(ids)
+    _, taps = target.forward(cache, ids, np.arange(n), want_taps=True)
+    ctx = drafter.new_context(n + k + 8)
+    drafter.extend(ctx, taps[:n - 1])
+
+    def median(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def target_rows(rows: int):
+        def run():
+            target.forward(cache, [ids[-1]] * rows, np.arange(n, n + rows))
+            cache.truncate(n)
+        return run
+
+    def extend(rows: int):
+        def run():
+            drafter.extend(ctx, taps[n - 1 - rows:n - 1])
+            ctx.truncate(n - 1)
+        return run
+
+    costs = {"target_1_row": median(target_rows(1)), f"target_{k + 1}_rows": median(target_rows(k + 1)),
+             f"draft_block_{k}": median(lambda: drafter.propose(ctx, ids[-1], k)),
+             "draft_extend_1": median(extend(1)), "draft_extend_3": median(extend(3))}
+    return {key: round(v * 1e3, 2) for key, v in costs.items()}  # milliseconds
+
+
 def main() -> None:
     from dspark_prompts import heldout_prompts
 
@@ -86,6 +122,8 @@ def main() -> None:
     encoded = [tok.encode_chat([{"role": "user", "content": p["text"]}]) if p["chat"]
                else tok.encode(p["text"]) for p in prompts]
     methods = args.methods.split(",")
+    costs_ms = pass_costs(target, drafter, encoded[0], args.k)
+    print("pass costs (ms, median):", json.dumps(costs_ms), flush=True)
     results = {}
     for temp in (float(t) for t in args.temperatures.split(",")):
         res = {m: {"seconds": [], "tokens": [], "rounds": 0, "generated": 0, "prefill_s": 0.0,
@@ -143,12 +181,13 @@ def main() -> None:
                                   for idx in [[j for j, p in enumerate(prompts) if p["kind"] == kind]]}}
     report = {"cpu": cpu_model(), "runtime": args.runtime, "threads": args.threads, "max_tokens": args.max_tokens,
               "prompts": len(prompts), "k": args.k, "weights": str(args.weights),
-              "command": " ".join(sys.argv), "results": results}
+              "command": " ".join(sys.argv), "pass_costs_ms": costs_ms, "results": results}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"\n{report['cpu']}, target on {args.runtime} runtime, {args.threads} threads, {len(prompts)} held-out prompts, "
           f"<= {args.max_tokens} tokens, k = {args.k}")
+    print("pass costs (ms, median): " + ", ".join(f"{k} {v}" for k, v in costs_ms.items()))
     for temp, r in results.items():
         print(f"\ntemperature {temp}\n")
         print("| method | tokens/s | vs plain | tokens per target pass | acceptance at position 1..k "

@@ -175,7 +175,16 @@ def build_model(torch, cfg: dict, target_tensors: dict | None):
             self.w_gate = nn.Linear(H, cfg["ffn"], bias=False)
             self.w_up = nn.Linear(H, cfg["ffn"], bias=False)
             self.w_down = nn.Linear(cfg["ffn"], H, bias=False)
-            if init is not None:  # start from a target block (same shapes)
+            if init is None:
+                # residual branches start at zero: the block's rows start as their inputs (the
+                # anchor, the mask), and the context is added as it helps. With the default
+                # init the branches' outputs grew to ~100x the inputs within a few hundred steps
+                # and drowned the anchor again (slot 0 no better with the true anchor than a
+                # shuffled one)
+                with torch.no_grad():
+                    self.wo.weight.zero_()
+                    self.w_down.weight.zero_()
+            else:  # start from a target block (same shapes)
                 with torch.no_grad():
                     for mine, theirs in (("attn_norm", "attn_norm"), ("ffn_norm", "ffn_norm")):
                         getattr(self, mine).copy_(torch.from_numpy(init[theirs]))
