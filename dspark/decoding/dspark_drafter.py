@@ -359,10 +359,14 @@ class DSparkDrafter:
         return _rms(x, self.out_norm, c.rms_eps)
 
     def propose(self, ctx: DraftContext, anchor: int, k: int, temperature: float = 0.0,
-                rng: Optional[np.random.Generator] = None, want_probs: bool = True) -> Proposal:
+                rng: Optional[np.random.Generator] = None, want_probs: bool = True,
+                stop_below: float = 0.0) -> Proposal:
         """Draft k tokens after ``anchor``. Greedy (argmax) at temperature 0, else each token
         is sampled from softmax(logits / temperature) over the draft vocabulary, and (with
-        ``want_probs``) that distribution is returned over the full vocabulary."""
+        ``want_probs``) that distribution is returned over the full vocabulary. Drafting stops
+        early, after the first slot where the product of the confidences so far falls below
+        ``stop_below`` (those later drafts would add less than that many expected tokens:
+        the sequential Markov head is half of a block's cost)."""
         hid, base = self.block_pass(ctx, anchor, k)
         V = self.vocab_ids.size
         tokens = np.empty(k, np.int64)
@@ -372,6 +376,7 @@ class DSparkDrafter:
         if sampled and rng is None:
             raise ValueError("sampling needs an rng")
         prev = int(self.to_draft[anchor])
+        prefix = 1.0
         for j in range(k):
             emb = self.markov_w1[prev]
             logits = base[j] + emb @ self.markov_w2
@@ -387,4 +392,8 @@ class DSparkDrafter:
                 d = int(np.argmax(logits))
             tokens[j] = self.vocab_ids[d]
             prev = d
+            prefix *= float(conf[j])
+            if prefix < stop_below:
+                n = j + 1
+                return Proposal(tokens[:n], None if probs is None else probs[:n], conf[:n])
         return Proposal(tokens, probs, conf)

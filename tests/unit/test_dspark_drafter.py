@@ -89,6 +89,19 @@ def test_deterministic_greedy_and_seeded_sampling():
     assert np.array_equal(s1.tokens, s2.tokens) and np.array_equal(s1.probs, s2.probs)
 
 
+def test_drafting_stops_where_the_confident_prefix_ends():
+    d = make()
+    ctx, _ = with_context(d)
+    full = d.propose(ctx, 9, 5)
+    prefix = np.cumprod(full.confidence)
+    cut = float(prefix[2]) + 1e-6  # falls below at slot 2: three drafts
+    short = d.propose(ctx, 9, 5, stop_below=cut)
+    assert len(short.tokens) == 3 and np.array_equal(short.tokens, full.tokens[:3])
+    assert np.allclose(short.confidence, full.confidence[:3])
+    s = d.propose(ctx, 9, 5, 0.8, np.random.default_rng(1), stop_below=1.5)
+    assert len(s.tokens) == 1 and s.probs.shape[0] == 1
+
+
 def test_markov_bias_follows_the_previous_draft_token():
     """A bias W1[prev] @ W2 that sends each token of a chain to the next one makes the block
     follow that chain from the anchor; without the bias the backbone alone decides."""
