@@ -57,7 +57,7 @@ def distinct_8gram_share(texts: list[str]) -> float:
 
 
 def pass_costs(target, drafter, ids: list[int], k: int, repeats: int = 21) -> dict:
-    """Median wall seconds of the passes a DSpark round is made of, on one prompt: the target
+    """Median wall milliseconds of the passes a DSpark round is made of, on one prompt: the target
     over 1 and k + 1 new rows, the drafter's block of k (backbone, Markov head, confidences)
     and its context extension by 1 and 3 rows. They say what acceptance DSpark needs to pay."""
     cache = target.new_cache(len(ids) + k + 8)
