@@ -5,8 +5,9 @@
     nice -n 10 python tools/train_dspark.py gather --shards 2 --shard 0 --minutes 40 &
     nice -n 10 python tools/train_dspark.py gather --shards 2 --shard 1 --minutes 40
     nice -n 10 python tools/train_dspark.py vocab
-    nice -n 10 python tools/train_dspark.py train --minutes 60
-    python tools/train_dspark.py export             # -> tools/weights/dspark_smollm2.npz
+    OMP_NUM_THREADS=1 nice -n 15 python tools/train_dspark.py train --steps 2800 --minutes 70 \
+        --lr 1e-3 --anchors 128 --bf16 --out build/dspark/drafter_i.pt
+    python tools/train_dspark.py export --checkpoint build/dspark/drafter_i.pt
     python tools/train_dspark.py evaluate           # acceptance on held-out prompts (torch)
 
 `gather` runs the target (tools/dspark_target.py, the GGUF dequantized, bfloat16) over
