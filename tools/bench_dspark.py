@@ -6,6 +6,9 @@ trained on). Writes JSON (settings, CPU, per-method results) and prints a markdo
 
     python tools/bench_dspark.py --max-tokens 96 --out bench-results/dspark.json
 
+The target runs on dspark's C kernels over the GGUF (``--runtime kernel``, KernelRuntime, the
+served target) or on the imported ONNX graph (``--runtime onnx``, OnnxLlama).
+
 Methods are interleaved per prompt (noise hits all alike); each prompt's time is the median of
 ``--repeats`` runs; tokens/s counts decoding only (the prompt's prefill is the same work for
 every method and is reported apart).
@@ -33,6 +36,7 @@ from dspark.decoding.proposers.dspark import DSparkProposer  # noqa: E402
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams  # noqa: E402
 from dspark.decoding.stats import DecodeStats  # noqa: E402
 from dspark.llm.gguf_model import GGUFModel, installed_smollm2  # noqa: E402
+from dspark.llm.kernel_runtime import KernelRuntime  # noqa: E402
 from dspark.llm.onnx_runtime import OnnxLlama  # noqa: E402
 from dspark.llm.tokenizer import LlamaTokenizer  # noqa: E402
 
@@ -52,25 +56,65 @@ def distinct_8gram_share(texts: list[str]) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
+def pass_costs(target, drafter, ids: list[int], k: int, repeats: int = 21) -> dict:
+    """Median wall milliseconds of the passes a DSpark round is made of, on one prompt: the target
+    over 1 and k + 1 new rows, the drafter's block of k (backbone, Markov head, confidences)
+    and its context extension by 1 and 3 rows. They say what acceptance DSpark needs to pay."""
+    cache = target.new_cache(len(ids) + k + 8)
+    n = len(ids)
+    _, taps = target.forward(cache, ids, np.arange(n), want_taps=True)
+    ctx = drafter.new_context(n + k + 8)
+    drafter.extend(ctx, taps[:n - 1])
+
+    def median(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def target_rows(rows: int):
+        def run():
+            target.forward(cache, [ids[-1]] * rows, np.arange(n, n + rows))
+            cache.truncate(n)
+        return run
+
+    def extend(rows: int):
+        def run():
+            drafter.extend(ctx, taps[n - 1 - rows:n - 1])
+            ctx.truncate(n - 1)
+        return run
+
+    costs = {"target_1_row": median(target_rows(1)), f"target_{k + 1}_rows": median(target_rows(k + 1)),
+             f"draft_block_{k}": median(lambda: drafter.propose(ctx, ids[-1], k)),
+             "draft_extend_1": median(extend(1)), "draft_extend_3": median(extend(3))}
+    return {key: round(v * 1e3, 2) for key, v in costs.items()}  # milliseconds
+
+
 def main() -> None:
     from dspark_prompts import heldout_prompts
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=str(ROOT / "model_repository/spec_lm/1/smollm2/model.onnx"))
+    ap.add_argument("--runtime", choices=("kernel", "onnx"), default="kernel",
+                    help="the target: dspark's C kernels over the GGUF, or the imported ONNX graph")
+    ap.add_argument("--model", default=str(ROOT / "model_repository/spec_lm/1/smollm2/model.onnx"),
+                    help="the ONNX graph (--runtime onnx)")
     ap.add_argument("--weights", default=str(default_weights()))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--per-kind", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
-    ap.add_argument("--methods", default="none,dspark,hybrid,ngram,suffix")
+    ap.add_argument("--methods", default="none,dspark,suffix,hybrid")
     ap.add_argument("--temperatures", default="0,0.8")
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "dspark.json"))
     args = ap.parse_args()
 
     gguf = GGUFModel(installed_smollm2())
     tok = LlamaTokenizer.from_gguf(gguf)
-    target = OnnxLlama(args.model, threads=args.threads)
+    target = (KernelRuntime(gguf, threads=args.threads) if args.runtime == "kernel"
+              else OnnxLlama(args.model, threads=args.threads))
     drafter = DSparkDrafter.for_gguf(gguf, args.weights)
     engine = SpeculativeEngine(target, standard_proposers(model_proposers=(DSparkProposer(drafter),)),
                                eos_ids=[tok.eos_id])
@@ -78,6 +122,8 @@ def main() -> None:
     encoded = [tok.encode_chat([{"role": "user", "content": p["text"]}]) if p["chat"]
                else tok.encode(p["text"]) for p in prompts]
     methods = args.methods.split(",")
+    costs_ms = pass_costs(target, drafter, encoded[0], args.k)
+    print("pass costs (ms, median):", json.dumps(costs_ms), flush=True)
     results = {}
     for temp in (float(t) for t in args.temperatures.split(",")):
         res = {m: {"seconds": [], "tokens": [], "rounds": 0, "generated": 0, "prefill_s": 0.0,
@@ -133,14 +179,15 @@ def main() -> None:
                                          for m in methods}
                                   for kind in dict.fromkeys(p["kind"] for p in prompts)
                                   for idx in [[j for j, p in enumerate(prompts) if p["kind"] == kind]]}}
-    report = {"cpu": cpu_model(), "threads": args.threads, "max_tokens": args.max_tokens,
+    report = {"cpu": cpu_model(), "runtime": args.runtime, "threads": args.threads, "max_tokens": args.max_tokens,
               "prompts": len(prompts), "k": args.k, "weights": str(args.weights),
-              "command": " ".join(sys.argv), "results": results}
+              "command": " ".join(sys.argv), "pass_costs_ms": costs_ms, "results": results}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
-    print(f"\n{report['cpu']}, {args.threads} threads, {len(prompts)} held-out prompts, "
+    print(f"\n{report['cpu']}, target on {args.runtime} runtime, {args.threads} threads, {len(prompts)} held-out prompts, "
           f"<= {args.max_tokens} tokens, k = {args.k}")
+    print("pass costs (ms, median): " + ", ".join(f"{k} {v}" for k, v in costs_ms.items()))
     for temp, r in results.items():
         print(f"\ntemperature {temp}\n")
         print("| method | tokens/s | vs plain | tokens per target pass | acceptance at position 1..k "

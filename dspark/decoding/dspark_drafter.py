@@ -10,7 +10,9 @@ DSpark (Cheng et al., arXiv 2607.05147) on a DFlash-style block-parallel backbon
 - **Block**: slot 0 holds the embedding of the anchor (the token the target sampled last, not
   yet run by the target), slots 1..k-1 a learned mask embedding; every slot also gets the
   last committed row's context feature through ``last_proj`` (as vLLM's DSpark feeds the
-  hidden state of the last accepted position). The draft layers (Llama
+  hidden state of the last accepted position). The two terms are RMS-normed apart
+  (``emb_norm``, ``last_norm``) before they are added: summed raw, the anchor's embedding was
+  ~1 % of the sum and the drafter learnt to ignore it. The draft layers (Llama
   blocks: RoPE on consecutive pairs, grouped-query attention, SwiGLU) let each slot attend to
   all context positions and, bidirectionally, to the whole block; slot j predicts the token
   at anchor + j + 1. One pass, k rows.
@@ -39,7 +41,7 @@ import numpy as np
 
 from dspark.errors import ConfigError, RequestError
 
-FORMAT = "dspark-drafter/1"
+FORMAT = "dspark-drafter/2"  # /2: the block input's two terms RMS-normed (emb_norm, last_norm)
 BACKENDS = ("numpy", "onnxruntime")
 EmbedRows = Callable[[np.ndarray], np.ndarray]  # token ids -> float32 rows [n, hidden]
 
@@ -182,8 +184,10 @@ class DSparkDrafter:
         self.tap_norm = w["tap_norm"]                     # [n_taps*H], learnt
         self.fc_t = np.ascontiguousarray(w["fc"].T)        # [n_taps*H, H]
         self.ctx_norm = w["ctx_norm"]
-        self.mask_emb = w["mask_emb"]
+        self.emb_norm = w["emb_norm"]
+        self.mask_emb = _rms(w["mask_emb"][None], self.emb_norm, cfg.rms_eps)[0]
         self.last_proj_t = np.ascontiguousarray(w["last_proj"].T)
+        self.last_norm = w["last_norm"]
         self.out_norm = w["out_norm"]
         self.markov_w1 = w["markov_w1"]                    # [V + 1, r]
         self.markov_w2 = w["markov_w2"]                    # [r, V]
@@ -312,11 +316,11 @@ class DSparkDrafter:
         if not 1 <= k <= c.block:
             raise RequestError("num_speculative_tokens", f"{k}: the drafter drafts 1..{c.block}")
         x = np.empty((k, c.hidden), np.float32)
-        x[0] = self.embed_rows(np.array([anchor]))[0]
+        x[0] = _rms(self.embed_rows(np.array([anchor])), self.emb_norm, c.rms_eps)[0]
         x[1:] = self.mask_emb
         C = ctx.length
         if C:  # every slot reads the last committed row's feature directly
-            x += ctx.features[C - 1] @ self.last_proj_t
+            x += _rms(ctx.features[C - 1:C] @ self.last_proj_t, self.last_norm, c.rms_eps)
         if self.ort is not None:
             cos, sin = rope_trig(np.arange(C, C + k), c.head_dim, c.rope_base)
             return self.ort.run_block(x, cos, sin, [kk[:C] for kk in ctx.keys],
@@ -355,10 +359,14 @@ class DSparkDrafter:
         return _rms(x, self.out_norm, c.rms_eps)
 
     def propose(self, ctx: DraftContext, anchor: int, k: int, temperature: float = 0.0,
-                rng: Optional[np.random.Generator] = None, want_probs: bool = True) -> Proposal:
+                rng: Optional[np.random.Generator] = None, want_probs: bool = True,
+                stop_below: float = 0.0) -> Proposal:
         """Draft k tokens after ``anchor``. Greedy (argmax) at temperature 0, else each token
         is sampled from softmax(logits / temperature) over the draft vocabulary, and (with
-        ``want_probs``) that distribution is returned over the full vocabulary."""
+        ``want_probs``) that distribution is returned over the full vocabulary. Drafting stops
+        early, after the first slot where the product of the confidences so far falls below
+        ``stop_below`` (those later drafts would add less than that many expected tokens:
+        the sequential Markov head is half of a block's cost)."""
         hid, base = self.block_pass(ctx, anchor, k)
         V = self.vocab_ids.size
         tokens = np.empty(k, np.int64)
@@ -368,6 +376,7 @@ class DSparkDrafter:
         if sampled and rng is None:
             raise ValueError("sampling needs an rng")
         prev = int(self.to_draft[anchor])
+        prefix = 1.0
         for j in range(k):
             emb = self.markov_w1[prev]
             logits = base[j] + emb @ self.markov_w2
@@ -383,4 +392,8 @@ class DSparkDrafter:
                 d = int(np.argmax(logits))
             tokens[j] = self.vocab_ids[d]
             prev = d
+            prefix *= float(conf[j])
+            if prefix < stop_below:
+                n = j + 1
+                return Proposal(tokens[:n], None if probs is None else probs[:n], conf[:n])
         return Proposal(tokens, probs, conf)

@@ -25,7 +25,7 @@ def tiny_weights(seed=0, cfg=CFG, n_vocab=40):
 
     w = {"tap_norm": 1 + m(3 * H, s=0.1), "tap_mean": m(3 * H, s=0.5), "tap_std": 1 + np.abs(m(3 * H)), "fc": m(H, 3 * H, s=0.1), "ctx_norm": np.ones(H, np.float32),
          "last_proj": m(H, H, s=0.2),
-         "mask_emb": m(H), "out_norm": np.ones(H, np.float32), "markov_w1": m(n_vocab + 1, r),
+         "mask_emb": m(H), "emb_norm": 1 + m(H, s=0.1), "last_norm": 1 + m(H, s=0.1), "out_norm": np.ones(H, np.float32), "markov_w1": m(n_vocab + 1, r),
          "markov_w2": m(r, n_vocab), "conf_w": m(H + r, 2), "conf_b": np.zeros(2, np.float32)}
     for i in range(cfg.n_layer):
         p = f"layers.{i}."
@@ -87,6 +87,19 @@ def test_deterministic_greedy_and_seeded_sampling():
     s1 = d.propose(ctx, 9, 5, 1.0, np.random.default_rng(42))
     s2 = d.propose(ctx, 9, 5, 1.0, np.random.default_rng(42))
     assert np.array_equal(s1.tokens, s2.tokens) and np.array_equal(s1.probs, s2.probs)
+
+
+def test_drafting_stops_where_the_confident_prefix_ends():
+    d = make()
+    ctx, _ = with_context(d)
+    full = d.propose(ctx, 9, 5)
+    prefix = np.cumprod(full.confidence)
+    cut = float(prefix[2]) + 1e-6  # falls below at slot 2: three drafts
+    short = d.propose(ctx, 9, 5, stop_below=cut)
+    assert len(short.tokens) == 3 and np.array_equal(short.tokens, full.tokens[:3])
+    assert np.allclose(short.confidence, full.confidence[:3])
+    s = d.propose(ctx, 9, 5, 0.8, np.random.default_rng(1), stop_below=1.5)
+    assert len(s.tokens) == 1 and s.probs.shape[0] == 1
 
 
 def test_markov_bias_follows_the_previous_draft_token():

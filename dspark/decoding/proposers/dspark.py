@@ -28,6 +28,7 @@ from dspark.llm.importer import import_source
 
 log = logging.getLogger(__name__)
 DRAFT_START_COST = 0.3  # a draft pass relative to a one-row target pass, until measured
+STOP_BELOW = 0.05  # stop drafting a block where the drafts so far all hold with less than this
 SMOOTHING = 0.2
 
 
@@ -80,7 +81,8 @@ class DSparkRequestDrafter(BaseDrafter):
         sampling = self.request.sampling
         start = time.perf_counter()
         proposal = self.drafter.propose(self.ctx, history[-1], k, sampling.temperature,
-                                        self.request.rng, want_probs=not sampling.greedy)
+                                        self.request.rng, want_probs=not sampling.greedy,
+                                        stop_below=STOP_BELOW)
         cost = self.request.verify_cost
         curve = CostCurve(tuple(cost(rows) for rows in range(1, k + 2)), self.draft_cost)
         n = choose_verify_length(proposal.confidence, curve)
