@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -39,16 +38,7 @@ from dspark.llm.gguf_model import GGUFModel, installed_smollm2  # noqa: E402
 from dspark.llm.kernel_runtime import KernelRuntime  # noqa: E402
 from dspark.llm.onnx_runtime import OnnxLlama  # noqa: E402
 from dspark.llm.tokenizer import LlamaTokenizer  # noqa: E402
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from dspark.bench.machine import this_machine  # noqa: E402
 
 
 def distinct_8gram_share(texts: list[str]) -> float:
@@ -179,7 +169,7 @@ def main() -> None:
                                          for m in methods}
                                   for kind in dict.fromkeys(p["kind"] for p in prompts)
                                   for idx in [[j for j, p in enumerate(prompts) if p["kind"] == kind]]}}
-    report = {"cpu": cpu_model(), "runtime": args.runtime, "threads": args.threads, "max_tokens": args.max_tokens,
+    report = {"cpu": this_machine().cpu_model, "runtime": args.runtime, "threads": args.threads, "max_tokens": args.max_tokens,
               "prompts": len(prompts), "k": args.k, "weights": str(args.weights),
               "command": " ".join(sys.argv), "pass_costs_ms": costs_ms, "results": results}
     out = Path(args.out)
