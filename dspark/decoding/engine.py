@@ -33,6 +33,10 @@ PREFILL_CHUNK = 64
 # A verified row's cost relative to a pass, until measured: about 0.03 (fp32 graphs) to 0.15
 # (4-bit weights, where a pass is cheap) on the CPUs seen (docs/speculative.md).
 PRIOR_ROW_COST = 0.05
+# The most a row may cost as learnt. A pass over n rows never costs more than n passes of one,
+# and a bound below 1 keeps sure guesses verified, so the cost of wider passes keeps being
+# measured: one slow wide pass (a noisy machine) cannot switch speculation off for good.
+MAX_ROW_COST = 0.5
 
 
 class PromptTooLong(RequestError):
@@ -54,7 +58,8 @@ class VerifyCost:
     """The target's cost of a pass over n rows relative to one row, learnt from the passes the
     engine runs: seconds per row count, exponentially smoothed, fitted with a line a + b (n - 1)
     (decode on a CPU reads every weight once per pass, so a pass costs a fixed part plus a
-    little per row). Before passes of two row counts are seen, b / a is ``prior_row_cost``."""
+    little per row). Before passes of two row counts are seen, b / a is ``prior_row_cost``; it
+    stays within [0, ``MAX_ROW_COST``]."""
 
     def __init__(self, prior_row_cost: float = PRIOR_ROW_COST, max_rows: int = 64,
                  smoothing: float = 0.1):
@@ -79,7 +84,7 @@ class VerifyCost:
             if len(known) >= 2 and (new_count or self._observed % 16 == 0):  # a fit is ~50 us
                 b, a = np.polyfit(known - 1.0, self._seconds[known], 1, w=self._seen[known])
                 if a > 0:
-                    self._row_cost = max(b, 0.0) / a
+                    self._row_cost = min(max(b, 0.0) / a, MAX_ROW_COST)
 
     def __call__(self, rows: int) -> float:
         return 1.0 + self._row_cost * (max(rows, 1) - 1)

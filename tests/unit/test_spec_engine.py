@@ -306,6 +306,19 @@ def test_verify_cost_learns_the_cost_per_row():
     assert cost(6) == pytest.approx(2.0, rel=0.02)
 
 
+def test_one_slow_wide_pass_does_not_switch_speculation_off():
+    """A noisy machine once made a 2-row pass look 10x a 1-row pass; sure guesses must still be
+    verified afterwards, or wider passes are never measured again."""
+    from dspark.decoding.adaptive import best_prefix
+    from dspark.decoding.engine import VerifyCost
+
+    cost = VerifyCost()
+    for _ in range(10):
+        cost.observe(1, 0.001)
+    cost.observe(2, 0.010)
+    assert best_prefix([1.0, 1.0], cost) == 2
+
+
 class InexactTrees:
     """The same target, declaring (as the SmolLM2 runtime does) that its tree rows are not bit
     for bit the chains': records the shape of every verify pass."""
