@@ -69,8 +69,9 @@ def test_default_tier_and_unknown_tier(triton_server):
     assert dispatched(triton_server, "standard") == before + 1
     with pytest.raises(InferenceServerException, match="parameter 'tier': unknown tier 'platinum'"):
         http_call(triton_server, "router_demo", headers={"dspark-tier": "platinum"})
-    # the router keeps serving, with the same answer as before the bad request
-    np.testing.assert_array_equal(http_call(triton_server, "router_demo").as_numpy("y"), answer)
+    # the router keeps serving, with the same answer as before the bad request (within the
+    # 1e-6 by which the target's two versions differ: the split may pick either)
+    np.testing.assert_allclose(http_call(triton_server, "router_demo").as_numpy("y"), answer, rtol=1e-5)
 
 
 def test_same_user_same_version_across_protocols(triton_server):
