@@ -30,6 +30,7 @@ from dspark.decoding.stats import DecodeStats
 from dspark.decoding.text import send_coalesced
 from dspark.errors import ConfigError, RequestError, UnavailableError
 from dspark.triton.adapter import config_parameters, server_http_url, triton_error
+from dspark.triton.response_sender import GuardedSender
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 DRAIN_TIMEOUT_S = 3.0  # finalize: requests in flight end at their next round, well within this
@@ -232,14 +233,14 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            sender = request.get_response_sender()
+            sender = GuardedSender(request.get_response_sender(), FINAL)
             self.pool.submit(lambda r=request, s=sender: self._serve(r, s),
                              lambda error, s=sender: self._fail(s, error))
         return None
 
     def _fail(self, sender, error):
         sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, error, "generation failed")),
-                    flags=FINAL)
+                    final=True)
         if not isinstance(error, (RequestError, UnavailableError)):
             pb_utils.Logger.log_warn(f"speculative backend: request failed: {error!r}")
 
@@ -294,14 +295,14 @@ class TritonPythonModel:
             send_coalesced(pieces, send, self.stream_interval_s)
             self._record(stats, time.perf_counter() - started)
             self._unless_unloading(stats)
-            sender.send(flags=FINAL)
+            sender.send(final=True)
         else:
             text = "".join(pieces)
             self._record(stats, time.perf_counter() - started)
             self._unless_unloading(stats)
             if not exclude:
                 text = echo + text
-            sender.send(pb_utils.InferenceResponse(output_tensors=[_text_tensor(text)]), flags=FINAL)
+            sender.send(pb_utils.InferenceResponse(output_tensors=[_text_tensor(text)]), final=True)
 
     def _unless_unloading(self, stats: DecodeStats):
         """A request the unload stopped gets an error, not a text that looks complete."""

@@ -62,6 +62,18 @@ def test_stop_string_ends_the_text_before_it(server):
     assert completion(server, MODEL, CODE, max_tokens=24, stop=[stop]) == whole[:whole.index(stop)]
 
 
+def test_requests_ended_by_stop_strings_while_others_decode_leave_the_server_up(server):
+    """A request that ends at a stop string is answered while the round batcher may be asking
+    whether it was cancelled; Triton 2.51 dies if that question reaches it after the answer."""
+    whole = completion(server, MODEL, CODE, max_tokens=24)
+    stops = [whole[i:i + 3] for i in range(4, 20, 2)]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda stop: completion(server, MODEL, CODE, max_tokens=24, stop=[stop]),
+                            stops * 4))
+    assert got == [whole[:whole.index(stop)] for stop in stops * 4]
+    assert completion(server, MODEL, CODE, max_tokens=24) == whole
+
+
 def test_streamed_deltas_add_up_to_the_text(server):
     streamed = stream_once(server, MODEL, CODE, {"max_tokens": 24})
     assert streamed.final and len(streamed.pieces) > 1

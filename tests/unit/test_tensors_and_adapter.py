@@ -1,6 +1,9 @@
 """Request checks and config parameters shared by the backends' model.py adapters."""
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -88,3 +91,52 @@ def test_graph_check_names_a_fixed_dim_and_a_named_dim_two_inputs_disagree_on():
         runner_inputs[1].check(np.zeros((1, 4, 5), bool), sizes)
     with pytest.raises(RequestError, match=r"input tensor 'x': has shape \[2, 7\], the ONNX graph expects \[batch, 16\]"):
         runner_inputs[2].check(np.zeros((2, 7), np.float32), {})
+
+
+class FreedFactorySender:
+    """A Triton response sender whose factory is gone once the final response is sent: asking
+    it anything then (or while the final send happens) is what crashed tritonserver."""
+
+    def __init__(self):
+        self.final_sent = False
+        self.violations = 0
+        self.sent = []
+
+    def is_cancelled(self):
+        before = self.final_sent
+        time.sleep(0.0005)  # the IPC round trip, during which another thread may close
+        if before or self.final_sent:
+            self.violations += 1
+        return False
+
+    def send(self, response=None, flags=0):
+        time.sleep(0.0005)
+        self.sent.append((response, flags))
+        self.final_sent = self.final_sent or flags == 1
+
+
+def test_guarded_sender_never_asks_a_closed_stream_whether_it_was_cancelled():
+    from dspark.triton.response_sender import GuardedSender
+
+    raw = FreedFactorySender()
+    sender = GuardedSender(raw, final_flag=1)
+    stop = threading.Event()
+
+    def poll():  # the round batcher, checking cancellation every round
+        while not stop.is_set():
+            sender.is_cancelled()
+
+    pollers = [threading.Thread(target=poll) for _ in range(3)]
+    for thread in pollers:
+        thread.start()
+    time.sleep(0.01)
+    assert sender.send("piece")
+    assert sender.send(None, final=True)
+    time.sleep(0.01)
+    stop.set()
+    for thread in pollers:
+        thread.join()
+    assert raw.violations == 0
+    assert sender.is_cancelled()  # a closed stream counts as cancelled: nothing more to do
+    assert not sender.send("late")  # dropped, not sent on a freed factory
+    assert raw.sent == [("piece", 0), (None, 1)]
