@@ -43,7 +43,7 @@ DOC_TABLES: tuple[DocTable, ...] = (
     DocTable("gemm", "docs/accelerators.md", ("bench", "gemm", "--rounds", "31", "--json-out", "{json}")),
     DocTable("crosscheck", "docs/bench.md", ("bench", "crosscheck", "--repeats", "3", "--json", "{json}")),
     DocTable("router", "docs/router.md", ("bench", "router", "--repeat", "2", "--variant", "2:0:0", "--variant",
-                                          "3:0:0", "--variant", "auto:1:0", "--out", "{dir}/router", "--json", "{json}")),
+                                          "3:0:0", "--variant", "auto:1:2", "--out", "{dir}/router", "--json", "{json}")),
     DocTable("rollout", "docs/rollout.md", ("bench", "rollout", "--rollouts", "20", "--json", "{json}")),
     DocTable("rollout-fleet", "docs/rollout.md", ("bench", "rollout", "--rollouts", "20", "--servers", "3",
                                                   "--threads", "1", "--json", "{json}")),

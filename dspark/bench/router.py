@@ -129,7 +129,7 @@ class Variant:
 
     max_inflight: int | str = "auto"
     headroom: int = 1
-    lead_ms: float = 2.0
+    lead_ms: float = 0.0
 
     @property
     def model(self) -> str:

@@ -26,7 +26,7 @@ def _variants(ctx, param, values):
 @click.option("--instances", default=2, show_default=True, help="Target instances (capacity = instances/service time).")
 @click.option("--variant", "variants", multiple=True, callback=_variants, metavar="MAX_INFLIGHT:HEADROOM[:LEAD_MS]",
               help="Also run a router with these routing.yaml settings (repeatable), e.g. 2:0 (as many calls as "
-                   "instances), 3:0 (instances+1 for every tier), auto:1:0 (headroom, no hand-off lead).")
+                   "instances), 3:0 (instances+1 for every tier), auto:1:2 (headroom and a 2 ms hand-off lead).")
 @click.option("--bursty-s", default=20.0, show_default=True, help="Length of the bursty scenario per mode (0: skip it).")
 @click.option("--overload-s", default=15.0, show_default=True, help="Length of each overload scenario per mode.")
 @click.option("--overload", "overloads", multiple=True, type=float, default=(1.5, 2.0), show_default=True,

@@ -127,8 +127,9 @@ class RoutingConfig:
     top_tier_headroom: NonNegativeInt = 1
     # a further call may go out this long before a running call is expected to end (its average
     # latency), so the instance gets its next request without waiting for the router's hand-off
-    # (~0.5-1 ms per call); 0 = never
-    handoff_lead_ms: NonNegative = 2.0
+    # (~0.5-1 ms per call); 0 = never (the default: on a quiet machine the headroom alone kept
+    # the target busy, and the lead cost the top tier's p99 at 2x overload; docs/router.md)
+    handoff_lead_ms: NonNegative = 0.0
     fluctuation: FluctuationPolicy = field(default_factory=FluctuationPolicy)
     shares: dict[Annotated[int, Strict()], Percent] = field(default_factory=lambda: {1: 100.0})
     shadow: ShadowPolicy = field(default_factory=ShadowPolicy)
