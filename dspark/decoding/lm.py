@@ -12,6 +12,7 @@ from onnx import numpy_helper
 
 from dspark.decoding.onnx_lm import GRAPH_FORMAT, LMConfig
 from dspark.engines.onnx_session import make_session_options
+from dspark.llm.kv_cache import CacheRows
 
 PAD_MULTIPLE = 16  # keys per call padded to this (see onnx_lm's note on bitwise equality)
 MIN_ROWS = 2
@@ -19,7 +20,7 @@ KERNEL_MAX_ROWS = 16  # KernelLM hands longer inputs (prompts) to ORT, whose GEM
 
 
 @dataclass
-class KVCache:
+class KVCache(CacheRows):
     """Per-request cache: ``length`` rows are valid; rollback is setting a shorter length.
 
     Rows beyond ``length`` may hold stale data; they are always masked out.
@@ -37,15 +38,6 @@ class KVCache:
         values = [np.zeros((1, slots, cfg.n_head, cfg.head_dim + 1), np.float32)
                   for _ in range(cfg.n_layer)]
         return cls(keys, values, np.zeros(slots, np.int64), 0, capacity)
-
-    def check_room(self, new_rows: int) -> None:
-        if self.length + new_rows > self.capacity:
-            raise ValueError(f"context full: {self.length} cached + {new_rows} new > {self.capacity}")
-
-    def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back cache of length {self.length} to {length}")
-        self.length = length
 
     def keep_rows(self, start: int, rows: np.ndarray) -> None:
         """Keep cache slots ``start + rows`` (ascending) as slots ``start, start+1, ...``."""

@@ -32,6 +32,7 @@ import numpy as np
 from dspark._ext import llama as _llama
 from dspark.errors import RequestError
 from dspark.llm.gguf_model import BLOCK_MATRICES, GGUFModel, LlamaConfig
+from dspark.llm.kv_cache import CacheRows
 from dspark.llm.taps import TAP_LAYERS
 
 DEFAULT_MAX_CONTEXT = 2048  # new_cache()'s default capacity, as OnnxLlama's
@@ -70,7 +71,7 @@ def pack_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> "_llama.PackedMatr
 
 
 @dataclass
-class KernelCache:
+class KernelCache(CacheRows):
     """One sequence's fp16 KV cache: ``length`` rows valid, room for ``capacity``.
 
     keys [n_layer, n_kv, slots / 16, head_dim, 16] (blocks of 16 slots, transposed), values
@@ -81,16 +82,6 @@ class KernelCache:
     positions: np.ndarray
     length: int = 0
     capacity: int = 0
-
-    def check_room(self, new_rows: int) -> None:
-        if self.length + new_rows > self.capacity:
-            raise RequestError("tokens", f"context full: {self.length} cached + {new_rows} new > "
-                                         f"{self.capacity}")
-
-    def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back cache of length {self.length} to {length}")
-        self.length = length
 
     def keep_rows(self, start: int, rows: np.ndarray) -> None:
         """Keep cache slots ``start + rows`` (ascending) as slots ``start, start+1, ...``."""

@@ -32,6 +32,7 @@ import onnxruntime as ort
 from dspark.engines.onnx_session import make_session_options
 from dspark.errors import ConfigError
 from dspark.llm.gguf_model import LlamaConfig
+from dspark.llm.kv_cache import CacheRows
 from dspark.llm.onnx_graph import GRAPH_FORMAT
 
 # Every call runs at least this many rows: ORT's kernels take another path for one row, which
@@ -81,7 +82,7 @@ class _CachePool:
         return io
 
 
-class LlamaKVCache:
+class LlamaKVCache(CacheRows):
     """One request's cache: a pool slot. ``length`` rows are valid; rollback sets a shorter
     length; rows past it may hold stale data and are never attended to."""
 
@@ -91,15 +92,6 @@ class LlamaKVCache:
         self.length = 0
         self.positions = np.zeros(pool.rows, np.int64)
         self._release = weakref.finalize(self, pool.give_back, slot)
-
-    def check_room(self, new_rows: int) -> None:
-        if self.length + new_rows > self.capacity:
-            raise ValueError(f"context full: {self.length} cached + {new_rows} new > {self.capacity}")
-
-    def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back cache of length {self.length} to {length}")
-        self.length = length
 
     def keep_rows(self, start: int, rows) -> None:
         """Keep cache rows ``start + rows`` (ascending) as rows ``start, start+1, ...``."""
