@@ -32,19 +32,19 @@ def llm_generator(folder: Path, threads: int = 2, max_context: Optional[int] = N
     model.onnx, tokenizer.json) on dspark's kernels (``runtime="kernel"``) or ONNX Runtime, with
     the model-free proposers and ``model_proposers`` (default: DSpark's when a drafter was
     trained for this model)."""
-    from dspark.llm.gguf_model import GGUFModel
-    from dspark.llm.importer import import_source
-    from dspark.llm.tokenizer import LlamaTokenizer
-
-    source = GGUFModel(import_source(folder))  # read once: the target and the drafter share it
     if model_proposers is None:
         from dspark.decoding.proposers.dspark import dspark_proposers
 
-        model_proposers = dspark_proposers(source)
+        model_proposers = dspark_proposers(folder)
+    from dspark.llm.tokenizer import LlamaTokenizer
+
     if runtime == "kernel":
+        from dspark.llm.importer import import_source
         from dspark.llm.kernel_runtime import DEFAULT_MAX_CONTEXT, KernelRuntime
 
-        target = KernelRuntime(source, threads=threads,
+        # the runtime maps the GGUF only while packing it: its own mapping, dropped after load,
+        # gives back the ~60 MiB of pages packing touched (sharing the drafter's kept them resident)
+        target = KernelRuntime(import_source(folder), threads=threads,
                                max_context=max_context or DEFAULT_MAX_CONTEXT)
     else:
         from dspark.llm.onnx_runtime import DEFAULT_MAX_CONTEXT, OnnxLlama

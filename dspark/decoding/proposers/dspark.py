@@ -24,7 +24,7 @@ from dspark.decoding.dspark_drafter import DSparkDrafter, default_weights, draft
 from dspark.decoding.dspark_schedule import CostCurve, DraftGate, choose_verify_length
 from dspark.decoding.proposers.base import BaseDrafter, DraftRequest
 from dspark.decoding.tree import DraftTree
-from dspark.llm.gguf_model import GGUFModel
+from dspark.llm.importer import import_source
 
 log = logging.getLogger(__name__)
 DRAFT_START_COST = 0.3  # a draft pass relative to a one-row target pass, until measured
@@ -38,6 +38,16 @@ class DSparkProposer:
 
     def __init__(self, drafter: DSparkDrafter):
         self.drafter = drafter
+
+    @classmethod
+    def for_import(cls, folder: str | Path, weights: str | Path | None = None,
+                   backend: str = "onnxruntime", threads: int = 1) -> "DSparkProposer":
+        """For a model imported by ``dspark llm import`` (its import.json names the GGUF the
+        drafter shares the embedding with); ``weights`` default: the drafter trained for
+        SmolLM2-135M-Instruct."""
+        from dspark.llm.gguf_model import GGUFModel
+
+        return cls(DSparkDrafter.for_gguf(GGUFModel(import_source(folder)), weights, backend, threads))
 
     def start(self, request: DraftRequest) -> "DSparkRequestDrafter":
         return DSparkRequestDrafter(self.drafter, request)
@@ -100,17 +110,17 @@ class DSparkRequestDrafter(BaseDrafter):
         self.draft_s = 0.0
 
 
-def dspark_proposers(source: GGUFModel, weights: str | Path | None = None) -> tuple[DSparkProposer, ...]:
-    """DSpark's proposer for the target ``source`` (the GGUF an imported model names, opened
-    once and shared with the target's runtime) when a drafter was trained for it (the weights
+def dspark_proposers(folder: str | Path, weights: str | Path | None = None) -> tuple[DSparkProposer, ...]:
+    """DSpark's proposer for an imported model when a drafter was trained for it (the weights
     name the GGUF they were trained on), else none: the model still serves every other method."""
     path = Path(weights or default_weights())
     if not path.is_file():
         log.info("dspark: no drafter weights at %s; method 'dspark' not offered", path)
         return ()
     trained_on = drafter_target(path)
-    if trained_on != source.path.name:
+    source = import_source(folder)
+    if trained_on != source.name:
         log.info("dspark: drafter %s was trained for %s, not %s; method 'dspark' not offered",
-                 path, trained_on, source.path.name)
+                 path, trained_on, source.name)
         return ()
-    return (DSparkProposer(DSparkDrafter.for_gguf(source, path)),)
+    return (DSparkProposer.for_import(folder, path),)
