@@ -5,23 +5,36 @@ sent; an ``is_cancelled()`` that reaches the server after that (or while it happ
 thread) dereferences the freed factory and the whole server dies (SIGSEGV in
 ``TRITONBACKEND_ResponseFactoryIsCancelled``, seen in CI when a request stopped at a stop string
 while the round batcher was asking whether it was cancelled). Here every call takes one lock,
-and once the final response is sent ``is_cancelled`` answers True without asking the server."""
+and once the final response is sent ``is_cancelled`` answers True without asking the server.
+
+Asking is an IPC round trip to the server; a decode loop that asks every round (a few ms) would
+pay it on its critical path, so an answer "not cancelled" is reused for ``recheck_s``."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 
 class GuardedSender:
-    def __init__(self, sender: Any, final_flag: int):
+    def __init__(self, sender: Any, final_flag: int, recheck_s: float = 0.0):
         self._sender = sender
         self._final_flag = final_flag
+        self._recheck_s = recheck_s
         self._lock = threading.Lock()
+        self._asked = float("-inf")
+        self._cancelled = False
         self.closed = False
 
     def is_cancelled(self) -> bool:
         with self._lock:
-            return self.closed or bool(self._sender.is_cancelled())
+            if self.closed or self._cancelled:
+                return True
+            now = time.monotonic()
+            if now - self._asked >= self._recheck_s:
+                self._cancelled = bool(self._sender.is_cancelled())
+                self._asked = now
+            return self._cancelled
 
     def send(self, response: Any = None, final: bool = False) -> bool:
         """Send ``response`` (and/or the final flag); False when the stream was already closed

@@ -140,3 +140,22 @@ def test_guarded_sender_never_asks_a_closed_stream_whether_it_was_cancelled():
     assert sender.is_cancelled()  # a closed stream counts as cancelled: nothing more to do
     assert not sender.send("late")  # dropped, not sent on a freed factory
     assert raw.sent == [("piece", 0), (None, 1)]
+
+
+def test_guarded_sender_asks_at_most_once_per_recheck_interval_and_remembers_a_cancel():
+    from dspark.triton.response_sender import GuardedSender
+
+    class Counting:
+        asked, cancelled = 0, False
+
+        def is_cancelled(self):
+            self.asked += 1
+            return self.cancelled
+
+    raw = Counting()
+    sender = GuardedSender(raw, final_flag=1, recheck_s=0.05)
+    assert not any(sender.is_cancelled() for _ in range(100)) and raw.asked == 1
+    raw.cancelled = True
+    time.sleep(0.06)
+    assert sender.is_cancelled() and raw.asked == 2
+    assert sender.is_cancelled() and raw.asked == 2  # known now; the server is not asked again
