@@ -537,11 +537,12 @@ def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lam
     """Load spec_lm in this process, measure everything the settings ask for, return the result."""
     from dspark.decoding.models import llm_generator
     from dspark.decoding.serving import limit_heap_growth
+    from dspark.llm.importer import STAMP_FILE
     from dspark.paths import project_root
 
     folder = project_root() / "model_repository" / MODEL / "1" / "smollm2"
-    if not (folder / "model.onnx").is_file():
-        raise ConfigError("model.onnx", "missing: run `make setup` first", folder)
+    if not (folder / STAMP_FILE).is_file():  # what the kernel runtime reads: the GGUF it names
+        raise ConfigError(STAMP_FILE, "missing: run `make setup` first", folder)
     limit_heap_growth()  # as the serving stub does
     gen = llm_generator(folder, threads=settings.threads)
     engine = gen.engine

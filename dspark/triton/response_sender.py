@@ -4,8 +4,8 @@ Triton 2.51's Python backend frees a request's response factory once the final r
 sent; an ``is_cancelled()`` that reaches the server after that (or while it happens, from another
 thread) dereferences the freed factory and the whole server dies (SIGSEGV in
 ``TRITONBACKEND_ResponseFactoryIsCancelled``, seen in CI when a request stopped at a stop string
-while the round batcher was asking whether it was cancelled). Here every call takes one lock,
-and once the final response is sent ``is_cancelled`` answers True without asking the server.
+while the round batcher was asking whether it was cancelled). Here asking and sending take one
+lock, and once the final response is sent ``is_cancelled`` answers True without asking the server.
 
 Asking is an IPC round trip to the server; a decode loop that asks every round (a few ms) would
 pay it on its critical path, so an answer "not cancelled" is reused for ``recheck_s``."""
@@ -27,14 +27,16 @@ class GuardedSender:
         self.closed = False
 
     def is_cancelled(self) -> bool:
+        # a known answer needs no lock: the decode loop must not wait for a send in flight
+        if self.closed or self._cancelled:
+            return True
+        if time.monotonic() - self._asked < self._recheck_s:
+            return False
         with self._lock:
-            if self.closed or self._cancelled:
-                return True
-            now = time.monotonic()
-            if now - self._asked >= self._recheck_s:
+            if not (self.closed or self._cancelled):
                 self._cancelled = bool(self._sender.is_cancelled())
-                self._asked = now
-            return self._cancelled
+                self._asked = time.monotonic()
+            return self.closed or self._cancelled
 
     def send(self, response: Any = None, final: bool = False) -> bool:
         """Send ``response`` (and/or the final flag); False when the stream was already closed
