@@ -8,9 +8,9 @@ hits all alike; a prompt's run is the median (by decode time) of the repeats, an
 starts from the output cache SuffixDecoding had before the prompt's first run (earlier prompts'
 outputs, never its own). ``tokens/s`` counts decoding after the first token (the prompt's
 prefill, the same work for every method, is the TTFT). Through the server, each method and
-concurrency (1, 2, 4) gets a freshly loaded model warmed up on a prompt outside the set; all
-prompts go ``concurrency`` at a time over gRPC streaming (dspark/bench/client.py); tokens/s is
-the in-process token count over the pass's wall time. One ``BenchResult``, one table per ``run``.
+concurrency (1, 2, 4) gets freshly loaded models (one per pass, median of the passes) warmed up
+on a prompt outside the set; all prompts go ``concurrency`` at a time over gRPC streaming
+(dspark/bench/client.py); tokens/s is the in-process token count over the pass's wall time. One ``BenchResult``, one table per ``run``.
 """
 from __future__ import annotations
 
@@ -98,6 +98,7 @@ class SpecBenchSettings:
     threads: int = 2             # of the target, and of llama.cpp
     methods: Sequence[str] = ()  # default: every method of the model
     server: bool = True          # also streamed through a tritonserver (concurrency 1, 2, 4)
+    served_repeats: int = 2      # passes per served point, each on a freshly loaded model (median)
     sampled: bool = True         # also a sampled run
     peer: bool = True            # llama.cpp when importable
     llama_extra_buffers: bool = False
@@ -377,9 +378,10 @@ def _stub_pid(server_pid: int) -> int:
 
 
 def served_rows(prompts: list[BenchPrompt], results: dict[str, MethodResult], specs: dict[str, SpeculativeParams],
-                max_tokens: int, log: Callable[[str], None]) -> tuple[list[dict], dict]:
-    """Each method at concurrency 1, 2, 4 through a tritonserver started here; and the stub's
-    resident memory after load and at most while serving (MiB)."""
+                max_tokens: int, repeats: int, log: Callable[[str], None]) -> tuple[list[dict], dict]:
+    """Each method at concurrency 1, 2, 4 through a tritonserver started here, the median of
+    ``repeats`` passes (the same text in every pass counts); and the stub's resident memory after
+    load and at most while serving (MiB)."""
     import requests
 
     from dspark.bench.load import summarize
@@ -399,21 +401,25 @@ def served_rows(prompts: list[BenchPrompt], results: dict[str, MethodResult], sp
             counts = sum(len(r.tokens) for r in results[method].runs)
             inproc = results[method].end_to_end_tokens_per_s
             for concurrency in CONCURRENCY:
-                # a fresh stub: an empty output cache (suffix would otherwise find each prompt's
-                # own output from the previous pass), warmed up on a prompt outside the set
-                reply = requests.post(f"http://{server.http_url}/v2/repository/models/{MODEL}/load",
-                                      json={}, headers=server.repository_headers, timeout=300)
-                if reply.status_code != 200:
-                    raise UnavailableError(f"reloading {MODEL} failed: HTTP {reply.status_code} {reply.text[:300]}")
-                run_served(server.grpc_url, [BenchPrompt("warm-up", True, WARM_UP)], sampling, 1)
-                _stub_pid(pid)
-                sampler = ResourceSampler(pid, 0.5).start()
-                records, wall = run_served(server.grpc_url, prompts, sampling, concurrency)
-                peak = max(peak, summarize_samples(sampler.stop(), MODEL).get("model_stubs_rss_mib", 0.0))
-                figures = summarize(records, wall)
-                texts = [b"".join(r.kept).decode(errors="replace") for r in records]
-                same = sum(text == run.text for text, run in zip(texts, results[method].runs))
-                tps = counts / wall
+                passes = []
+                for _ in range(repeats):
+                    # a fresh stub: an empty output cache (suffix would otherwise find each prompt's
+                    # own output from the previous pass), warmed up on a prompt outside the set
+                    reply = requests.post(f"http://{server.http_url}/v2/repository/models/{MODEL}/load",
+                                          json={}, headers=server.repository_headers, timeout=300)
+                    if reply.status_code != 200:
+                        raise UnavailableError(f"reloading {MODEL} failed: HTTP {reply.status_code} {reply.text[:300]}")
+                    run_served(server.grpc_url, [BenchPrompt("warm-up", True, WARM_UP)], sampling, 1)
+                    _stub_pid(pid)
+                    sampler = ResourceSampler(pid, 0.5).start()
+                    records, wall = run_served(server.grpc_url, prompts, sampling, concurrency)
+                    peak = max(peak, summarize_samples(sampler.stop(), MODEL).get("model_stubs_rss_mib", 0.0))
+                    texts = [b"".join(r.kept).decode(errors="replace") for r in records]
+                    same = sum(text == run.text for text, run in zip(texts, results[method].runs))
+                    passes.append((counts / wall, records, wall, same))
+                tps = statistics.median(p[0] for p in passes)
+                figures = summarize([r for p in passes for r in p[1]], sum(p[2] for p in passes))
+                same = min(p[3] for p in passes)
                 rows.append({"run": SERVED, "method": method, "concurrency": concurrency, "tokens_per_s": tps,
                              "ttft_p50_ms": figures["ttft_p50_ms"], "gap_p50_ms": figures["itl_p50_ms"],
                              "gap_p99_ms": figures["itl_p99_ms"], "inprocess_e2e_tokens_per_s": inproc,
@@ -597,10 +603,12 @@ def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lam
     rows += batching_rows(gen, prompts, specs, greedy, ["none"] + ([best["method"]] if best else []))
     memory["in-process MiB after the runs"] = resident_mib()
     if settings.server:
-        served, stub_memory = served_rows(prompts, results, specs, settings.max_tokens, log)
+        served, stub_memory = served_rows(prompts, results, specs, settings.max_tokens,
+                                            max(1, settings.served_repeats), log)
         rows += served
         memory.update(stub_memory)
-        notes.append(f"served: a freshly loaded {MODEL} for each method and concurrency, warmed up on a prompt outside "
+        notes.append(f"served: the median of {max(1, settings.served_repeats)} passes per method and concurrency, "
+                     f"each on a freshly loaded {MODEL} warmed up on a prompt outside "
                      "the set; tokens/s = the in-process token count over the pass's wall time (prompt reading "
                      "included); response gaps between streamed responses")
     rows += [{"run": MEMORY, "measure": k, "value": v} for k, v in memory.items()]

@@ -20,6 +20,9 @@ from dspark.cli.bench import bench, bench_errors, emit, progress_log
 @click.option("--methods", default="", help="Comma-separated methods (default: every method of the model).")
 @click.option("--server/--no-server", default=True, show_default=True,
               help="Also stream through a tritonserver started on free ports (concurrency 1, 2, 4).")
+@click.option("--served-repeats", default=2, show_default=True,
+              help="Passes per method and concurrency through the server, each on a freshly loaded model "
+                   "(median).")
 @click.option("--sampled/--no-sampled", default=True, show_default=True,
               help="Also a sampled run (temperature 0.8).")
 @click.option("--llama-cpp/--no-llama-cpp", "peer", default=True, show_default=True,
@@ -32,7 +35,7 @@ from dspark.cli.bench import bench, bench_errors, emit, progress_log
               help="The result's path  [default: bench-results/spec-<time>.json]")
 @bench_errors
 def spec(max_tokens: int, per_kind: int, repeats: int, threads: int, methods: str, server: bool,
-         sampled: bool, peer: bool, llama_extra_buffers: bool, json_path: Optional[Path]) -> None:
+         served_repeats: int, sampled: bool, peer: bool, llama_extra_buffers: bool, json_path: Optional[Path]) -> None:
     """Plain decoding vs every speculative method of spec_lm (SmolLM2-135M-Instruct, 4-bit) on
     held-out prompts; llama.cpp's plain and prompt-lookup decoding of the same GGUF beside it.
     Exits non-zero when a greedy output differs from plain decoding."""
@@ -40,7 +43,8 @@ def spec(max_tokens: int, per_kind: int, repeats: int, threads: int, methods: st
 
     settings = SpecBenchSettings(
         max_tokens=max_tokens, per_kind=per_kind, repeats=repeats, threads=threads,
-        methods=[m.strip() for m in methods.split(",") if m.strip()], server=server, sampled=sampled,
+        methods=[m.strip() for m in methods.split(",") if m.strip()], server=server,
+        served_repeats=served_repeats, sampled=sampled,
         peer=peer, llama_extra_buffers=llama_extra_buffers)
     result = run_spec_bench(settings, log=lambda text: progress_log(f"  {text}"))
     emit(result, json_path or Path("bench-results") / f"spec-{time.strftime('%Y%m%d-%H%M%S')}.json")

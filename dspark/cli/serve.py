@@ -56,8 +56,8 @@ def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_p
                  model_control: str, load_models: Sequence[str], api_key, log_verbose: int, log_file, server_path,
                  forward_headers: str) -> TritonServer:
     """Start the server, or exit with one line saying why it could not."""
-    extra = header_forward_args(forward_headers) if forward_headers else []
     try:
+        extra = header_forward_args(forward_headers) if forward_headers else []
         server = TritonServer(
             repositories=list(repositories) or demo_repositories(),
             ports=ServerPorts(http=http_port, grpc=grpc_port, metrics=metrics_port),

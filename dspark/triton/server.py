@@ -32,7 +32,10 @@ INSTALL_HINT = (
     f"set {SERVER_ENV_VAR}=/path/to/tritonserver, or pass --server /path/to/tritonserver"
 )
 # Headers Triton passes to models as request parameters (the router reads dspark-tier, dspark-user-id).
-DEFAULT_HEADER_PATTERN = "dspark-.*"
+# Triton forwards a header to models when the pattern matches anywhere in its name (RE2
+# PartialMatch), so the default names the router's headers exactly: "dspark-.*" would also hand
+# every model the repository API key.
+DEFAULT_HEADER_PATTERN = "^dspark-(tier|user-id)$"
 PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 STUB_NAME = "triton_python_backend_stub"
 LOG_NAME = "tritonserver.log"
@@ -205,7 +208,15 @@ def build_backend_directory(install: ServerInstall, destination: Path, sources: 
 
 
 def header_forward_args(pattern: str) -> list[str]:
-    """Triton flags that forward HTTP and gRPC headers matching `pattern` to models."""
+    """Triton flags that forward HTTP and gRPC headers matching `pattern` to models; ServerError
+    when the pattern would forward the API key header (HTTP or gRPC name)."""
+    try:
+        leaks = [name for name in (API_KEY_HEADER, GRPC_API_KEY_HEADER) if re.search(pattern, name)]
+    except re.error as error:
+        raise ServerError(f"--forward-headers {pattern!r}: not a regular expression ({error})") from None
+    if leaks:
+        raise ServerError(f"--forward-headers {pattern!r} matches {leaks[0]}, which would hand every model "
+                          f"the API key; name the headers, e.g. {DEFAULT_HEADER_PATTERN!r}")
     return [f"--http-header-forward-pattern={pattern}", f"--grpc-header-forward-pattern={pattern}"]
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import stat
 import sys
@@ -17,12 +18,14 @@ from dspark._ext import cpu_features
 from dspark.cli.main import cli
 from dspark.triton.server import (
     API_KEY_HEADER,
+    DEFAULT_HEADER_PATTERN,
     GRPC_API_KEY_HEADER,
     ServerError,
     ServerPorts,
     TritonServer,
     build_backend_directory,
     find_server,
+    header_forward_args,
 )
 
 # A stand-in for tritonserver: listens where --http-address/--http-port say, answers the
@@ -296,3 +299,21 @@ def test_serve_takes_the_key_from_the_environment_and_does_not_print_it(tmp_path
 def test_a_host_that_is_not_an_address_is_refused(tmp_path):
     with pytest.raises(ServerError, match="--host 'example.com': expected an IP address"):
         TritonServer(repositories=[tmp_path], host="example.com")
+
+
+@pytest.mark.parametrize("pattern", ["dspark-.*", "api-key", "(?i)DSPARK-API", "protocol-dspark"])
+def test_a_header_pattern_that_would_forward_the_api_key_is_refused(tmp_path, pattern):
+    ports = ServerPorts.free()
+    result = CliRunner().invoke(cli, ["serve", "-r", str(tmp_path), "--forward-headers", pattern,
+                                      f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
+                                      f"--metrics-port={ports.metrics}"])
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "would hand every model the API key" in lines[0], result.output
+
+
+def test_the_default_header_pattern_forwards_the_router_headers_and_not_the_key():
+    http_flag = header_forward_args(DEFAULT_HEADER_PATTERN)[0]
+    pattern = http_flag.split("=", 1)[1]
+    assert [name for name in ("dspark-tier", "dspark-user-id", "dspark-tierx", API_KEY_HEADER, GRPC_API_KEY_HEADER)
+            if re.search(pattern, name)] == ["dspark-tier", "dspark-user-id"]
