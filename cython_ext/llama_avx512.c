@@ -22,12 +22,13 @@ AI __m512i bcast4(const int8_t *p) {
 AI __m512 load_half16(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 
 /* R rows x C adjacent tiles over all blocks; SPLIT keeps two integer accumulators per
- * (row, tile) so a short kernel has enough independent vpdpbusd chains. */
+ * (row, tile) so a short kernel has enough independent vpdpbusd chains (up to 6 of them: at
+ * 7-8 rows the extra registers cost more than they give). */
 AI void tile_kernel(const uint8_t *w0, size_t tile_bytes, size_t kb, const int fmt,
                     const llama_qact *a, size_t r0, const int R, const int C, float *out,
                     size_t ldo) {
     const size_t bb = llama_block_bytes(fmt), so = llama_scale_offset(fmt);
-    const int zero = llama_zero_point(fmt), split = R * C <= 4;
+    const int zero = llama_zero_point(fmt), split = R * C <= 6;
     const __m512i nib = _mm512_set1_epi8(0x0f);
     __m512 acc[8][4];
     for (int r = 0; r < R; r++)
@@ -88,8 +89,9 @@ AI void tile_kernel(const uint8_t *w0, size_t tile_bytes, size_t kb, const int f
             _mm512_storeu_ps(out + (r0 + r) * ldo + c * LLAMA_TILE, acc[r][c]);
 }
 
-/* Tiles per call for a group of R rows. */
-AI int tiles_for_rows(int rows) { return rows == 1 ? 4 : rows <= 4 ? 2 : 1; }
+/* Tiles per call for a group of R rows. Measured on Sapphire Rapids (docs/llm_kernels.md):
+ * 3-4 rows over 2 tiles without the split ran ~1.6x slower than over 1 tile with it. */
+AI int tiles_for_rows(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
 
 #define KERNEL_CASE(FMT, R)                                                                 \
     case R:                                                                                 \
