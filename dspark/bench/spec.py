@@ -377,11 +377,14 @@ def _stub_pid(server_pid: int) -> int:
     raise UnavailableError(f"cannot tell which stub serves {MODEL}: {stubs}")
 
 
-def served_rows(prompts: list[BenchPrompt], results: dict[str, MethodResult], specs: dict[str, SpeculativeParams],
-                max_tokens: int, repeats: int, log: Callable[[str], None]) -> tuple[list[dict], dict]:
+def served_rows(gen: TextGenerator, prompts: list[BenchPrompt], results: dict[str, MethodResult],
+                specs: dict[str, SpeculativeParams], sampling: SamplingParams, repeats: int,
+                log: Callable[[str], None]) -> tuple[list[dict], dict]:
     """Each method at concurrency 1, 2, 4 through a tritonserver started here, the median of
     ``repeats`` passes (the same text in every pass counts); and the stub's resident memory after
-    load and at most while serving (MiB)."""
+    load and at most while serving (MiB). The in-process reference is measured beside the served
+    passes: after each concurrency-1 pass, the same prompts in process, one at a time (this
+    shared machine's speed drifts between the in-process section and this one)."""
     import requests
 
     from dspark.bench.load import summarize
@@ -397,9 +400,9 @@ def served_rows(prompts: list[BenchPrompt], results: dict[str, MethodResult], sp
         idle = resident_mib(_stub_pid(pid))
         peak = idle
         for method in [m for m in SERVED_METHODS if m in specs]:
-            sampling = {"max_tokens": max_tokens, "speculative": vars(specs[method])}
+            request = {"max_tokens": sampling.max_tokens, "speculative": vars(specs[method])}
             counts = sum(len(r.tokens) for r in results[method].runs)
-            inproc = results[method].end_to_end_tokens_per_s
+            beside: list[float] = []
             for concurrency in CONCURRENCY:
                 passes = []
                 for _ in range(repeats):
@@ -409,15 +412,18 @@ def served_rows(prompts: list[BenchPrompt], results: dict[str, MethodResult], sp
                                           json={}, headers=server.repository_headers, timeout=300)
                     if reply.status_code != 200:
                         raise UnavailableError(f"reloading {MODEL} failed: HTTP {reply.status_code} {reply.text[:300]}")
-                    run_served(server.grpc_url, [BenchPrompt("warm-up", True, WARM_UP)], sampling, 1)
+                    run_served(server.grpc_url, [BenchPrompt("warm-up", True, WARM_UP)], request, 1)
                     _stub_pid(pid)
                     sampler = ResourceSampler(pid, 0.5).start()
-                    records, wall = run_served(server.grpc_url, prompts, sampling, concurrency)
+                    records, wall = run_served(server.grpc_url, prompts, request, concurrency)
                     peak = max(peak, summarize_samples(sampler.stop(), MODEL).get("model_stubs_rss_mib", 0.0))
                     texts = [b"".join(r.kept).decode(errors="replace") for r in records]
                     same = sum(text == run.text for text, run in zip(texts, results[method].runs))
                     passes.append((counts / wall, records, wall, same))
+                    if concurrency == 1:
+                        beside.append(concurrent_inprocess(gen, prompts, specs[method], sampling, 1))
                 tps = statistics.median(p[0] for p in passes)
+                inproc = statistics.median(beside)
                 figures = summarize([r for p in passes for r in p[1]], sum(p[2] for p in passes))
                 same = min(p[3] for p in passes)
                 rows.append({"run": SERVED, "method": method, "concurrency": concurrency, "tokens_per_s": tps,
@@ -603,14 +609,14 @@ def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lam
     rows += batching_rows(gen, prompts, specs, greedy, ["none"] + ([best["method"]] if best else []))
     memory["in-process MiB after the runs"] = resident_mib()
     if settings.server:
-        served, stub_memory = served_rows(prompts, results, specs, settings.max_tokens,
-                                            max(1, settings.served_repeats), log)
+        served, stub_memory = served_rows(gen, prompts, results, specs, greedy, max(1, settings.served_repeats), log)
         rows += served
         memory.update(stub_memory)
         notes.append(f"served: the median of {max(1, settings.served_repeats)} passes per method and concurrency, "
                      f"each on a freshly loaded {MODEL} warmed up on a prompt outside "
                      "the set; tokens/s = the in-process token count over the pass's wall time (prompt reading "
-                     "included); response gaps between streamed responses")
+                     "included); in-process reference: the same prompts one at a time in process after each "
+                     "concurrency-1 pass (median); response gaps between streamed responses")
     rows += [{"run": MEMORY, "measure": k, "value": v} for k, v in memory.items()]
     return BenchResult(
         "spec", {**settings.to_json(), "model": f"{MODEL} ({folder.name})", "target": type(engine.target).__name__,
