@@ -10,7 +10,8 @@ outputs, never its own). ``tokens/s`` counts decoding after the first token (the
 prefill, the same work for every method, is the TTFT). Through the server, each method and
 concurrency (1, 2, 4) gets freshly loaded models (one per pass, median of the passes) warmed up
 on a prompt outside the set; all prompts go ``concurrency`` at a time over gRPC streaming
-(dspark/bench/client.py); tokens/s is the in-process token count over the pass's wall time. One ``BenchResult``, one table per ``run``.
+(dspark/bench/client.py); tokens/s is the in-process token count over the pass's wall time.
+One ``BenchResult``, one table per ``run``.
 """
 from __future__ import annotations
 
