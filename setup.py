@@ -16,11 +16,17 @@ SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "
     if os.environ.get("DSPARK_SANITIZE") == "1" else []
 
 
+# Every C unit and header: an extension is relinked when any of them changes (a per-ISA unit
+# reaches it through a static library, which build_ext does not look at).
+C_DEPENDS = sorted(str(p) for pattern in ("*.c", "*.h", "*.inc") for p in Path("cython_ext").glob(pattern))
+
+
 def cython_extension(name: str, sources: list[str], **kwargs) -> Extension:
     """`dspark._ext.<name>` from cython_ext/ sources (paths relative to cython_ext/)."""
     return Extension(
         f"dspark._ext.{name}",
         [f"cython_ext/{source}" for source in sources],
+        depends=C_DEPENDS,
         include_dirs=["cython_ext", numpy.get_include(), *kwargs.pop("include_dirs", [])],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"), *kwargs.pop("define_macros", [])],
         extra_compile_args=[*kwargs.pop("extra_compile_args", []), *SANITIZE],
