@@ -378,6 +378,26 @@ def _stub_pid(server_pid: int) -> int:
     raise UnavailableError(f"cannot tell which stub serves {MODEL}: {stubs}")
 
 
+def _pass_on_fresh_stub(server, request: dict, prompts: list[BenchPrompt], concurrency: int) -> tuple[list, float, float]:
+    """Reload the model (a fresh stub: an empty output cache, or suffix would find each prompt's
+    own output from the previous pass), warm it up on a prompt outside the set, then run all
+    prompts: their records, the wall time, and the stub's peak resident MiB meanwhile."""
+    import requests
+
+    from dspark.bench.resources import ResourceSampler, summarize_samples
+
+    reply = requests.post(f"http://{server.http_url}/v2/repository/models/{MODEL}/load",
+                          json={}, headers=server.repository_headers, timeout=300)
+    if reply.status_code != 200:
+        raise UnavailableError(f"reloading {MODEL} failed: HTTP {reply.status_code} {reply.text[:300]}")
+    run_served(server.grpc_url, [BenchPrompt("warm-up", True, WARM_UP)], request, 1)
+    pid = server._process.pid
+    _stub_pid(pid)
+    sampler = ResourceSampler(pid, 0.5).start()
+    records, wall = run_served(server.grpc_url, prompts, request, concurrency)
+    return records, wall, summarize_samples(sampler.stop(), MODEL).get("model_stubs_rss_mib", 0.0)
+
+
 def served_rows(gen: TextGenerator, prompts: list[BenchPrompt], results: dict[str, MethodResult],
                 specs: dict[str, SpeculativeParams], sampling: SamplingParams, repeats: int,
                 log: Callable[[str], None]) -> tuple[list[dict], dict]:
@@ -386,10 +406,7 @@ def served_rows(gen: TextGenerator, prompts: list[BenchPrompt], results: dict[st
     load and at most while serving (MiB). The in-process reference is measured beside the served
     passes: after each concurrency-1 pass, the same prompts in process, one at a time (this
     shared machine's speed drifts between the in-process section and this one)."""
-    import requests
-
     from dspark.bench.load import summarize
-    from dspark.bench.resources import ResourceSampler, summarize_samples
     from dspark.paths import demo_repositories
     from dspark.triton.server import TritonServer
 
@@ -397,36 +414,27 @@ def served_rows(gen: TextGenerator, prompts: list[BenchPrompt], results: dict[st
     server = TritonServer(repositories=demo_repositories(), model_control="explicit", load_models=[MODEL])
     server.start()
     try:
-        pid = server._process.pid
-        idle = resident_mib(_stub_pid(pid))
+        idle = resident_mib(_stub_pid(server._process.pid))
         peak = idle
         for method in [m for m in SERVED_METHODS if m in specs]:
             request = {"max_tokens": sampling.max_tokens, "speculative": vars(specs[method])}
-            counts = sum(len(r.tokens) for r in results[method].runs)
-            beside: list[float] = []
+            runs = results[method].runs
+            counts = sum(len(r.tokens) for r in runs)
+            inproc_rates: list[float] = []  # filled by the concurrency-1 passes, CONCURRENCY's first
             for concurrency in CONCURRENCY:
-                passes = []
+                records, walls, same = [], [], len(prompts)
                 for _ in range(repeats):
-                    # a fresh stub: an empty output cache (suffix would otherwise find each prompt's
-                    # own output from the previous pass), warmed up on a prompt outside the set
-                    reply = requests.post(f"http://{server.http_url}/v2/repository/models/{MODEL}/load",
-                                          json={}, headers=server.repository_headers, timeout=300)
-                    if reply.status_code != 200:
-                        raise UnavailableError(f"reloading {MODEL} failed: HTTP {reply.status_code} {reply.text[:300]}")
-                    run_served(server.grpc_url, [BenchPrompt("warm-up", True, WARM_UP)], request, 1)
-                    _stub_pid(pid)
-                    sampler = ResourceSampler(pid, 0.5).start()
-                    records, wall = run_served(server.grpc_url, prompts, request, concurrency)
-                    peak = max(peak, summarize_samples(sampler.stop(), MODEL).get("model_stubs_rss_mib", 0.0))
-                    texts = [b"".join(r.kept).decode(errors="replace") for r in records]
-                    same = sum(text == run.text for text, run in zip(texts, results[method].runs))
-                    passes.append((counts / wall, records, wall, same))
+                    pass_records, wall, rss = _pass_on_fresh_stub(server, request, prompts, concurrency)
+                    peak = max(peak, rss)
+                    records += pass_records
+                    walls.append(wall)
+                    texts = [b"".join(r.kept).decode(errors="replace") for r in pass_records]
+                    same = min(same, sum(text == run.text for text, run in zip(texts, runs)))
                     if concurrency == 1:
-                        beside.append(concurrent_inprocess(gen, prompts, specs[method], sampling, 1))
-                tps = statistics.median(p[0] for p in passes)
-                inproc = statistics.median(beside)
-                figures = summarize([r for p in passes for r in p[1]], sum(p[2] for p in passes))
-                same = min(p[3] for p in passes)
+                        inproc_rates.append(concurrent_inprocess(gen, prompts, specs[method], sampling, 1))
+                tps = statistics.median(counts / wall for wall in walls)
+                inproc = statistics.median(inproc_rates)
+                figures = summarize(records, sum(walls))
                 rows.append({"run": SERVED, "method": method, "concurrency": concurrency, "tokens_per_s": tps,
                              "ttft_p50_ms": figures["ttft_p50_ms"], "gap_p50_ms": figures["itl_p50_ms"],
                              "gap_p99_ms": figures["itl_p99_ms"], "inprocess_e2e_tokens_per_s": inproc,
@@ -610,10 +618,10 @@ def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lam
     rows += batching_rows(gen, prompts, specs, greedy, ["none"] + ([best["method"]] if best else []))
     memory["in-process MiB after the runs"] = resident_mib()
     if settings.server:
-        served, stub_memory = served_rows(gen, prompts, results, specs, greedy, max(1, settings.served_repeats), log)
+        served, stub_memory = served_rows(gen, prompts, results, specs, greedy, settings.served_repeats, log)
         rows += served
         memory.update(stub_memory)
-        notes.append(f"served: the median of {max(1, settings.served_repeats)} passes per method and concurrency, "
+        notes.append(f"served: the median of {settings.served_repeats} passes per method and concurrency, "
                      f"each on a freshly loaded {MODEL} warmed up on a prompt outside "
                      "the set; tokens/s = the in-process token count over the pass's wall time (prompt reading "
                      "included); in-process reference: the same prompts one at a time in process after each "

@@ -20,7 +20,7 @@ from dspark.cli.bench import bench, bench_errors, emit, progress_log
 @click.option("--methods", default="", help="Comma-separated methods (default: every method of the model).")
 @click.option("--server/--no-server", default=True, show_default=True,
               help="Also stream through a tritonserver started on free ports (concurrency 1, 2, 4).")
-@click.option("--served-repeats", default=2, show_default=True,
+@click.option("--served-repeats", default=2, show_default=True, type=click.IntRange(min=1),
               help="Passes per method and concurrency through the server, each on a freshly loaded model "
                    "(median).")
 @click.option("--sampled/--no-sampled", default=True, show_default=True,
