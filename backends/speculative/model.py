@@ -11,6 +11,7 @@ Requests run on a bounded worker pool (max_concurrent_requests; up to max_queued
 wait at most max_queue_wait_ms, beyond that UNAVAILABLE); a request's loop checks for
 cancellation every round; finalize cancels what runs and drains it.
 """
+import faulthandler
 import json
 import os
 import threading
@@ -39,6 +40,9 @@ DRAIN_TIMEOUT_S = 3.0  # finalize: requests in flight end at their next round, w
 # requests in flight learns of an unload (or a server stop) from the server's health endpoints:
 # while busy, it asks every this many seconds whether the server and the model are still ready.
 UNLOAD_POLL_S = 0.25
+# an unload ends running requests within a round and Triton then calls finalize; when it has not
+# after this long, the model logs so with every thread's stack (a stop that hangs is diagnosable)
+UNLOAD_REPORT_S = 5.0
 # a request asks the server whether its client cancelled at most this often (an IPC round trip
 # that would otherwise sit in every decode round); a cancel still ends it within a few tokens
 CANCEL_RECHECK_S = 0.02
@@ -162,6 +166,7 @@ class TritonPythonModel:
         self.pool = RequestPool(settings.max_concurrent_requests, settings.max_queued_requests,
                                 settings.max_queue_wait_ms / 1e3, name=args["model_name"])
         self.name, self.version = args["model_name"], args["model_version"]
+        self.finalizing = threading.Event()
         self.watcher = threading.Thread(target=self._watch_unload, name="unload-watch", daemon=True)
         self.watcher.start()
         pb_utils.Logger.log_info(
@@ -199,6 +204,15 @@ class TritonPythonModel:
                 self.pool.closing.set()
                 pb_utils.Logger.log_info(f"speculative backend: {self.name} is unloading; stopping "
                                          f"{running} running and {waiting} waiting requests")
+        if not self.finalizing.wait(UNLOAD_REPORT_S):
+            self._report_stuck_unload()
+
+    def _report_stuck_unload(self):
+        running, waiting = self.pool.load
+        pb_utils.Logger.log_warn(f"speculative backend: {self.name}: not finalized {UNLOAD_REPORT_S:g} s after "
+                                 f"the unload began ({running} requests running, {waiting} waiting); "
+                                 "the stub's thread stacks follow on stderr")
+        faulthandler.dump_traceback(all_threads=True)
 
     def _late_health(self, late: int, error: BaseException) -> int:
         """Count health checks that got no answer in time; say so once, at the fourth."""
@@ -340,6 +354,7 @@ class TritonPythonModel:
         """Cancel what runs (each request ends at its next round and is answered), reject what
         waits, then release the engine and the metric families."""
         started = time.monotonic()
+        self.finalizing.set()
         drained = self.pool.close(DRAIN_TIMEOUT_S)
         self.watcher.join(DRAIN_TIMEOUT_S)
         self.generator.engine.close()

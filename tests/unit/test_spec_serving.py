@@ -104,3 +104,55 @@ def test_the_servers_http_endpoint_is_read_from_its_command_line():
     assert server_http_url(["tritonserver", "--http-address", "10.0.0.5", "--http-port", "9"]) == "10.0.0.5:9"
     assert server_http_url(["tritonserver"]) == "127.0.0.1:8000"
     assert server_http_url(["tritonserver", "--allow-http=false"]) is None
+
+
+def _speculative_adapter(monkeypatch, logged: list):
+    """backends/speculative/model.py over a stand-in for Triton's pb_utils that records log lines."""
+    import importlib.util
+    import sys
+    import types
+
+    from dspark.paths import project_root
+
+    fake = types.ModuleType("triton_python_backend_utils")
+    fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    fake.Logger = types.SimpleNamespace(log_info=lambda m: logged.append(("info", m)),
+                                        log_warn=lambda m: logged.append(("warn", m)))
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
+    spec = importlib.util.spec_from_file_location("speculative_adapter_under_test",
+                                                  project_root() / "backends" / "speculative" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("finalized", [False, True])
+def test_an_unload_that_finalize_does_not_follow_is_reported_with_the_thread_stacks(monkeypatch, capfd, finalized):
+    logged = []
+    adapter = _speculative_adapter(monkeypatch, logged)
+    monkeypatch.setattr(adapter, "UNLOAD_REPORT_S", 0.2)
+    monkeypatch.setattr(adapter, "server_http_url", lambda: "127.0.0.1:1")
+    model = adapter.TritonPythonModel()
+    model.name, model.version, model.finalizing = "spec_x", "1", threading.Event()
+    model.pool = RequestPool(1, 0, 5.0, name="stuck-worker")
+    release = threading.Event()
+    model.pool.submit(lambda: release.wait(10), lambda error: None)  # a request that does not end
+    try:
+        deadline = time.monotonic() + 5
+        while model.pool.load != (1, 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        model.pool.closing.set()  # the unload began
+        if finalized:
+            model.finalizing.set()
+        model._watch_unload()
+    finally:
+        release.set()
+        model.pool.close(2)
+    warnings = [m for level, m in logged if level == "warn"]
+    stacks = capfd.readouterr().err
+    if finalized:
+        assert warnings == [] and "stuck-worker" not in stacks
+    else:
+        assert warnings == ["speculative backend: spec_x: not finalized 0.2 s after the unload began "
+                            "(1 requests running, 0 waiting); the stub's thread stacks follow on stderr"]
+        assert "_work" in stacks and "test_spec_serving.py" in stacks  # the stuck request's frames
