@@ -194,7 +194,7 @@ def main() -> None:
         if match:
             when = datetime.strptime(f"{stop_at.year}{match[1]} {match[2]}", "%Y%m%d %H:%M:%S.%f")
             unload_s = (when - stop_at).total_seconds()
-    shm_left = Path(f"/dev/shm/{region}").exists()
+    shm_left = region in server.left_shm_regions  # Triton's own clean-up missed it; stop() removed it
 
     rss = [mb for _, mb in samples]
     warm = [mb for s, mb in samples if s >= args.warmup_share * args.minutes * 60]

@@ -268,15 +268,52 @@ def _listening_ports(pid: int) -> set[int]:
     return {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
 
 
+def shared_memory_regions(pid: int) -> set[Path]:
+    """The /dev/shm files that a process and its children have mapped. Triton's Python backend
+    keeps each model instance's IPC in such a region (1 MiB and up, in RAM) and unlinks it when
+    the model unloads, but not when the server is killed or gives up at its exit timeout."""
+    try:
+        process = psutil.Process(pid)
+        pids = [pid, *(child.pid for child in process.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return set()
+    regions = set()
+    for each in pids:
+        try:
+            with open(f"/proc/{each}/maps") as maps:
+                for line in maps:
+                    fields = line.split(None, 5)
+                    if len(fields) == 6 and fields[5].startswith("/dev/shm/") and "(deleted)" not in fields[5]:
+                        regions.add(Path(fields[5].rstrip("\n")))
+        except OSError:
+            continue
+    return regions
+
+
+def remove_left_regions(regions: set[Path]) -> list[str]:
+    """Unlink those of ``regions`` that still exist (their server is gone); their names."""
+    removed = []
+    for region in sorted(regions):
+        try:
+            region.unlink()
+            removed.append(region.name)
+        except FileNotFoundError:
+            continue
+    return removed
+
+
 def _clean_up(started: dict) -> None:
-    """Last resort when a started server is never stopped (interpreter exit): kill it, drop its files.
-    ``started`` holds its "workdir" and, once running, its "process"."""
+    """Last resort when a started server is never stopped (interpreter exit): kill it, free its
+    shared memory, drop its files. ``started`` holds its "workdir" and, once running, its "process"."""
     process = started.get("process")
     if process is not None and process.poll() is None:
+        regions = shared_memory_regions(process.pid)
         try:
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        process.wait()
+        remove_left_regions(regions)
     shutil.rmtree(started["workdir"], ignore_errors=True)
 
 
@@ -302,6 +339,9 @@ class TritonServer:
     # How long Triton waits on SIGTERM for in-flight requests and open client connections.
     exit_timeout_s: int = 30
     api_key: Optional[str] = None
+    # After stop(): the shared-memory regions the server left behind (stop removed them).
+    left_shm_regions: list[str] = field(default_factory=list, init=False)
+    _regions: set[Path] = field(default_factory=set, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.model_control not in ("none", "explicit", "poll"):
@@ -451,8 +491,13 @@ class TritonServer:
             self._stop_requested = True
             self._process.send_signal(signal.SIGTERM)
 
+    def _note_regions(self) -> None:
+        if self.running:
+            self._regions |= shared_memory_regions(self._process.pid)
+
     def kill(self) -> None:
         if self._process is not None:
+            self._note_regions()  # stop() removes what the killed server leaves
             self._stop_requested = True
             try:
                 os.killpg(self._process.pid, signal.SIGKILL)
@@ -463,10 +508,13 @@ class TritonServer:
         """SIGTERM (Triton drains in-flight requests), then SIGKILL the whole group if it hangs.
 
         Removes the temporary folder, except the log of a server that exited with an error on its
-        own (or when `keep_log`): error messages name that file."""
+        own (or when `keep_log`): error messages name that file. Shared-memory regions of the
+        server's models that it did not remove itself (it was killed, or hit its exit timeout)
+        are removed and named in `left_shm_regions`."""
         timeout_s = self.exit_timeout_s + 10
         code = None
         if self._process is not None:
+            self._note_regions()
             if self.running:
                 self.terminate()
                 try:
@@ -477,6 +525,9 @@ class TritonServer:
             code = self._process.returncode
             keep_log = keep_log or (code != 0 and not self._stop_requested)
             self.kill()  # stubs left behind by a killed server
+            if self._regions:
+                self.left_shm_regions = remove_left_regions(self._regions)
+                self._regions = set()
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -225,4 +225,5 @@ def test_server_stop_with_requests_in_flight_unloads_at_once(request):
     assert "speculative backend: finalized" in log and "Exit timeout expired" not in log
     for result in results:  # each ended (the server may close a stream before its last reply)
         assert result.error or result.final
-    assert not [r for r in regions if os.path.exists(f"/dev/shm/{r}")], "shared memory left behind"
+    assert server.left_shm_regions == [], "the server left its shared memory behind (stop removed it)"
+    assert not [r for r in regions if os.path.exists(f"/dev/shm/{r}")]

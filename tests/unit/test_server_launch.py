@@ -40,7 +40,17 @@ if os.environ.get("FAKE_EXIT_AFTER_S"):
     time.sleep(float(os.environ["FAKE_EXIT_AFTER_S"]))
     print("error: creating server: fake failure", flush=True)
     sys.exit(3)
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+region = os.environ.get("FAKE_SHM_REGION")  # mapped like a Python backend's IPC region
+if region:
+    import mmap
+    fd = os.open("/dev/shm/" + region, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4096)
+    mapped = mmap.mmap(fd, 4096)
+def stop(*_):
+    if region and os.environ.get("FAKE_SHM_CLEAN"):
+        os.unlink("/dev/shm/" + region)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
 class Ready(BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200)
@@ -214,6 +224,28 @@ def test_a_clean_stop_leaves_no_temporary_folder(tmp_path, private_tmpdir):
     with TritonServer(repositories=[tmp_path], server_path=str(binary)) as server:
         assert server.running and "fake tritonserver" in server.log_text()
     assert list(private_tmpdir.iterdir()) == []
+
+
+@pytest.mark.parametrize("ending", ["clean exit", "exit leaving it", "killed"])
+def test_stop_removes_the_shared_memory_a_server_left_behind(tmp_path, monkeypatch, ending):
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    region = Path(f"/dev/shm/dspark_test_{os.getpid()}_{ending.replace(' ', '_')}")
+    monkeypatch.setenv("FAKE_SHM_REGION", region.name)
+    if ending == "clean exit":
+        monkeypatch.setenv("FAKE_SHM_CLEAN", "1")
+    server = TritonServer(repositories=[tmp_path], server_path=str(binary))
+    try:
+        server.start(timeout_s=20)
+        assert region.exists()
+        if ending == "killed":
+            server.kill()
+    finally:
+        server.stop()
+        left = region.exists()
+        region.unlink(missing_ok=True)
+    assert not left
+    assert server.left_shm_regions == ([] if ending == "clean exit" else [region.name])
 
 
 def test_the_log_stays_where_log_file_says(tmp_path, private_tmpdir):
