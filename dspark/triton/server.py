@@ -269,24 +269,32 @@ def _listening_ports(pid: int) -> set[int]:
 
 
 def shared_memory_regions(pid: int) -> set[Path]:
-    """The /dev/shm files that a process and its children have mapped. Triton's Python backend
-    keeps each model instance's IPC in such a region (1 MiB and up, in RAM) and unlinks it when
-    the model unloads, but not when the server is killed or gives up at its exit timeout."""
+    """The /dev/shm files that a server process and one of its children (a Python backend stub)
+    both map: the IPC region Triton's Python backend keeps per model instance (1 MiB and up, in
+    RAM), which it unlinks when the model unloads but not when the server is killed or gives up
+    at its exit timeout. A client's region registered with the server is mapped by the server
+    alone, so it is never among them."""
     try:
-        process = psutil.Process(pid)
-        pids = [pid, *(child.pid for child in process.children(recursive=True))]
+        children = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return set()
+    in_children: set[Path] = set()
+    for child in children:
+        in_children |= _mapped_shm(child.pid)
+    return _mapped_shm(pid) & in_children
+
+
+def _mapped_shm(pid: int) -> set[Path]:
     regions = set()
-    for each in pids:
-        try:
-            with open(f"/proc/{each}/maps") as maps:
-                for line in maps:
-                    fields = line.split(None, 5)
-                    if len(fields) == 6 and fields[5].startswith("/dev/shm/") and "(deleted)" not in fields[5]:
-                        regions.add(Path(fields[5].rstrip("\n")))
-        except OSError:
-            continue
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                fields = line.split(None, 5)  # address perms offset device inode [path]
+                path = fields[5].rstrip("\n") if len(fields) == 6 else ""
+                if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
+                    regions.add(Path(path))
+    except OSError:
+        pass
     return regions
 
 

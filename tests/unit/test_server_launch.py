@@ -40,12 +40,19 @@ if os.environ.get("FAKE_EXIT_AFTER_S"):
     time.sleep(float(os.environ["FAKE_EXIT_AFTER_S"]))
     print("error: creating server: fake failure", flush=True)
     sys.exit(3)
-region = os.environ.get("FAKE_SHM_REGION")  # mapped like a Python backend's IPC region
+region = os.environ.get("FAKE_SHM_REGION")  # mapped by the server and a stub, as the Python backend's
 if region:
-    import mmap
-    fd = os.open("/dev/shm/" + region, os.O_CREAT | os.O_RDWR, 0o600)
-    os.ftruncate(fd, 4096)
-    mapped = mmap.mmap(fd, 4096)
+    import mmap, subprocess
+    mapped = []
+    for name in (region, os.environ.get("FAKE_CLIENT_REGION")):  # a client's: mapped by the server alone
+        if name:
+            fd = os.open("/dev/shm/" + name, os.O_CREAT | os.O_RDWR, 0o600)
+            os.ftruncate(fd, 4096)
+            mapped.append(mmap.mmap(fd, 4096))
+    stub = subprocess.Popen([sys.executable, "-c", "import mmap, os, sys, time; "
+                             "m = mmap.mmap(os.open(sys.argv[1], os.O_RDWR), 4096); print('stub', flush=True); "
+                             "time.sleep(600)", "/dev/shm/" + region], stdout=subprocess.PIPE)
+    stub.stdout.readline()
 def stop(*_):
     if region and os.environ.get("FAKE_SHM_CLEAN"):
         os.unlink("/dev/shm/" + region)
@@ -231,7 +238,9 @@ def test_stop_removes_the_shared_memory_a_server_left_behind(tmp_path, monkeypat
     binary = fake_server(tmp_path, "")
     binary.write_text(FAKE_TRITON)
     region = Path(f"/dev/shm/dspark_test_{os.getpid()}_{ending.replace(' ', '_')}")
+    client_region = Path(f"{region}_client")
     monkeypatch.setenv("FAKE_SHM_REGION", region.name)
+    monkeypatch.setenv("FAKE_CLIENT_REGION", client_region.name)
     if ending == "clean exit":
         monkeypatch.setenv("FAKE_SHM_CLEAN", "1")
     server = TritonServer(repositories=[tmp_path], server_path=str(binary))
@@ -242,9 +251,10 @@ def test_stop_removes_the_shared_memory_a_server_left_behind(tmp_path, monkeypat
             server.kill()
     finally:
         server.stop()
-        left = region.exists()
+        left, client_kept = region.exists(), client_region.exists()
         region.unlink(missing_ok=True)
-    assert not left
+        client_region.unlink(missing_ok=True)
+    assert not left and client_kept  # a region the server maps alone is a client's: never removed
     assert server.left_shm_regions == ([] if ending == "clean exit" else [region.name])
 
 
