@@ -496,6 +496,7 @@ class TritonServer:
     def terminate(self) -> None:
         """Ask the server to drain and exit, without waiting (safe inside a signal handler)."""
         if self.running:
+            self._note_regions()  # stop() removes what a server that hit its exit timeout leaves
             self._stop_requested = True
             self._process.send_signal(signal.SIGTERM)
 
@@ -522,7 +523,6 @@ class TritonServer:
         timeout_s = self.exit_timeout_s + 10
         code = None
         if self._process is not None:
-            self._note_regions()
             if self.running:
                 self.terminate()
                 try:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import socket
 import stat
 import sys
@@ -233,11 +234,11 @@ def test_a_clean_stop_leaves_no_temporary_folder(tmp_path, private_tmpdir):
     assert list(private_tmpdir.iterdir()) == []
 
 
-@pytest.mark.parametrize("ending", ["clean exit", "exit leaving it", "killed"])
+@pytest.mark.parametrize("ending", ["clean exit", "exit leaving it", "killed", "terminated, waited"])
 def test_stop_removes_the_shared_memory_a_server_left_behind(tmp_path, monkeypatch, ending):
     binary = fake_server(tmp_path, "")
     binary.write_text(FAKE_TRITON)
-    region = Path(f"/dev/shm/dspark_test_{os.getpid()}_{ending.replace(' ', '_')}")
+    region = Path(f"/dev/shm/dspark_test_{os.getpid()}_{secrets.token_hex(4)}")
     client_region = Path(f"{region}_client")
     monkeypatch.setenv("FAKE_SHM_REGION", region.name)
     monkeypatch.setenv("FAKE_CLIENT_REGION", client_region.name)
@@ -249,6 +250,9 @@ def test_stop_removes_the_shared_memory_a_server_left_behind(tmp_path, monkeypat
         assert region.exists()
         if ending == "killed":
             server.kill()
+        elif ending == "terminated, waited":  # as `dspark serve` stops on a signal
+            server.terminate()
+            server.wait()
     finally:
         server.stop()
         left, client_kept = region.exists(), client_region.exists()
