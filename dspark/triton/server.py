@@ -285,17 +285,11 @@ def shared_memory_regions(pid: int) -> set[Path]:
 
 
 def _mapped_shm(pid: int) -> set[Path]:
-    regions = set()
     try:
-        with open(f"/proc/{pid}/maps") as maps:
-            for line in maps:
-                fields = line.split(None, 5)  # address perms offset device inode [path]
-                path = fields[5].rstrip("\n") if len(fields) == 6 else ""
-                if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
-                    regions.add(Path(path))
-    except OSError:
-        pass
-    return regions
+        paths = [m.path for m in psutil.Process(pid).memory_maps()]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return set()
+    return {Path(p) for p in paths if p.startswith("/dev/shm/") and not p.endswith("(deleted)")}
 
 
 def remove_left_regions(regions: set[Path]) -> list[str]:
