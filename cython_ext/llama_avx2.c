@@ -7,6 +7,9 @@
 #include "llama_kernels.h"
 
 #define AI static inline __attribute__((always_inline))
+#ifndef LLAMA_PF_BLOCKS
+#define LLAMA_PF_BLOCKS 8  /* software prefetch distance in blocks of a tile */
+#endif
 
 AI __m256i bcast4(const int8_t *p) {
     int32_t v;
@@ -32,6 +35,14 @@ AI void half_kernel(const uint8_t *w0, size_t tile_bytes, size_t kb, const int f
         for (int r = 0; r < R; r++) aq[r] = a->q + (r0 + r) * a->k + b * LLAMA_QK;
         for (int c = 0; c < C; c++) {
             const uint8_t *blk = w0 + c * tile_bytes + b * bb + 32 * half;
+#if LLAMA_PF_BLOCKS
+            /* from 2 rows the block's arithmetic hides the prefetch (4-8 rows: ~10-20 % faster on
+             * Zen 3); at 1 row the hardware prefetcher keeps up and this cost ~10 %. The first
+             * half's pass brings the block's lines in; the second reads them from cache. */
+            if (half == 0 && R > 1)
+                for (size_t line = 0; line < bb; line += 64)
+                    _mm_prefetch((const char *)blk + LLAMA_PF_BLOCKS * bb + line, _MM_HINT_T0);
+#endif
             __m256i isum[4];
             if (fmt == LLAMA_Q8_0) {
                 const __m256i flip = _mm256_set1_epi8((char)0x80);
