@@ -32,7 +32,7 @@ from dspark.decoding.text import send_coalesced
 from dspark.errors import ConfigError, RequestError, UnavailableError
 from dspark.llm.importer import MODEL_FILE, STAMP_FILE
 from dspark.triton.adapter import config_parameters, server_http_url, triton_error
-from dspark.triton.response_sender import GuardedSender
+from dspark.triton.response_sender import GuardedSender, StreamLedger
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 DRAIN_TIMEOUT_S = 3.0  # finalize: requests in flight end at their next round, well within this
@@ -167,6 +167,7 @@ class TritonPythonModel:
                                 settings.max_queue_wait_ms / 1e3, name=args["model_name"])
         self.name, self.version = args["model_name"], args["model_version"]
         self.finalizing = threading.Event()
+        self.streams = StreamLedger()
         self.watcher = threading.Thread(target=self._watch_unload, name="unload-watch", daemon=True)
         self.watcher.start()
         pb_utils.Logger.log_info(
@@ -210,8 +211,8 @@ class TritonPythonModel:
     def _report_stuck_unload(self):
         running, waiting = self.pool.load
         pb_utils.Logger.log_warn(f"speculative backend: {self.name}: not finalized {UNLOAD_REPORT_S:g} s after "
-                                 f"the unload began ({running} requests running, {waiting} waiting); "
-                                 "the stub's thread stacks follow on stderr")
+                                 f"the unload began ({running} requests running, {waiting} waiting; "
+                                 f"{self.streams.summary()}); the stub's thread stacks follow on stderr")
         faulthandler.dump_traceback(all_threads=True)
 
     def _late_health(self, late: int, error: BaseException) -> int:
@@ -253,16 +254,19 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            sender = GuardedSender(request.get_response_sender(), FINAL, CANCEL_RECHECK_S)
+            sender = GuardedSender(request.get_response_sender(), FINAL, CANCEL_RECHECK_S, self.streams)
             self.pool.submit(lambda r=request, s=sender: self._serve(r, s),
                              lambda error, s=sender: self._fail(s, error))
         return None
 
     def _fail(self, sender, error):
-        sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, error, "generation failed")),
-                    final=True)
         if not isinstance(error, (RequestError, UnavailableError)):
             pb_utils.Logger.log_warn(f"speculative backend: request failed: {error!r}")
+        try:
+            sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, error, "generation failed")),
+                        final=True)
+        except Exception as send_error:  # noqa: BLE001 - the stream is lost; say so, keep serving
+            pb_utils.Logger.log_warn(f"speculative backend: could not answer a request ({error!r}): {send_error!r}")
 
     def _serve(self, request, sender):
         self._running(+1)

@@ -8,17 +8,48 @@ while the round batcher was asking whether it was cancelled). Here asking and se
 lock, and once the final response is sent ``is_cancelled`` answers True without asking the server.
 
 Asking is an IPC round trip to the server; a decode loop that asks every round (a few ms) would
-pay it on its critical path, so an answer "not cancelled" is reused for ``recheck_s``."""
+pay it on its critical path, so an answer "not cancelled" is reused for ``recheck_s``.
+
+A model's ``StreamLedger`` counts its streams: an unload that hangs (Triton calls ``finalize``
+only when no response factory is left) then says whether every request had its final response."""
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class StreamLedger:
+    """Response streams opened, closed by a final response, and sends that raised."""
+    opened: int = 0
+    closed: int = 0
+    failed: int = 0
+    last_error: str = ""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count(self, opened: int = 0, closed: int = 0, error: Optional[BaseException] = None) -> None:
+        with self._lock:
+            self.opened += opened
+            self.closed += closed
+            if error is not None:
+                self.failed += 1
+                self.last_error = repr(error)
+
+    def summary(self) -> str:
+        with self._lock:
+            text = (f"{self.opened - self.closed} of {self.opened} response streams without a final "
+                    f"response, {self.failed} sends raised")
+            return text + (f" (last: {self.last_error})" if self.failed else "")
 
 
 class GuardedSender:
-    def __init__(self, sender: Any, final_flag: int, recheck_s: float = 0.0):
+    def __init__(self, sender: Any, final_flag: int, recheck_s: float = 0.0,
+                 ledger: Optional[StreamLedger] = None):
         self._sender = sender
+        self._ledger = ledger or StreamLedger()
+        self._ledger.count(opened=1)
         self._final_flag = final_flag
         self._recheck_s = recheck_s
         self._lock = threading.Lock()
@@ -45,5 +76,10 @@ class GuardedSender:
             if self.closed:
                 return False
             self.closed = final
-            self._sender.send(response, flags=self._final_flag if final else 0)
+            try:
+                self._sender.send(response, flags=self._final_flag if final else 0)
+            except Exception as error:
+                self._ledger.count(error=error)
+                raise
+            self._ledger.count(closed=int(final))
             return True

@@ -8,6 +8,7 @@ import pytest
 from dspark.decoding.serving import RequestPool, ServingConfig
 from dspark.decoding.text import Detokenizer
 from dspark.errors import ConfigError, UnavailableError
+from dspark.triton.response_sender import GuardedSender, StreamLedger
 
 
 @pytest.mark.parametrize("params,field", [
@@ -134,6 +135,8 @@ def test_an_unload_that_finalize_does_not_follow_is_reported_with_the_thread_sta
     monkeypatch.setattr(adapter, "server_http_url", lambda: "127.0.0.1:1")
     model = adapter.TritonPythonModel()
     model.name, model.version, model.finalizing = "spec_x", "1", threading.Event()
+    model.streams = StreamLedger()
+    GuardedSender(object(), final_flag=1, ledger=model.streams)  # one request, never answered
     model.pool = RequestPool(1, 0, 5.0, name="stuck-worker")
     release = threading.Event()
     model.pool.submit(lambda: release.wait(10), lambda error: None)  # a request that does not end
@@ -154,5 +157,6 @@ def test_an_unload_that_finalize_does_not_follow_is_reported_with_the_thread_sta
         assert warnings == [] and "_work" not in stacks
     else:
         assert warnings == ["speculative backend: spec_x: not finalized 0.2 s after the unload began "
-                            "(1 requests running, 0 waiting); the stub's thread stacks follow on stderr"]
+                            "(1 requests running, 0 waiting; 1 of 1 response streams without a final "
+                            "response, 0 sends raised); the stub's thread stacks follow on stderr"]
         assert "_work" in stacks and "test_spec_serving.py" in stacks  # the stuck request's frames

@@ -141,6 +141,24 @@ def test_guarded_sender_never_asks_a_closed_stream_whether_it_was_cancelled():
     assert raw.sent == [("piece", 0), (None, 1)]
 
 
+def test_stream_ledger_says_which_streams_had_no_final_response_and_which_sends_raised():
+    from dspark.triton.response_sender import GuardedSender, StreamLedger
+
+    class Refusing(FreedFactorySender):
+        def send(self, response=None, flags=0):
+            raise RuntimeError("Unable to send response")
+
+    ledger = StreamLedger()
+    answered = GuardedSender(FreedFactorySender(), final_flag=1, ledger=ledger)
+    assert answered.send("piece") and answered.send(None, final=True)
+    GuardedSender(FreedFactorySender(), final_flag=1, ledger=ledger)  # still running
+    refused = GuardedSender(Refusing(), final_flag=1, ledger=ledger)
+    with pytest.raises(RuntimeError):
+        refused.send(None, final=True)
+    assert ledger.summary() == ("2 of 3 response streams without a final response, 1 sends raised "
+                                "(last: RuntimeError('Unable to send response'))")
+
+
 def test_guarded_sender_asks_at_most_once_per_recheck_interval_and_remembers_a_cancel():
     from dspark.triton.response_sender import GuardedSender
 
