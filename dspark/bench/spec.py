@@ -49,7 +49,7 @@ ACCEPTANCE = "greedy, acceptance by depth"
 SAMPLED = f"sampled (T={SAMPLED_TEMPERATURE:g}, seed {SAMPLED_SEED}), in process"
 BATCHING = "in process, verification batched"
 SERVED = "served, gRPC streaming"
-MEMORY = "memory"
+MEMORY = "memory, unload"
 
 
 @dataclass
@@ -367,54 +367,110 @@ def _event_loop() -> asyncio.AbstractEventLoop:
     return _loop
 
 
-def _stub_pid(server_pid: int) -> int:
+def _stub_pid(server_pid: int, model: str = MODEL) -> int:
     """The stub serving the model now (a reload starts a new one; the old one may linger a moment)."""
     stubs: list = []
     for _ in range(100):
-        stubs = stub_processes(server_pid, MODEL)
+        stubs = stub_processes(server_pid, model)
         if len(stubs) == 1:
             return stubs[0][0]
         time.sleep(0.1)
-    raise UnavailableError(f"cannot tell which stub serves {MODEL}: {stubs}")
+    raise UnavailableError(f"cannot tell which stub serves {model}: {stubs}")
 
 
-def _pass_on_fresh_stub(server, request: dict, prompts: list[BenchPrompt], concurrency: int) -> tuple[list, float, float]:
-    """Reload the model (a fresh stub: an empty output cache, or suffix would find each prompt's
-    own output from the previous pass), warm it up on a prompt outside the set, then run all
-    prompts: their records, the wall time, and the stub's peak resident MiB meanwhile."""
+def reload_model(server, timeout_s: float, model: str = MODEL) -> float:
+    """Unload the model, wait until its stub has exited, load it again: a fresh stub (an empty
+    output cache; suffix would otherwise find each prompt's own output from the previous pass).
+    A load alone does not do it: Triton 2.51 answers a load of an unchanged, loaded model at
+    once and keeps the running stub. Returns the seconds the unload took."""
     import requests
 
-    from dspark.bench.resources import ResourceSampler, summarize_samples
+    base = f"http://{server.http_url}/v2/repository/models/{model}"
+    old = _stub_pid(server._process.pid, model)
+    started = time.perf_counter()
+    for action in ("unload", "load"):
+        reply = requests.post(f"{base}/{action}", json={}, headers=server.repository_headers, timeout=300)
+        if reply.status_code != 200:
+            raise UnavailableError(f"{action}ing {model} failed: HTTP {reply.status_code} {reply.text[:300]}")
+        if action == "unload":
+            while old in (pid for pid, _ in stub_processes(server._process.pid, model)):
+                if time.perf_counter() - started > timeout_s:
+                    raise UnavailableError(f"{model} did not unload within {timeout_s:g} s "
+                                           f"(its stub {old} still runs)")
+                time.sleep(0.05)
+            unloaded = time.perf_counter() - started
+    return unloaded
 
-    reply = requests.post(f"http://{server.http_url}/v2/repository/models/{MODEL}/load",
-                          json={}, headers=server.repository_headers, timeout=300)
-    if reply.status_code != 200:
-        raise UnavailableError(f"reloading {MODEL} failed: HTTP {reply.status_code} {reply.text[:300]}")
-    run_served(server.grpc_url, [BenchPrompt("warm-up", True, WARM_UP)], request, 1)
-    pid = server._process.pid
-    _stub_pid(pid)
-    sampler = ResourceSampler(pid, 0.5).start()
-    records, wall = run_served(server.grpc_url, prompts, request, concurrency)
-    return records, wall, summarize_samples(sampler.stop(), MODEL).get("model_stubs_rss_mib", 0.0)
+
+class _FreshModels:
+    """A tritonserver serving the model, reloaded (``reload_model``) before every served pass. An
+    unload that hangs (Triton's Python backend, docs/speculative.md "Soak") restarts the server,
+    keeps its log and is counted, so one such stop does not end the benchmark."""
+
+    UNLOAD_TIMEOUT_S = 15.0
+
+    def __init__(self, log: Callable[[str], None]):
+        self.log = log
+        self.reloads, self.hung, self.slowest_unload_s = 0, 0, 0.0
+        self.server = self._start()
+
+    @staticmethod
+    def _start():
+        from dspark.paths import demo_repositories
+        from dspark.triton.server import TritonServer
+
+        server = TritonServer(repositories=demo_repositories(), model_control="explicit", load_models=[MODEL])
+        server.start()
+        return server
+
+    def reload(self) -> None:
+        self.reloads += 1
+        try:
+            self.slowest_unload_s = max(self.slowest_unload_s, reload_model(self.server, self.UNLOAD_TIMEOUT_S))
+        except UnavailableError as error:
+            self.hung += 1
+            stacks = Path(self.server.log_path).with_name("tritonserver-stacks.txt")
+            self.server.write_native_stacks(stacks)
+            self.server.stop(keep_log=True)
+            self.log(f"{error}; restarting the server (its log: {self.server.log_path}; native stacks: {stacks})")
+            self.server = self._start()
+
+    def stop(self, failed: bool) -> None:
+        self.server.stop(keep_log=failed)
+        if failed:
+            self.log(f"the server's log is kept: {self.server.log_path}")
+
+    def pass_on_fresh_stub(self, request: dict, prompts: list[BenchPrompt],
+                           concurrency: int) -> tuple[list, float, float]:
+        """Reload, warm up on a prompt outside the set, then run all prompts: their records, the
+        wall time, and the stub's peak resident MiB meanwhile."""
+        from dspark.bench.resources import ResourceSampler, summarize_samples
+
+        self.reload()
+        grpc_url, pid = self.server.grpc_url, self.server._process.pid
+        run_served(grpc_url, [BenchPrompt("warm-up", True, WARM_UP)], request, 1)
+        _stub_pid(pid)
+        sampler = ResourceSampler(pid, 0.5).start()
+        records, wall = run_served(grpc_url, prompts, request, concurrency)
+        return records, wall, summarize_samples(sampler.stop(), MODEL).get("model_stubs_rss_mib", 0.0)
 
 
 def served_rows(gen: TextGenerator, prompts: list[BenchPrompt], results: dict[str, MethodResult],
                 specs: dict[str, SpeculativeParams], sampling: SamplingParams, repeats: int,
                 log: Callable[[str], None]) -> tuple[list[dict], dict]:
     """Each method at concurrency 1, 2, 4 through a tritonserver started here, the median of
-    ``repeats`` passes (the same text in every pass counts); and the stub's resident memory after
-    load and at most while serving (MiB). The in-process reference is measured beside the served
-    passes: after each concurrency-1 pass, the same prompts in process, one at a time (this
-    shared machine's speed drifts between the in-process section and this one)."""
+    ``repeats`` passes (the same text in every pass counts); the stub's resident memory after
+    load and at most while serving (MiB); the reloads' unload times. The in-process reference is
+    measured beside the served passes: after each concurrency-1 pass, the same prompts in
+    process, one at a time (this shared machine's speed drifts between the in-process section
+    and this one)."""
     from dspark.bench.load import summarize
-    from dspark.paths import demo_repositories
-    from dspark.triton.server import TritonServer
 
     rows = []
-    server = TritonServer(repositories=demo_repositories(), model_control="explicit", load_models=[MODEL])
-    server.start()
+    models = _FreshModels(log)
+    failed = True
     try:
-        idle = resident_mib(_stub_pid(server._process.pid))
+        idle = resident_mib(_stub_pid(models.server._process.pid))
         peak = idle
         for method in [m for m in SERVED_METHODS if m in specs]:
             request = {"max_tokens": sampling.max_tokens, "speculative": vars(specs[method])}
@@ -424,7 +480,7 @@ def served_rows(gen: TextGenerator, prompts: list[BenchPrompt], results: dict[st
             for concurrency in CONCURRENCY:
                 records, walls, same = [], [], len(prompts)
                 for _ in range(repeats):
-                    pass_records, wall, rss = _pass_on_fresh_stub(server, request, prompts, concurrency)
+                    pass_records, wall, rss = models.pass_on_fresh_stub(request, prompts, concurrency)
                     peak = max(peak, rss)
                     records += pass_records
                     walls.append(wall)
@@ -441,9 +497,13 @@ def served_rows(gen: TextGenerator, prompts: list[BenchPrompt], results: dict[st
                              "served_x_inprocess": tps / inproc if inproc else None,
                              "same_text": f"{same}/{len(prompts)}"})
                 log(f"served {method} at concurrency {concurrency}: {tps:.1f} tok/s")
+        failed = False
     finally:
-        server.stop()
-    return rows, {"stub resident MiB after load": idle, "stub resident MiB max while serving": peak}
+        models.stop(failed)
+    return rows, {"stub resident MiB after load": idle, "stub resident MiB max while serving": peak,
+                  "model reloads (unload + load, nothing in flight)": models.reloads,
+                  "reloads whose unload hung (server restarted)": models.hung,
+                  "stub unload s, slowest of the others": models.slowest_unload_s}
 
 
 # --- the peer: llama.cpp on the same GGUF -------------------------------------------------------

@@ -480,6 +480,18 @@ class TritonServer:
             return ""
         return Path(self.log_path).read_text(errors="replace")
 
+    def write_native_stacks(self, path: Path, timeout_s: float = 180) -> bool:
+        """Every thread's native stack of the running server, appended to ``path`` with gdb (a stop
+        that hangs inside Triton shows where); False when gdb is missing or the server is not running."""
+        gdb = shutil.which("gdb")
+        if gdb is None or not self.running:
+            return False
+        out = subprocess.run([gdb, "-p", str(self._process.pid), "-batch", "-ex", "thread apply all bt"],
+                             capture_output=True, text=True, timeout=timeout_s)
+        with open(path, "a", encoding="utf-8") as file:
+            file.write(out.stdout + out.stderr[-3000:])
+        return out.returncode == 0
+
     @property
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None

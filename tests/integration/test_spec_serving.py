@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from dspark.bench.spec import reload_model
 from dspark.paths import project_root
 from dspark.triton.server import TritonServer
 from tests.conftest import dump_log_on_failure
@@ -190,6 +191,26 @@ def test_unload_and_reload_with_requests_in_flight(server):
     families = requests.get(server.metrics_url, timeout=10).text.count("# TYPE dspark_speculative_generated_total")
     assert families == 1
     wait_for(lambda: len(stub_processes(server, MODEL)) == 1, 5)
+
+
+def test_the_benchmarks_reload_starts_a_fresh_stub_where_a_load_alone_does_not(server):
+    """`bench spec` measures each served pass on a fresh stub: one that kept SuffixDecoding's
+    outputs of the previous pass would predict every prompt from its own earlier answer."""
+    wait_for(lambda: len(stub_processes(server, MODEL)) == 1, 5)
+    [(old, _)] = stub_processes(server, MODEL)
+    load(server)  # Triton 2.51 keeps an unchanged, loaded model and its stub
+    assert [pid for pid, _ in stub_processes(server, MODEL)] == [old]
+    unload_s = reload_model(server, 15, MODEL)
+    [(new, _)] = stub_processes(server, MODEL)
+    assert new != old and unload_s < 5
+    assert completion(server, MODEL, PROMPT, max_tokens=8)
+
+
+def test_a_hung_stop_can_be_diagnosed_from_the_servers_native_stacks(server, tmp_path):
+    stacks = tmp_path / "stacks.txt"
+    assert server.write_native_stacks(stacks)
+    text = stacks.read_text()
+    assert text.count("\nThread ") > 10 and "libtriton_python.so" in text  # the Python backend's threads
 
 
 def test_a_config_that_cannot_serve_its_default_method_fails_the_load(server):

@@ -74,7 +74,7 @@ def test_the_result_prints_one_table_per_run(generator):
     assert len(tables) == 3
     assert tables[0].startswith("| run | method | tokens/s | x plain | end-to-end tok/s | TTFT ms p50 |")
     assert "| own calls c1 tok/s | own calls c4 tok/s | batched c1 tok/s | batched c4 tok/s |" in tables[1]
-    assert tables[2] == "| run | measure | value |\n|---|---|---|\n| memory | KV KiB per token | 45.0 |"
+    assert tables[2] == "| run | measure | value |\n|---|---|---|\n| memory, unload | KV KiB per token | 45.0 |"
 
 
 def test_spec_docs_tables_measure_once_and_readme_shows_the_greedy_rows(tmp_path):
