@@ -481,16 +481,25 @@ class TritonServer:
         return Path(self.log_path).read_text(errors="replace")
 
     def write_native_stacks(self, path: Path, timeout_s: float = 180) -> bool:
-        """Every thread's native stack of the running server, appended to ``path`` with gdb (a stop
-        that hangs inside Triton shows where); False when gdb is missing or the server is not running."""
+        """Every thread's native stack of the running server and of its model stubs, appended to
+        ``path`` with gdb (a stop that hangs inside Triton shows where); False when gdb is
+        missing or the server is not running."""
         gdb = shutil.which("gdb")
         if gdb is None or not self.running:
             return False
-        out = subprocess.run([gdb, "-p", str(self._process.pid), "-batch", "-ex", "thread apply all bt"],
-                             capture_output=True, text=True, timeout=timeout_s)
+        server = psutil.Process(self._process.pid)
+        ok = True
         with open(path, "a", encoding="utf-8") as file:
-            file.write(out.stdout + out.stderr[-3000:])
-        return out.returncode == 0
+            for process in [server, *server.children(recursive=True)]:
+                try:
+                    name = " ".join(process.cmdline()[:2])
+                except psutil.Error:  # gone meanwhile
+                    continue
+                out = subprocess.run([gdb, "-p", str(process.pid), "-batch", "-ex", "thread apply all bt"],
+                                     capture_output=True, text=True, timeout=timeout_s)
+                file.write(f"==== {process.pid} {name}\n{out.stdout}{out.stderr[-3000:]}\n")
+                ok = ok and out.returncode == 0
+        return ok
 
     @property
     def running(self) -> bool:
