@@ -385,20 +385,21 @@ def reload_model(server, timeout_s: float, model: str = MODEL) -> float:
     once and keeps the running stub. Returns the seconds the unload took."""
     import requests
 
-    base = f"http://{server.http_url}/v2/repository/models/{model}"
-    old = _stub_pid(server._process.pid, model)
-    started = time.perf_counter()
-    for action in ("unload", "load"):
-        reply = requests.post(f"{base}/{action}", json={}, headers=server.repository_headers, timeout=300)
+    def post(action: str) -> None:
+        reply = requests.post(f"http://{server.http_url}/v2/repository/models/{model}/{action}", json={},
+                              headers=server.repository_headers, timeout=300)
         if reply.status_code != 200:
             raise UnavailableError(f"{action}ing {model} failed: HTTP {reply.status_code} {reply.text[:300]}")
-        if action == "unload":
-            while old in (pid for pid, _ in stub_processes(server._process.pid, model)):
-                if time.perf_counter() - started > timeout_s:
-                    raise UnavailableError(f"{model} did not unload within {timeout_s:g} s "
-                                           f"(its stub {old} still runs)")
-                time.sleep(0.05)
-            unloaded = time.perf_counter() - started
+
+    old = _stub_pid(server._process.pid, model)
+    started = time.perf_counter()
+    post("unload")
+    while old in (pid for pid, _ in stub_processes(server._process.pid, model)):
+        if time.perf_counter() - started > timeout_s:
+            raise UnavailableError(f"{model} did not unload within {timeout_s:g} s (its stub {old} still runs)")
+        time.sleep(0.05)
+    unloaded = time.perf_counter() - started
+    post("load")
     return unloaded
 
 
