@@ -309,8 +309,15 @@ class _Lane:
                     future.set_exception(error)
             self.waiting.clear()
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """End the call. With nothing in flight, half-close it and let the server end it: Triton
+        2.51 keeps a stream's first request, and with it the model (which then never unloads), when
+        the client cancels just as that request's final response is being written (docs/speculative.md,
+        "Soak"). Requests still in flight, or a call the server has not ended in ``timeout_s``, are
+        cancelled."""
         await self.queue.put(None)
+        if not self.waiting:
+            await asyncio.wait({self.reader}, timeout=timeout_s)
         self.call.cancel()
         self.reader.cancel()
 

@@ -3,15 +3,21 @@ and gRPC, and a small repository of sleep-based models (steady, deliberately slo
 decoupled model that streams its answer with a known gap between responses."""
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+import time
 from pathlib import Path
 
+import grpc
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from dspark.bench.client import GrpcStreamTransport
+from dspark.bench.inputs import ModelInfo
 from dspark.bench.load import LoadSettings
 from dspark.bench.model import LoadBenchSettings, ModelSpec, run_load_bench
 from dspark.cli.main import cli
@@ -111,6 +117,32 @@ def test_streaming_reports_time_to_first_token_and_inter_token_latency(bench_ser
     assert STREAM_GAP_MS * 0.9 <= row["itl_p50_ms"] < STREAM_GAP_MS * 10
     assert row["p50_ms"] >= STREAM_RESPONSES * STREAM_GAP_MS * 0.9
     assert row["responses_per_s"] == pytest.approx(STREAM_RESPONSES * row["qps"], rel=0.35)
+
+
+def test_a_stream_is_closed_by_the_server_once_answered_and_cancelled_while_a_request_runs(bench_server):
+    """Triton 2.51 keeps a stream's first request, and so the model, when a client cancels the
+    stream just as that request's final response is written: the transport half-closes and lets
+    the server end each call (status OK) when nothing is in flight; it cancels a running request."""
+    async def statuses(in_flight: bool) -> list:
+        transport = GrpcStreamTransport(bench_server.grpc_url, timeout_s=30)
+        await transport.open(2)
+        info = ModelInfo.from_config(await transport.model_config("bench_stream"))
+        prepared = transport.prepare(info, {"x": np.zeros(1, np.float32)})
+        send = asyncio.ensure_future(transport.send("bench_stream", "bench_stream", prepared, time.perf_counter()))
+        if in_flight:
+            await asyncio.sleep(STREAM_GAP_MS / 1000 * 2)  # the model needs 4 gaps to answer
+        else:
+            assert (await send).error is None
+        started = time.perf_counter()
+        await transport.close()
+        assert time.perf_counter() - started < 2.0
+        codes = [await lane.call.code() for lane in transport.lanes]
+        if in_flight:
+            assert (await send).error is not None
+        return codes
+
+    assert asyncio.run(statuses(in_flight=False)) == [grpc.StatusCode.OK, grpc.StatusCode.OK]
+    assert grpc.StatusCode.CANCELLED in asyncio.run(statuses(in_flight=True))
 
 
 def test_a_decoupled_model_over_plain_grpc_is_refused_naming_the_fix(bench_server):
