@@ -38,8 +38,10 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 DRAIN_TIMEOUT_S = 3.0  # finalize: requests in flight end at their next round, well within this
 # Triton calls finalize only once every request has had its final response, so a model with
 # requests in flight learns of an unload (or a server stop) from the server's health endpoints:
-# while busy, it asks every this many seconds whether the server and the model are still ready.
+# while busy, it asks every this many seconds whether the server is live and the model ready;
+# while idle, every IDLE_POLL_S (an unload that then never reaches finalize is reported).
 UNLOAD_POLL_S = 0.25
+IDLE_POLL_S = 1.0
 # an unload ends running requests within a round and Triton then calls finalize; when it has not
 # after this long, the model logs so with every thread's stack (a stop that hangs is diagnosable)
 UNLOAD_REPORT_S = 5.0
@@ -177,17 +179,22 @@ class TritonPythonModel:
             f"batch_verification={settings.batch_verification}")
 
     def _watch_unload(self):
-        """While requests run, ask the server every UNLOAD_POLL_S whether it and this model are
-        still ready; when not, stop the requests (they end at their next round, answered)."""
+        """Ask the server whether it is still live and this model still ready (every UNLOAD_POLL_S
+        while requests run, every IDLE_POLL_S while idle); when not, stop the requests (they end
+        at their next round, answered). Server liveness, not readiness: with Triton's default
+        strict readiness the server is "not ready" while any other model loads or unloads."""
         base = server_http_url()
         if base is None:
             return
-        urls = [f"http://{base}/v2/health/ready",
+        urls = [f"http://{base}/v2/health/live",
                 f"http://{base}/v2/models/{self.name}/versions/{self.version}/ready"]
         failures = late = 0
+        seen_ready, asked = False, float("-inf")
         while not self.pool.closing.wait(UNLOAD_POLL_S):
-            if self.pool.load == (0, 0):
+            busy = self.pool.load != (0, 0)
+            if not busy and time.monotonic() - asked < IDLE_POLL_S:
                 continue
+            asked = time.monotonic()
             try:
                 ready = all(_http_ok(url) for url in urls)
                 failures = late = 0
@@ -200,19 +207,26 @@ class TritonPythonModel:
             except OSError as error:  # a timeout, or anything else the network says: ask again
                 late = self._late_health(late, error)
                 continue
-            if not ready:
+            seen_ready = seen_ready or ready
+            if not ready and (busy or seen_ready):  # idle and never ready: still loading
                 running, waiting = self.pool.load
                 self.pool.closing.set()
-                pb_utils.Logger.log_info(f"speculative backend: {self.name} is unloading; stopping "
-                                         f"{running} running and {waiting} waiting requests")
+                if running or waiting:
+                    pb_utils.Logger.log_info(f"speculative backend: {self.name} is unloading; stopping "
+                                             f"{running} running and {waiting} waiting requests")
         if not self.finalizing.wait(UNLOAD_REPORT_S):
             self._report_stuck_unload()
 
     def _report_stuck_unload(self):
         running, waiting = self.pool.load
+        cause = ""
+        if not (running or waiting or self.streams.open_streams):
+            cause = ("; every request had its final response, so Triton itself holds the model: its gRPC "
+                     "frontend keeps a request whose stream the client cancelled as the final response was "
+                     "written (Triton 2.51; docs/speculative.md, \"Why an unload hung\")")
         pb_utils.Logger.log_warn(f"speculative backend: {self.name}: not finalized {UNLOAD_REPORT_S:g} s after "
                                  f"the unload began ({running} requests running, {waiting} waiting; "
-                                 f"{self.streams.summary()}); the stub's thread stacks follow on stderr")
+                                 f"{self.streams.summary()}){cause}; the stub's thread stacks follow on stderr")
         faulthandler.dump_traceback(all_threads=True)
 
     def _late_health(self, late: int, error: BaseException) -> int:

@@ -37,6 +37,11 @@ class StreamLedger:
                 self.failed += 1
                 self.last_error = repr(error)
 
+    @property
+    def open_streams(self) -> int:
+        with self._lock:
+            return self.opened - self.closed
+
     def summary(self) -> str:
         with self._lock:
             text = (f"{self.opened - self.closed} of {self.opened} response streams without a final "

@@ -148,9 +148,14 @@ def test_statistics_reach_metrics(server):
     assert metric(server, MODEL, "dspark_speculative_mean_accepted_length") > 1.0
 
 
-def load(server):
-    reply = requests.post(f"http://{server.http_url}/v2/repository/models/{MODEL}/load", json={}, headers=server.repository_headers, timeout=120)
+def load(server, model: str = MODEL, action: str = "load"):
+    reply = requests.post(f"http://{server.http_url}/v2/repository/models/{model}/{action}", json={},
+                          headers=server.repository_headers, timeout=120)
     assert reply.status_code == 200, reply.text
+
+
+def unload(server, model: str = MODEL):
+    load(server, model, "unload")
 
 
 def test_beyond_the_pool_and_its_queue_a_request_gets_unavailable(server):
@@ -174,8 +179,7 @@ def test_unload_and_reload_with_requests_in_flight(server):
         plain = pool.submit(generate, server, MODEL, PROMPT, **LONG)
         wait_for(lambda: metric(server, MODEL, "dspark_speculative_requests_running") == 4, 10)
         started = time.perf_counter()
-        reply = requests.post(f"http://{server.http_url}/v2/repository/models/{MODEL}/unload", json={}, headers=server.repository_headers, timeout=60)
-        assert reply.status_code == 200
+        unload(server)
         unloaded = wait_for(lambda: model_state(server, MODEL) == "UNAVAILABLE", 10)
         results = [s.result(timeout=30) for s in streams]
         reply = plain.result(timeout=30)
@@ -191,6 +195,30 @@ def test_unload_and_reload_with_requests_in_flight(server):
     families = requests.get(server.metrics_url, timeout=10).text.count("# TYPE dspark_speculative_generated_total")
     assert families == 1
     wait_for(lambda: len(stub_processes(server, MODEL)) == 1, 5)
+
+
+def test_another_models_unload_and_load_do_not_stop_running_requests(server):
+    """With Triton's default strict readiness the server reads 'not ready' while any model loads;
+    a model that took that for its own unload stopped its requests."""
+    wait_for(lambda: len(stub_processes(server, ONE)) == 1, 5)
+    unload(server, ONE)
+    wait_for(lambda: not stub_processes(server, ONE), 10)
+    loaded = threading.Event()
+
+    def generate_until_loaded() -> list:  # back to back: one request or another runs all along
+        results = []
+        while not loaded.is_set():
+            results.append(stream_once(server, MODEL, PROMPT, LONG))
+        return results
+
+    with ThreadPoolExecutor(1) as pool:
+        generating = pool.submit(generate_until_loaded)
+        wait_for(lambda: metric(server, MODEL, "dspark_speculative_requests_running") == 1, 10)
+        load(server, ONE)
+        loaded.set()
+        results = generating.result(timeout=60)
+    assert results and all(r.final and not r.error and len(r.pieces) > 10 for r in results), \
+        [r.error for r in results]
 
 
 def test_the_benchmarks_reload_starts_a_fresh_stub_where_a_load_alone_does_not(server):

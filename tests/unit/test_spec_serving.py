@@ -160,3 +160,115 @@ def test_an_unload_that_finalize_does_not_follow_is_reported_with_the_thread_sta
                             "(1 requests running, 0 waiting; 1 of 1 response streams without a final "
                             "response, 0 sends raised); the stub's thread stacks follow on stderr"]
         assert "_work" in stacks and "test_spec_serving.py" in stacks  # the stuck request's frames
+
+
+class _FakeHealth:
+    """A loopback HTTP server answering Triton's health and model-readiness endpoints."""
+
+    def __init__(self, status: dict):
+        import http.server
+
+        self.status = status  # path -> HTTP status
+        self.asked: list = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                outer.asked.append(self.path)
+                self.send_response(outer.status.get(self.path, 404))
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self):
+        self.server.shutdown()
+
+
+LIVE, SERVER_READY, MODEL_READY = "/v2/health/live", "/v2/health/ready", "/v2/models/spec_x/versions/1/ready"
+
+
+def _watched_model(monkeypatch, logged, health):
+    adapter = _speculative_adapter(monkeypatch, logged)
+    monkeypatch.setattr(adapter, "UNLOAD_REPORT_S", 0.3)
+    monkeypatch.setattr(adapter, "IDLE_POLL_S", 0.05)
+    monkeypatch.setattr(adapter, "UNLOAD_POLL_S", 0.02)
+    monkeypatch.setattr(adapter, "server_http_url", lambda: health.url)
+    model = adapter.TritonPythonModel()
+    model.name, model.version, model.finalizing = "spec_x", "1", threading.Event()
+    model.streams = StreamLedger()
+    model.pool = RequestPool(1, 0, 5.0, name="watched-worker")
+    return model
+
+
+def test_another_models_load_does_not_stop_running_requests(monkeypatch):
+    """With strict readiness (Triton's default) the server is 'not ready' while any model loads;
+    the model itself stays ready and its requests go on."""
+    logged = []
+    health = _FakeHealth({LIVE: 200, SERVER_READY: 503, MODEL_READY: 200})
+    model = _watched_model(monkeypatch, logged, health)
+    release = threading.Event()
+    model.pool.submit(lambda: release.wait(10), lambda error: None)
+    watcher = threading.Thread(target=model._watch_unload, daemon=True)
+    watcher.start()
+    try:
+        deadline = time.monotonic() + 5
+        while health.asked.count(MODEL_READY) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert health.asked.count(MODEL_READY) >= 5 and not model.pool.closing.is_set()
+    finally:
+        release.set()
+        model.finalizing.set()
+        model.pool.close(2)
+        watcher.join(2)
+        health.close()
+    assert not [m for level, m in logged if level == "warn"]
+
+
+def test_an_idle_models_unload_that_never_reaches_finalize_names_the_grpc_cause(monkeypatch, capfd):
+    """Idle, every stream answered, the model no longer ready, no finalize: Triton holds it."""
+    logged = []
+    health = _FakeHealth({LIVE: 200, MODEL_READY: 200})
+    model = _watched_model(monkeypatch, logged, health)
+    GuardedSender(type("Sender", (), {"send": lambda self, response, flags: None})(), final_flag=1,
+                  ledger=model.streams).send(final=True)  # one request, answered
+    watcher = threading.Thread(target=model._watch_unload, daemon=True)
+    watcher.start()
+    try:
+        deadline = time.monotonic() + 5
+        while MODEL_READY not in health.asked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        health.status[MODEL_READY] = 400  # the unload began
+        watcher.join(5)
+    finally:
+        model.pool.close(2)
+        health.close()
+    assert model.pool.closing.is_set() and not watcher.is_alive()
+    warnings = [m for level, m in logged if level == "warn"]
+    assert len(warnings) == 1 and "not finalized 0.3 s after the unload began (0 requests running" in warnings[0]
+    assert "0 of 1 response streams without a final response" in warnings[0]
+    assert "Triton itself holds the model" in warnings[0] and "gRPC" in warnings[0]
+
+
+def test_an_idle_model_still_loading_is_not_taken_for_unloading(monkeypatch):
+    """Triton marks the model ready only after initialize returns, when its watcher already runs."""
+    logged = []
+    health = _FakeHealth({LIVE: 200, MODEL_READY: 400})
+    model = _watched_model(monkeypatch, logged, health)
+    watcher = threading.Thread(target=model._watch_unload, daemon=True)
+    watcher.start()
+    try:
+        deadline = time.monotonic() + 5
+        while health.asked.count(MODEL_READY) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert health.asked.count(MODEL_READY) >= 3 and not model.pool.closing.is_set()
+    finally:
+        model.finalizing.set()
+        model.pool.close(2)
+        watcher.join(2)
+        health.close()
