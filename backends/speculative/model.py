@@ -208,7 +208,7 @@ class TritonPythonModel:
                 late = self._late_health(late, error)
                 continue
             seen_ready = seen_ready or ready
-            if not ready and (busy or seen_ready):  # idle and never ready: still loading
+            if not ready and seen_ready:  # never ready: still loading, or the endpoints are restricted
                 running, waiting = self.pool.load
                 self.pool.closing.set()
                 if running or waiting:

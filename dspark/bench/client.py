@@ -313,7 +313,7 @@ class _Lane:
         """End the call. With nothing in flight, half-close it and let the server end it: Triton
         2.51 keeps a stream's first request, and with it the model (which then never unloads), when
         the client cancels just as that request's final response is being written (docs/speculative.md,
-        "Soak"). Requests still in flight, or a call the server has not ended in ``timeout_s``, are
+        "Why an unload hung"). Requests still in flight, or a call the server has not ended in ``timeout_s``, are
         cancelled."""
         await self.queue.put(None)
         if not self.waiting:

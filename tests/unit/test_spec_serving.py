@@ -1,5 +1,6 @@
 """Serving pieces of the speculative backend without Triton: config parameters, the bounded
 request pool, the streaming detokenizer, the adapter's report of an unload that hangs."""
+import contextlib
 import threading
 import time
 
@@ -206,6 +207,29 @@ def _watched_model(monkeypatch, logged, health):
     return model
 
 
+def _asked(health, path: str, times: int) -> bool:
+    """Wait up to 5 s until ``path`` was asked ``times`` times."""
+    deadline = time.monotonic() + 5
+    while health.asked.count(path) < times and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return health.asked.count(path) >= times
+
+
+@contextlib.contextmanager
+def _watching(model, health, finalize: bool = True):
+    """The model's unload watcher runs inside; finalize (unless not) and clean up after."""
+    watcher = threading.Thread(target=model._watch_unload, daemon=True)
+    watcher.start()
+    try:
+        yield watcher
+    finally:
+        if finalize:
+            model.finalizing.set()
+        model.pool.close(2)  # the watcher stops asking once the pool closes
+        watcher.join(5)
+        health.close()
+
+
 def test_another_models_load_does_not_stop_running_requests(monkeypatch):
     """With strict readiness (Triton's default) the server is 'not ready' while any model loads;
     the model itself stays ready and its requests go on."""
@@ -214,41 +238,26 @@ def test_another_models_load_does_not_stop_running_requests(monkeypatch):
     model = _watched_model(monkeypatch, logged, health)
     release = threading.Event()
     model.pool.submit(lambda: release.wait(10), lambda error: None)
-    watcher = threading.Thread(target=model._watch_unload, daemon=True)
-    watcher.start()
-    try:
-        deadline = time.monotonic() + 5
-        while health.asked.count(MODEL_READY) < 5 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert health.asked.count(MODEL_READY) >= 5 and not model.pool.closing.is_set()
-    finally:
-        release.set()
-        model.finalizing.set()
-        model.pool.close(2)
-        watcher.join(2)
-        health.close()
+    with _watching(model, health):
+        try:
+            assert _asked(health, MODEL_READY, 5) and not model.pool.closing.is_set()
+        finally:
+            release.set()
     assert not [m for level, m in logged if level == "warn"]
 
 
-def test_an_idle_models_unload_that_never_reaches_finalize_names_the_grpc_cause(monkeypatch, capfd):
+def test_an_idle_models_unload_that_never_reaches_finalize_names_the_grpc_cause(monkeypatch):
     """Idle, every stream answered, the model no longer ready, no finalize: Triton holds it."""
     logged = []
     health = _FakeHealth({LIVE: 200, MODEL_READY: 200})
     model = _watched_model(monkeypatch, logged, health)
     GuardedSender(type("Sender", (), {"send": lambda self, response, flags: None})(), final_flag=1,
                   ledger=model.streams).send(final=True)  # one request, answered
-    watcher = threading.Thread(target=model._watch_unload, daemon=True)
-    watcher.start()
-    try:
-        deadline = time.monotonic() + 5
-        while MODEL_READY not in health.asked and time.monotonic() < deadline:
-            time.sleep(0.01)
+    with _watching(model, health, finalize=False) as watcher:
+        assert _asked(health, MODEL_READY, 1)
         health.status[MODEL_READY] = 400  # the unload began
         watcher.join(5)
-    finally:
-        model.pool.close(2)
-        health.close()
-    assert model.pool.closing.is_set() and not watcher.is_alive()
+        assert model.pool.closing.is_set() and not watcher.is_alive()
     warnings = [m for level, m in logged if level == "warn"]
     assert len(warnings) == 1 and "not finalized 0.3 s after the unload began (0 requests running" in warnings[0]
     assert "0 of 1 response streams without a final response" in warnings[0]
@@ -257,18 +266,7 @@ def test_an_idle_models_unload_that_never_reaches_finalize_names_the_grpc_cause(
 
 def test_an_idle_model_still_loading_is_not_taken_for_unloading(monkeypatch):
     """Triton marks the model ready only after initialize returns, when its watcher already runs."""
-    logged = []
     health = _FakeHealth({LIVE: 200, MODEL_READY: 400})
-    model = _watched_model(monkeypatch, logged, health)
-    watcher = threading.Thread(target=model._watch_unload, daemon=True)
-    watcher.start()
-    try:
-        deadline = time.monotonic() + 5
-        while health.asked.count(MODEL_READY) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert health.asked.count(MODEL_READY) >= 3 and not model.pool.closing.is_set()
-    finally:
-        model.finalizing.set()
-        model.pool.close(2)
-        watcher.join(2)
-        health.close()
+    model = _watched_model(monkeypatch, [], health)
+    with _watching(model, health):
+        assert _asked(health, MODEL_READY, 3) and not model.pool.closing.is_set()
