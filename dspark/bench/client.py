@@ -304,10 +304,13 @@ class _Lane:
                     if not future.done():
                         future.set_result(None)
         except Exception as error:  # the stream broke: fail everything still waiting on it
-            for _, future, _ in self.waiting.values():
-                if not future.done():
-                    future.set_exception(error)
-            self.waiting.clear()
+            self._fail_waiting(error)
+
+    def _fail_waiting(self, error: Exception) -> None:
+        for _, future, _ in self.waiting.values():
+            if not future.done():
+                future.set_exception(error)
+        self.waiting.clear()
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """End the call. With nothing in flight, half-close it and let the server end it: Triton
@@ -320,6 +323,8 @@ class _Lane:
             await asyncio.wait({self.reader}, timeout=timeout_s)
         self.call.cancel()
         self.reader.cancel()
+        # the cancelled call ends the reader without an exception it catches: end their waits here
+        self._fail_waiting(GrpcError("CANCELLED", "the stream was closed with the request in flight"))
 
 
 def _kept_output(response, name: str) -> list[bytes]:

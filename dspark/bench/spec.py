@@ -406,7 +406,7 @@ def reload_model(server, timeout_s: float, model: str = MODEL) -> float:
 class _FreshModels:
     """A tritonserver serving the model, reloaded (``reload_model``) before every served pass. An
     unload that hangs (a client that cancels a gRPC stream as its last answer is written makes
-    Triton 2.51 keep the model: docs/speculative.md "Soak") restarts the server,
+    Triton 2.51 keep the model: docs/speculative.md, "Why an unload hung") restarts the server,
     keeps its log and is counted, so one such stop does not end the benchmark."""
 
     UNLOAD_TIMEOUT_S = 15.0

@@ -148,14 +148,18 @@ def test_statistics_reach_metrics(server):
     assert metric(server, MODEL, "dspark_speculative_mean_accepted_length") > 1.0
 
 
-def load(server, model: str = MODEL, action: str = "load"):
+def repository(server, action: str, model: str) -> None:
     reply = requests.post(f"http://{server.http_url}/v2/repository/models/{model}/{action}", json={},
                           headers=server.repository_headers, timeout=120)
     assert reply.status_code == 200, reply.text
 
 
+def load(server, model: str = MODEL):
+    repository(server, "load", model)
+
+
 def unload(server, model: str = MODEL):
-    load(server, model, "unload")
+    repository(server, "unload", model)
 
 
 def test_beyond_the_pool_and_its_queue_a_request_gets_unavailable(server):
