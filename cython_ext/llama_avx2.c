@@ -19,86 +19,75 @@ AI __m256i bcast4(const int8_t *p) {
 
 AI __m256 load_half8(const void *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
-/* R rows x the same half (8 columns) of C adjacent tiles, over all blocks. Q4 products of one
- * block are summed in 16 bits (8 x 2 x 15 x 127 < 2^15); Q8 uses the sign trick (|w| times
- * a * sign(w), each pair below 2^15), giving sum(w * a) = sum(u * a) - 128 sum(a) directly. */
-AI void half_kernel(const uint8_t *w0, size_t tile_bytes, size_t kb, const int fmt, int half,
-                    const llama_qact *a, size_t r0, const int R, const int C, float *out,
-                    size_t ldo) {
+/* R rows x one half (8 columns) of one tile, over all blocks: one sequential stream, as
+ * llama_avx512.c (1-2 rows over several tiles at once were ~10 % slower per step on Zen 4's
+ * AVX2 path). Q4 products of one block are summed in 16 bits (8 x 2 x 15 x 127 < 2^15); Q8
+ * uses the sign trick (|w| times a * sign(w), each pair below 2^15), giving
+ * sum(w * a) = sum(u * a) - 128 sum(a) directly. */
+AI void half_kernel(const uint8_t *w0, size_t kb, const int fmt, int half, const llama_qact *a,
+                    size_t r0, const int R, float *out, size_t ldo) {
     const size_t bb = llama_block_bytes(fmt), so = llama_scale_offset(fmt);
     const __m256i nib = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    __m256 acc[4][4];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (size_t b = 0; b < kb; b++) {
         const int8_t *aq[4];
         for (int r = 0; r < R; r++) aq[r] = a->q + (r0 + r) * a->k + b * LLAMA_QK;
-        for (int c = 0; c < C; c++) {
-            const uint8_t *blk = w0 + c * tile_bytes + b * bb + 32 * half;
+        const uint8_t *blk = w0 + b * bb + 32 * half;
 #if LLAMA_PF_BLOCKS
-            /* from 2 rows the block's arithmetic hides the prefetch (4-8 rows: ~10-20 % faster on
-             * Zen 3); at 1 row the hardware prefetcher keeps up and this cost ~10 %. The first
-             * half's pass brings the block's lines in; the second reads them from cache. */
-            if (half == 0 && R > 1)
-                for (size_t line = 0; line < bb; line += 64)
-                    _mm_prefetch((const char *)blk + LLAMA_PF_BLOCKS * bb + line, _MM_HINT_T0);
+        /* from 2 rows the block's arithmetic hides the prefetch (4-8 rows: ~10-20 % faster on
+         * Zen 3); at 1 row the hardware prefetcher keeps up and this cost ~10 %. The first
+         * half's pass brings the block's lines in; the second reads them from cache. */
+        if (half == 0 && R > 1)
+            for (size_t line = 0; line < bb; line += 64)
+                _mm_prefetch((const char *)blk + LLAMA_PF_BLOCKS * bb + line, _MM_HINT_T0);
 #endif
-            __m256i isum[4];
-            if (fmt == LLAMA_Q8_0) {
-                const __m256i flip = _mm256_set1_epi8((char)0x80);
-                for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
-                for (int g = 0; g < 8; g++) {
-                    const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 * g)), flip);
-                    const __m256i aw = _mm256_abs_epi8(ws);
-                    for (int r = 0; r < R; r++) {
-                        const __m256i sa = _mm256_sign_epi8(bcast4(aq[r] + 4 * g), ws);
-                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones));
-                    }
+        __m256i isum[4];
+        if (fmt == LLAMA_Q8_0) {
+            const __m256i flip = _mm256_set1_epi8((char)0x80);
+            for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g++) {
+                const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 * g)), flip);
+                const __m256i aw = _mm256_abs_epi8(ws);
+                for (int r = 0; r < R; r++) {
+                    const __m256i sa = _mm256_sign_epi8(bcast4(aq[r] + 4 * g), ws);
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones));
                 }
-            } else {
-                __m256i i16[4];
-                for (int r = 0; r < R; r++) i16[r] = _mm256_setzero_si256();
-                for (int l = 0; l < 4; l++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * l));
-                    const __m256i lo = _mm256_and_si256(v, nib);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-                    for (int r = 0; r < R; r++) {
-                        i16[r] = _mm256_add_epi16(i16[r], _mm256_maddubs_epi16(lo, bcast4(aq[r] + 4 * l)));
-                        i16[r] = _mm256_add_epi16(i16[r], _mm256_maddubs_epi16(hi, bcast4(aq[r] + 16 + 4 * l)));
-                    }
+            }
+        } else {
+            __m256i i16[4];
+            for (int r = 0; r < R; r++) i16[r] = _mm256_setzero_si256();
+            for (int l = 0; l < 4; l++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * l));
+                const __m256i lo = _mm256_and_si256(v, nib);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                for (int r = 0; r < R; r++) {
+                    i16[r] = _mm256_add_epi16(i16[r], _mm256_maddubs_epi16(lo, bcast4(aq[r] + 4 * l)));
+                    i16[r] = _mm256_add_epi16(i16[r], _mm256_maddubs_epi16(hi, bcast4(aq[r] + 16 + 4 * l)));
                 }
-                for (int r = 0; r < R; r++) isum[r] = _mm256_madd_epi16(i16[r], ones);
             }
-            const __m256 dw = load_half8(blk - 32 * half + so + 16 * half);
-            for (int r = 0; r < R; r++) {
-                const size_t ab = (r0 + r) * a->kb + b;
-                if (fmt == LLAMA_Q4_0) isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(8 * a->sum[ab]));
-                const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[ab]));
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r][c]);
-                if (fmt == LLAMA_Q4_1)
-                    acc[r][c] = _mm256_fmadd_ps(load_half8(blk - 32 * half + so + 32 + 16 * half),
-                                                _mm256_set1_ps(a->s[ab]), acc[r][c]);
-            }
+            for (int r = 0; r < R; r++) isum[r] = _mm256_madd_epi16(i16[r], ones);
+        }
+        const __m256 dw = load_half8(blk - 32 * half + so + 16 * half);
+        for (int r = 0; r < R; r++) {
+            const size_t ab = (r0 + r) * a->kb + b;
+            if (fmt == LLAMA_Q4_0) isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(8 * a->sum[ab]));
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[ab]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+            if (fmt == LLAMA_Q4_1)
+                acc[r] = _mm256_fmadd_ps(load_half8(blk - 32 * half + so + 32 + 16 * half),
+                                         _mm256_set1_ps(a->s[ab]), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++)
-            _mm256_storeu_ps(out + (r0 + r) * ldo + c * LLAMA_TILE + 8 * half, acc[r][c]);
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (r0 + r) * ldo + 8 * half, acc[r]);
 }
 
-AI int tiles_for_rows(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
-
 #define KERNEL_CASE(FMT, R)                                                                 \
-    case R:                                                                                 \
-        if (C == tiles_for_rows(R))                                                         \
-            half_kernel(w0, tb, kb, FMT, half, a, r0, R, tiles_for_rows(R), out, ldo);      \
-        else                                                                                \
-            half_kernel(w0, tb, kb, FMT, half, a, r0, R, 1, out, ldo);                      \
-        break;
+    case R: half_kernel(w0, kb, FMT, half, a, r0, R, out, ldo); break;
 
 #define DEFINE_RUN(FMT, NAME)                                                               \
-    static void NAME(const uint8_t *w0, size_t tb, size_t kb, int half, const llama_qact *a, \
-                     size_t r0, int R, int C, float *out, size_t ldo) {                     \
+    static void NAME(const uint8_t *w0, size_t kb, int half, const llama_qact *a, size_t r0, \
+                     int R, float *out, size_t ldo) {                                       \
         switch (R) {                                                                        \
             KERNEL_CASE(FMT, 1) KERNEL_CASE(FMT, 2) KERNEL_CASE(FMT, 3) KERNEL_CASE(FMT, 4) \
         }                                                                                   \
@@ -110,19 +99,15 @@ DEFINE_RUN(LLAMA_Q8_0, run_q8_0)
 static void matmul(const llama_matrix *w, size_t tile0, size_t tile1, const llama_qact *a,
                    size_t rows, float *out, size_t ldo) {
     const size_t kb = w->k / LLAMA_QK, tb = llama_tile_bytes(w);
-    void (*run)(const uint8_t *, size_t, size_t, int, const llama_qact *, size_t, int, int,
-                float *, size_t) = w->fmt == LLAMA_Q8_0 ? run_q8_0 : w->fmt == LLAMA_Q4_1 ? run_q4_1 : run_q4_0;
-    for (size_t t = tile0; t < tile1; t += 4) {
+    void (*run)(const uint8_t *, size_t, int, const llama_qact *, size_t, int, float *, size_t) =
+        w->fmt == LLAMA_Q8_0 ? run_q8_0 : w->fmt == LLAMA_Q4_1 ? run_q4_1 : run_q4_0;
+    for (size_t t = tile0; t < tile1; t += 4) {  /* 4 tiles stay in cache across row groups */
         const size_t chunk = tile1 - t < 4 ? tile1 - t : 4;
         for (size_t r0 = 0; r0 < rows; r0 += 4) {
-            const int R = rows - r0 < 4 ? (int)(rows - r0) : 4, C = tiles_for_rows(R);
-            for (int half = 0; half < 2; half++) {
-                size_t c = 0;
-                for (; c + C <= chunk; c += C)
-                    run(w->data + (t + c) * tb, tb, kb, half, a, r0, R, C, out + (t + c) * LLAMA_TILE, ldo);
-                for (; c < chunk; c++)
-                    run(w->data + (t + c) * tb, tb, kb, half, a, r0, R, 1, out + (t + c) * LLAMA_TILE, ldo);
-            }
+            const int R = rows - r0 < 4 ? (int)(rows - r0) : 4;
+            for (size_t c = 0; c < chunk; c++)
+                for (int half = 0; half < 2; half++)  /* the second half reads the tile from L1 */
+                    run(w->data + (t + c) * tb, kb, half, a, r0, R, out + (t + c) * LLAMA_TILE, ldo);
         }
     }
 }

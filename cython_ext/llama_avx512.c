@@ -21,89 +21,75 @@ AI __m512i bcast4(const int8_t *p) {
 
 AI __m512 load_half16(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 
-/* R rows x C adjacent tiles over all blocks; SPLIT keeps two integer accumulators per
- * (row, tile) so a short kernel has enough independent vpdpbusd chains (up to 6 of them: at
- * 7-8 rows the extra registers cost more than they give). */
-AI void tile_kernel(const uint8_t *w0, size_t tile_bytes, size_t kb, const int fmt,
-                    const llama_qact *a, size_t r0, const int R, const int C, float *out,
-                    size_t ldo) {
+/* R rows x one tile over all blocks, reading the tile as one sequential stream. One tile per
+ * call at every row count: 1-2 rows over 4 or 2 adjacent tiles (4 or 2 streams at once) made
+ * 1-row decoder steps ~1.25x slower on Zen 4 (docs/llm_kernels.md). SPLIT keeps two integer
+ * accumulators per row so a short kernel has enough independent vpdpbusd chains (up to 6
+ * rows: at 7-8 the extra registers cost more than they give). */
+AI void tile_kernel(const uint8_t *w0, size_t kb, const int fmt, const llama_qact *a, size_t r0,
+                    const int R, float *out, size_t ldo) {
     const size_t bb = llama_block_bytes(fmt), so = llama_scale_offset(fmt);
-    const int zero = llama_zero_point(fmt), split = R * C <= 6;
+    const int zero = llama_zero_point(fmt), split = R <= 6;
     const __m512i nib = _mm512_set1_epi8(0x0f);
-    __m512 acc[8][4];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    __m512 acc[8];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (size_t b = 0; b < kb; b++) {
         const int8_t *aq[8];
         for (int r = 0; r < R; r++) aq[r] = a->q + (r0 + r) * a->k + b * LLAMA_QK;
-        for (int c = 0; c < C; c++) {
-            const uint8_t *blk = w0 + c * tile_bytes + b * bb;
+        const uint8_t *blk = w0 + b * bb;
 #if LLAMA_PF_BLOCKS
-            /* the hardware prefetcher alone keeps too few lines in flight for one core */
-            for (size_t line = 0; line < bb; line += 64)
-                _mm_prefetch((const char *)blk + LLAMA_PF_BLOCKS * bb + line, LLAMA_PF_HINT);
+        /* the hardware prefetcher alone keeps too few lines in flight for one core */
+        for (size_t line = 0; line < bb; line += 64)
+            _mm_prefetch((const char *)blk + LLAMA_PF_BLOCKS * bb + line, LLAMA_PF_HINT);
 #endif
-            __m512i i0[8], i1[8];
-            for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm512_setzero_si512();
-            if (fmt == LLAMA_Q8_0) {
-                for (int g = 0; g < 8; g += 2) {
-                    const __m512i wa = _mm512_loadu_si512(blk + 64 * g);
-                    const __m512i wb = _mm512_loadu_si512(blk + 64 * g + 64);
-                    for (int r = 0; r < R; r++) {
-                        i0[r] = _mm512_dpbusd_epi32(i0[r], wa, bcast4(aq[r] + 4 * g));
-                        if (split)
-                            i1[r] = _mm512_dpbusd_epi32(i1[r], wb, bcast4(aq[r] + 4 * g + 4));
-                        else
-                            i0[r] = _mm512_dpbusd_epi32(i0[r], wb, bcast4(aq[r] + 4 * g + 4));
-                    }
-                }
-            } else {
-                for (int l = 0; l < 4; l++) {
-                    const __m512i v = _mm512_loadu_si512(blk + 64 * l);
-                    const __m512i lo = _mm512_and_si512(v, nib);
-                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-                    for (int r = 0; r < R; r++) {
-                        i0[r] = _mm512_dpbusd_epi32(i0[r], lo, bcast4(aq[r] + 4 * l));
-                        if (split)
-                            i1[r] = _mm512_dpbusd_epi32(i1[r], hi, bcast4(aq[r] + 16 + 4 * l));
-                        else
-                            i0[r] = _mm512_dpbusd_epi32(i0[r], hi, bcast4(aq[r] + 16 + 4 * l));
-                    }
+        __m512i i0[8], i1[8];
+        for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm512_setzero_si512();
+        if (fmt == LLAMA_Q8_0) {
+            for (int g = 0; g < 8; g += 2) {
+                const __m512i wa = _mm512_loadu_si512(blk + 64 * g);
+                const __m512i wb = _mm512_loadu_si512(blk + 64 * g + 64);
+                for (int r = 0; r < R; r++) {
+                    i0[r] = _mm512_dpbusd_epi32(i0[r], wa, bcast4(aq[r] + 4 * g));
+                    if (split)
+                        i1[r] = _mm512_dpbusd_epi32(i1[r], wb, bcast4(aq[r] + 4 * g + 4));
+                    else
+                        i0[r] = _mm512_dpbusd_epi32(i0[r], wb, bcast4(aq[r] + 4 * g + 4));
                 }
             }
-            const __m512 dw = load_half16(blk + so);
-            for (int r = 0; r < R; r++) {
-                const size_t ab = (r0 + r) * a->kb + b;
-                __m512i isum = split ? _mm512_add_epi32(i0[r], i1[r]) : i0[r];
-                if (zero) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(zero * a->sum[ab]));
-                const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[ab]));
-                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r][c]);
-                if (fmt == LLAMA_Q4_1)
-                    acc[r][c] = _mm512_fmadd_ps(load_half16(blk + so + 32),
-                                                _mm512_set1_ps(a->s[ab]), acc[r][c]);
+        } else {
+            for (int l = 0; l < 4; l++) {
+                const __m512i v = _mm512_loadu_si512(blk + 64 * l);
+                const __m512i lo = _mm512_and_si512(v, nib);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                for (int r = 0; r < R; r++) {
+                    i0[r] = _mm512_dpbusd_epi32(i0[r], lo, bcast4(aq[r] + 4 * l));
+                    if (split)
+                        i1[r] = _mm512_dpbusd_epi32(i1[r], hi, bcast4(aq[r] + 16 + 4 * l));
+                    else
+                        i0[r] = _mm512_dpbusd_epi32(i0[r], hi, bcast4(aq[r] + 16 + 4 * l));
+                }
             }
         }
+        const __m512 dw = load_half16(blk + so);
+        for (int r = 0; r < R; r++) {
+            const size_t ab = (r0 + r) * a->kb + b;
+            __m512i isum = split ? _mm512_add_epi32(i0[r], i1[r]) : i0[r];
+            if (zero) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(zero * a->sum[ab]));
+            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[ab]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
+            if (fmt == LLAMA_Q4_1)
+                acc[r] = _mm512_fmadd_ps(load_half16(blk + so + 32), _mm512_set1_ps(a->s[ab]), acc[r]);
+        }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++)
-            _mm512_storeu_ps(out + (r0 + r) * ldo + c * LLAMA_TILE, acc[r][c]);
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + (r0 + r) * ldo, acc[r]);
 }
 
-/* Tiles per call for a group of R rows. Measured on Sapphire Rapids (docs/llm_kernels.md):
- * 4 rows over 2 tiles without the split made the product ~1.3x slower than 1 tile with it. */
-AI int tiles_for_rows(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
-
 #define KERNEL_CASE(FMT, R)                                                                 \
-    case R:                                                                                 \
-        if (C == tiles_for_rows(R))                                                         \
-            tile_kernel(w0, tb, kb, FMT, a, r0, R, tiles_for_rows(R), out, ldo);            \
-        else                                                                                \
-            tile_kernel(w0, tb, kb, FMT, a, r0, R, 1, out, ldo);                            \
-        break;
+    case R: tile_kernel(w0, kb, FMT, a, r0, R, out, ldo); break;
 
 #define DEFINE_RUN(FMT, NAME)                                                               \
-    static void NAME(const uint8_t *w0, size_t tb, size_t kb, const llama_qact *a,          \
-                     size_t r0, int R, int C, float *out, size_t ldo) {                     \
+    static void NAME(const uint8_t *w0, size_t kb, const llama_qact *a, size_t r0, int R,    \
+                     float *out, size_t ldo) {                                              \
         switch (R) {                                                                        \
             KERNEL_CASE(FMT, 1) KERNEL_CASE(FMT, 2) KERNEL_CASE(FMT, 3)                     \
             KERNEL_CASE(FMT, 4) KERNEL_CASE(FMT, 5) KERNEL_CASE(FMT, 6)                     \
@@ -117,17 +103,14 @@ DEFINE_RUN(LLAMA_Q8_0, run_q8_0)
 static void matmul(const llama_matrix *w, size_t tile0, size_t tile1, const llama_qact *a,
                    size_t rows, float *out, size_t ldo) {
     const size_t kb = w->k / LLAMA_QK, tb = llama_tile_bytes(w);
-    void (*run)(const uint8_t *, size_t, size_t, const llama_qact *, size_t, int, int, float *,
-                size_t) = w->fmt == LLAMA_Q8_0 ? run_q8_0 : w->fmt == LLAMA_Q4_1 ? run_q4_1 : run_q4_0;
-    for (size_t t = tile0; t < tile1; t += 4) {
+    void (*run)(const uint8_t *, size_t, const llama_qact *, size_t, int, float *, size_t) =
+        w->fmt == LLAMA_Q8_0 ? run_q8_0 : w->fmt == LLAMA_Q4_1 ? run_q4_1 : run_q4_0;
+    for (size_t t = tile0; t < tile1; t += 4) {  /* 4 tiles stay in cache across row groups */
         const size_t chunk = tile1 - t < 4 ? tile1 - t : 4;
         for (size_t r0 = 0; r0 < rows; r0 += 8) {
-            const int R = rows - r0 < 8 ? (int)(rows - r0) : 8, C = tiles_for_rows(R);
-            size_t c = 0;
-            for (; c + C <= chunk; c += C)
-                run(w->data + (t + c) * tb, tb, kb, a, r0, R, C, out + (t + c) * LLAMA_TILE, ldo);
-            for (; c < chunk; c++)
-                run(w->data + (t + c) * tb, tb, kb, a, r0, R, 1, out + (t + c) * LLAMA_TILE, ldo);
+            const int R = rows - r0 < 8 ? (int)(rows - r0) : 8;
+            for (size_t c = 0; c < chunk; c++)
+                run(w->data + (t + c) * tb, kb, a, r0, R, out + (t + c) * LLAMA_TILE, ldo);
         }
     }
 }
