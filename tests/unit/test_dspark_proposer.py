@@ -12,6 +12,7 @@ from dspark.decoding.proposers import standard_proposers
 from dspark.decoding.proposers.dspark import DSparkProposer
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.decoding.stats import DecodeStats
+from dspark.decoding.tree import DraftTree
 from dspark.llm.importer import import_gguf
 from dspark.llm.onnx_runtime import OnnxLlama
 from tests.unit.llm_gguf_factory import write_llama_gguf
@@ -136,3 +137,30 @@ def test_a_context_that_misses_rows_falls_back_to_plain_rounds(target):
     d.prefilled(np.zeros((2, 3 * HIDDEN), np.float32))
     assert len(d.propose([1, 2, 3], 4, 4)) > 0
     assert len(d.propose([1, 2, 3, 4, 5], 4, 4)) == 0  # two committed rows without taps
+
+
+def test_rounds_that_do_not_draft_leave_the_context_to_the_next_draft():
+    """A round the gate keeps plain reads no taps into the drafter (its cost is plain
+    decoding's); the next drafted round reads every committed row first, in order."""
+    emb = np.random.default_rng(2).standard_normal((VOCAB, HIDDEN)).astype(np.float32)
+    drafter = DSparkDrafter(CFG, tiny_weights(seed=4, cfg=CFG, n_vocab=VOCAB), np.arange(VOCAB),
+                            lambda ids: emb[ids])
+    from dspark.decoding.proposers.base import DraftRequest
+
+    request = DraftRequest([1, 2, 3], SamplingParams(), SpeculativeParams("dspark"),
+                           np.random.default_rng(0), DecodeStats(), 64, lambda rows: 1.0)
+    d = DSparkProposer(drafter).start(request)
+    taps = np.random.default_rng(5).standard_normal((6, 3 * HIDDEN)).astype(np.float32)
+    d.prefilled(taps[:2])
+    d.gate.pause = 2  # the next two rounds decode plainly
+    history = [1, 2, 3]
+    for row in (2, 3):
+        assert len(d.propose(history, 4, 4)) == 0
+        d.verified(DraftTree(), [], [history[-1] + 1], taps[row:row + 1], 0.01)
+        history = history + [history[-1] + 1]
+        assert d.ctx.length == 0  # nothing read while the rounds were plain
+    assert len(d.propose(history, 4, 4)) > 0
+    assert d.ctx.length == 4
+    expected = drafter.new_context(64)
+    drafter.extend(expected, taps[:4])
+    np.testing.assert_array_equal(d.ctx.features[:4], expected.features[:4])

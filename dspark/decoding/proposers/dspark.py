@@ -9,7 +9,9 @@ over n + 1 rows (``DraftRequest.verify_cost``) and the drafter's own measured co
 requests get the drafter's argmax chain; sampled ones a chain drawn from the drafter's
 distributions, recorded in the tree for the rejection sampler (lossless). When drafted rounds
 stop paying for themselves (fewer tokens per unit of cost than plain decoding, smoothed), the
-request decodes plainly for a while, for longer each time, and then tries again.
+request decodes plainly for a while, for longer each time, and then tries again. The
+committed rows' taps are read into the drafter's context only when it drafts (one call over
+every row since the last draft), so a round that does not draft costs what plain decoding does.
 """
 from __future__ import annotations
 
@@ -54,8 +56,8 @@ class DSparkProposer:
 
 
 class DSparkRequestDrafter(BaseDrafter):
-    """One request: the drafter's context (keys/values of every committed row) and the
-    running costs that the schedule weighs."""
+    """One request: the drafter's context (keys/values of every committed row, the latest
+    ones as taps still to be read) and the running costs that the schedule weighs."""
 
     def __init__(self, drafter: DSparkDrafter, request: DraftRequest):
         self.drafter = drafter
@@ -66,18 +68,28 @@ class DSparkRequestDrafter(BaseDrafter):
         self.draft_s = 0.0
         self.lost = False  # a round's taps went missing: no more drafting for this request
         self.gate = DraftGate(SMOOTHING)
+        self.pending: list[np.ndarray] = []  # taps of committed rows not in ctx yet
+        self.pending_rows = 0
+
+    def _hold(self, taps: np.ndarray) -> None:
+        self.pending.append(taps)
+        self.pending_rows += len(taps)
 
     def prefilled(self, taps: Optional[np.ndarray]) -> None:
-        self.drafter.extend(self.ctx, taps)
+        if taps is not None:
+            self._hold(taps)
 
     def propose(self, history: list[int], max_depth: int, max_nodes: int) -> DraftTree:
         k = min(self.k_max, max_depth, max_nodes)
-        if self.ctx.length != len(history) - 1:
+        if self.ctx.length + self.pending_rows != len(history) - 1:
             self.lost = True  # never draft from a context that misses committed rows
         if k <= 0 or self.lost:
             return DraftTree()
         if not self.gate.should_draft():
             return DraftTree()
+        if self.pending:  # not timed as the draft: plain rounds read these rows before too
+            self.drafter.extend(self.ctx, np.concatenate(self.pending))
+            self.pending, self.pending_rows = [], 0
         sampling = self.request.sampling
         start = time.perf_counter()
         proposal = self.drafter.propose(self.ctx, history[-1], k, sampling.temperature,
@@ -102,7 +114,7 @@ class DSparkRequestDrafter(BaseDrafter):
         if taps is None:
             self.lost = True
             return
-        self.drafter.extend(self.ctx, taps)
+        self._hold(taps)
         if self.draft_s > 0 and target_s > 0:
             rows_cost = self.request.verify_cost(len(tree) + 1)
             self.draft_cost += SMOOTHING * (self.draft_s / (target_s / rows_cost) - self.draft_cost)
