@@ -56,6 +56,7 @@ cdef extern from "llama_forward.h" nogil:
     ctypedef struct llama_request:
         const llama_segment *segs
         size_t n_segs
+        const float *inputs
         const llama_matrix *head
         const int32_t *logit_rows
         size_t n_logit_rows
@@ -268,17 +269,18 @@ cdef class LlamaModel:
 
     def project(self, hidden, logits, head=None, bint norm=True):
         """logits [n, head columns] = head(RMSNorm(hidden)) for hidden [n, hidden] float32 (the
-        final norm skipped when ``norm`` is False); ``head`` a PackedMatrix or the model's."""
+        final norm skipped when ``norm`` is False: then any PackedMatrix, hidden [n, its inputs]);
+        ``head`` a PackedMatrix or the model's."""
         cdef PackedMatrix pm
         cdef const llama_matrix *mat = &self.model.head
         if head is not None:
-            if not isinstance(head, PackedMatrix) or (<PackedMatrix>head).mat.k != self.model.hidden:
+            if not isinstance(head, PackedMatrix) or (norm and (<PackedMatrix>head).mat.k != self.model.hidden):
                 raise RequestError("head", f"expected a PackedMatrix over {self.model.hidden} inputs")
             pm = head
             mat = &pm.mat
         if not isinstance(hidden, np.ndarray) or hidden.dtype != np.float32 or hidden.ndim != 2 \
-                or hidden.shape[0] == 0 or hidden.shape[1] != self.model.hidden or not hidden.flags.c_contiguous:
-            raise RequestError("hidden", f"expected a C-ordered float32 [n, {self.model.hidden}] array")
+                or hidden.shape[0] == 0 or hidden.shape[1] != mat.k or not hidden.flags.c_contiguous:
+            raise RequestError("hidden", f"expected a C-ordered float32 [n, {mat.k}] array")
         if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 \
                 or logits.shape != (hidden.shape[0], mat.n) or not logits.flags.c_contiguous \
                 or not logits.flags.writeable:
@@ -307,7 +309,8 @@ cdef class LlamaModel:
         m = self.model
         return ((m.n_layer, m.n_kv, slots // 16, m.head_dim, 16), (m.n_layer, m.n_kv, slots, m.head_dim))
 
-    def forward(self, list segments, logit_rows, logits, taps=None, tap_layers=(), head=None):
+    def forward(self, list segments, logit_rows, logits, taps=None, tap_layers=(), head=None,
+                inputs=None):
         """One decoder step over the new rows of each segment.
 
         segments: [(keys, values, length, tokens, positions, mask)] with keys/values a cache from
@@ -315,7 +318,9 @@ cdef class LlamaModel:
         (row i sees slot j where mask[i, j]). logit_rows: rows over all segments (in order) whose
         logits are written to ``logits`` [len(logit_rows), head columns] float32; taps: None or
         [rows, len(tap_layers) * hidden] float32 for the outputs of ``tap_layers``; head: a
-        PackedMatrix over the hidden size in place of the model's head (a vocabulary subset)."""
+        PackedMatrix over the hidden size in place of the model's head (a vocabulary subset);
+        inputs: None, or [rows, hidden] float32 fed to the first layer instead of the tokens'
+        embeddings (a drafter whose rows are not tokens)."""
         cdef size_t nseg = len(segments), s, rows = 0, t, length, cap
         if nseg == 0:
             raise RequestError("segments", "at least one segment is needed")
@@ -332,6 +337,7 @@ cdef class LlamaModel:
         cdef const int32_t[::1] tok_view
         cdef const int64_t[::1] pos_view
         cdef const uint8_t[:, ::1] mask_view
+        cdef const float[:, ::1] inputs_view
         cdef PackedMatrix head_pm
         cdef int rc
         held = []
@@ -383,7 +389,13 @@ cdef class LlamaModel:
                 segs[s].tokens, segs[s].positions, segs[s].mask = &tok_view[0], &pos_view[0], &mask_view[0, 0]
                 rows += t
 
-            req.segs, req.n_segs, req.head = segs, nseg, NULL
+            req.segs, req.n_segs, req.head, req.inputs = segs, nseg, NULL, NULL
+            if inputs is not None:
+                if not isinstance(inputs, np.ndarray) or inputs.dtype != np.float32 \
+                        or inputs.shape != (rows, self.model.hidden) or not inputs.flags.c_contiguous:
+                    raise RequestError("inputs", f"expected a C-ordered float32 [{rows}, {self.model.hidden}] array")
+                inputs_view = inputs
+                req.inputs = &inputs_view[0, 0]
             head_cols = self.model.head.n
             if head is not None:
                 if not isinstance(head, PackedMatrix) or (<PackedMatrix>head).mat.k != self.model.hidden:

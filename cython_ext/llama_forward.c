@@ -177,6 +177,7 @@ typedef struct {
     const llama_request *req;
     llama_pool *pool;
     size_t rows, max_slots, n_qkv;
+    size_t k_in;         /* a projection's input width when wider than the model's rows */
     int32_t *row_seg;    /* [rows] segment of each row */
     int32_t *row_first;  /* [rows] the segment's first row */
     float *rope;         /* [rows][head_dim]: cos, sin per pair */
@@ -442,7 +443,10 @@ static void forward_job(void *arg, int tid) {
     while ((item = phase_claim(ph)) >= 0) {
         const size_t r = (size_t)item;
         const llama_segment *seg = &req->segs[st->row_seg[r]];
-        llama_embed_row(m, seg->tokens[r - (size_t)st->row_first[r]], st->x + r * d);
+        if (req->inputs)
+            memcpy(st->x + r * d, req->inputs + r * d, d * sizeof(float));
+        else
+            llama_embed_row(m, seg->tokens[r - (size_t)st->row_first[r]], st->x + r * d);
         phase_finish(ph);
     }
 
@@ -541,7 +545,10 @@ static void project_job(void *arg, int tid) {
     size_t c0, c1;
     long item;
     if (!phase_open(p)) return;
-    norm_quantize(ps->st, ts, ps->hidden, ps->rows, NULL, ps->norm ? ps->st->m->out_norm : NULL);
+    if (ps->norm)
+        norm_quantize(ps->st, ts, ps->hidden, ps->rows, NULL, ps->st->m->out_norm);
+    else
+        quantize_rows(ps->st, ts, ps->hidden, ps->head->k, ps->head->k, ps->rows);
     while ((item = phase_claim(p)) >= 0) {
         matmul_item(ps->st, ts, ps->head, 1, (size_t)item, ps->rows, ps->logits, ps->head->n, &c0, &c1);
         phase_finish(p);
@@ -554,7 +561,8 @@ static void project_job(void *arg, int tid) {
 static char *alloc_state(fwd_state *st, int nt, size_t qrows) {
     const llama_model *m = st->m;
     const size_t hd = m->head_dim, d = m->hidden, group = m->n_head / m->n_kv, rows = st->rows;
-    const size_t wide = d > m->ffn ? d : m->ffn;
+    size_t wide = d > m->ffn ? d : m->ffn;
+    if (st->k_in > wide) wide = st->k_in;
     char *mem = NULL;
     size_t off = 0;
     for (int pass = 0; pass < 2; pass++) {
@@ -637,6 +645,7 @@ int llama_project(const llama_model *m, const llama_kernels *kern, llama_pool *p
     fwd_state st = {0};
     st.m = m, st.kern = kern, st.pool = pool;
     st.n_phases = 1;
+    st.k_in = head->k;
     char *mem = alloc_state(&st, pool->n, rows);
     if (!mem) return -1;
     project_state ps = {&st, hidden, rows, head, logits, norm};

@@ -41,6 +41,7 @@ typedef struct {
 typedef struct {
     const llama_segment *segs;
     size_t n_segs;
+    const float *inputs;        /* [rows][hidden] the rows' inputs, or NULL: their tokens' embeddings */
     const llama_matrix *head;   /* NULL: the model's head */
     const int32_t *logit_rows;  /* rows (over all segments, in order) that get logits */
     size_t n_logit_rows;
@@ -61,7 +62,8 @@ int llama_pool_threads(const llama_pool *pool);
 int llama_forward(const llama_model *m, const llama_kernels *kern, llama_pool *pool,
                   const llama_request *req);
 
-/* logits[rows][head->n] = head(RMSNorm(hidden)) (no norm when norm == 0); 0 or -1 (memory). */
+/* logits[rows][head->n] = head(RMSNorm(hidden)) for hidden [rows][model hidden]; with norm == 0
+ * head(hidden) for hidden [rows][head->k]. 0 or -1 (memory). */
 int llama_project(const llama_model *m, const llama_kernels *kern, llama_pool *pool,
                   const float *hidden, size_t rows, const llama_matrix *head, int norm,
                   float *logits);

@@ -42,7 +42,7 @@ import numpy as np
 from dspark.errors import ConfigError, RequestError
 
 FORMAT = "dspark-drafter/2"  # /2: the block input's two terms RMS-normed (emb_norm, last_norm)
-BACKENDS = ("numpy", "onnxruntime")
+BACKENDS = ("numpy", "onnxruntime", "kernel")
 EmbedRows = Callable[[np.ndarray], np.ndarray]  # token ids -> float32 rows [n, hidden]
 
 
@@ -108,15 +108,16 @@ class DrafterConfig:
 @dataclass
 class DraftContext:
     """One request's drafter state: the context features and, per draft layer, the keys and
-    values of the context rows."""
+    values of the context rows (float32 arrays, or the kernel backend's fp16 cache)."""
     features: np.ndarray      # [capacity, hidden]
     keys: list[np.ndarray]    # [capacity, n_kv_head, head_dim] per layer (RoPE applied)
     values: list[np.ndarray]
     length: int = 0
+    cache: object = None      # the kernel backend's KernelCache (keys and values empty then)
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[0]
+        return self.features.shape[0]
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
@@ -165,8 +166,10 @@ class DSparkDrafter:
 
     def __init__(self, cfg: DrafterConfig, weights: dict[str, np.ndarray], vocab_ids: np.ndarray,
                  embed_rows: EmbedRows, backend: str = "numpy", head=None, threads: int = 1):
-        """``backend``: "numpy" (float32) or "onnxruntime" (dspark_onnx: 8-bit weights; ``head``
-        the head's NBitsWeight, default the embedding rows quantized to 8 bits)."""
+        """``backend``: "numpy" (float32), "onnxruntime" (dspark_onnx: 8-bit weights; ``head``
+        the head's NBitsWeight, default the embedding rows quantized to 8 bits) or "kernel"
+        (dspark_kernel: dspark's C kernels, 8-bit weights; ``head`` a PackedMatrix of the
+        draft vocabulary's embedding rows, default those rows quantized to 8 bits)."""
         if backend not in BACKENDS:
             raise ConfigError("backend", f"{backend!r} is not one of {BACKENDS}")
         self.cfg = cfg
@@ -217,6 +220,14 @@ class DSparkDrafter:
 
             self.ort = OrtDrafterPasses(self, head if head is not None else quantize8(self.head_t.T), threads)
             self.layers, self.head_t, self.fc_t = [], None, None  # held by the ORT sessions now
+        self.kernel = None
+        if backend == "kernel":
+            from dspark.decoding.dspark_kernel import KernelDrafterPasses
+            from dspark.llm.kernel_runtime import pack_float
+
+            self.kernel = KernelDrafterPasses(cfg, w, head if head is not None else pack_float(self.head_t.T),
+                                              self.vocab_ids.size, threads)
+            self.layers, self.head_t, self.fc_t = [], None, None  # held by the kernels now
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -240,17 +251,23 @@ class DSparkDrafter:
         return cls(cfg, arrays, vocab_ids, embed_rows, **options)
 
     @classmethod
-    def for_gguf(cls, model, path: str | Path | None = None, backend: str = "onnxruntime",
-                 threads: int = 1) -> "DSparkDrafter":
-        """The drafter for a target GGUF (a GGUFModel), its embedding shared; with ORT its head
-        is the target's own quantized embedding rows."""
+    def for_gguf(cls, model, path: str | Path | None = None, backend: str = "kernel",
+                 threads: int = 2) -> "DSparkDrafter":
+        """The drafter for a target GGUF (a GGUFModel), its embedding shared; on the kernels
+        (served: docs/dspark.md) or ORT its head is the target's own quantized embedding rows."""
         path = path or default_weights()
         head = None
+        if backend != "numpy":
+            with np.load(path) as z:
+                vocab_ids = z["vocab_ids"]
         if backend == "onnxruntime":
             from dspark.decoding.dspark_onnx import head_from_gguf
 
-            with np.load(path) as z:
-                head = head_from_gguf(model, z["vocab_ids"])
+            head = head_from_gguf(model, vocab_ids)
+        elif backend == "kernel":
+            from dspark.llm.kernel_runtime import pack_matrix
+
+            head = pack_matrix(model, "token_embd.weight", vocab_ids)
         drafter = cls.load(path, gguf_embedding(model), model.config.vocab, backend=backend,
                            head=head, threads=threads)
         from dspark.llm.onnx_graph import default_tap_layers
@@ -265,15 +282,19 @@ class DSparkDrafter:
     # ------------------------------------------------------------------ context
     def new_context(self, capacity: int) -> DraftContext:
         c = self.cfg
+        features = np.zeros((capacity, c.hidden), np.float32)
+        if self.kernel is not None:
+            return DraftContext(features, [], [], cache=self.kernel.new_cache(capacity))
         shape = (capacity, c.n_kv_head, c.head_dim)
-        return DraftContext(np.zeros((capacity, c.hidden), np.float32),
+        return DraftContext(features,
                             [np.zeros(shape, np.float32) for _ in range(c.n_layer)],
                             [np.zeros(shape, np.float32) for _ in range(c.n_layer)])
 
     def context_features(self, taps: np.ndarray) -> np.ndarray:
         c = self.cfg
         z = np.clip((np.asarray(taps, np.float32) - self.tap_mean) / self.tap_std, -c.tap_clip, c.tap_clip)
-        return _rms((z * self.tap_norm) @ self.fc_t, self.ctx_norm, c.rms_eps)
+        fc = self.kernel.project(z * self.tap_norm, self.kernel.fc) if self.kernel else (z * self.tap_norm) @ self.fc_t
+        return _rms(fc, self.ctx_norm, c.rms_eps)
 
     def extend(self, ctx: DraftContext, taps: np.ndarray) -> None:
         """Append the taps of the next context positions (rows ctx.length, ...): the rows
@@ -300,12 +321,23 @@ class DSparkDrafter:
             return
         feats = self.context_features(taps)
         ctx.features[ctx.length:ctx.length + n] = feats
-        for layer, keys, values in zip(self.layers, ctx.keys, ctx.values):
-            kv = feats @ layer["wkv"]
-            k = kv[:, :self.kv_dim].reshape(n, c.n_kv_head, c.head_dim)
-            keys[ctx.length:ctx.length + n] = _rope_pairs(k, pos, c.rope_base)
-            values[ctx.length:ctx.length + n] = kv[:, self.kv_dim:].reshape(n, c.n_kv_head, c.head_dim)
+        new_keys, new_values = [], []
+        for kv in self._context_kv(feats):
+            new_keys.append(_rope_pairs(kv[:, :self.kv_dim].reshape(n, c.n_kv_head, c.head_dim), pos, c.rope_base))
+            new_values.append(kv[:, self.kv_dim:].reshape(n, c.n_kv_head, c.head_dim))
+        if self.kernel is not None:
+            self.kernel.write_context(ctx.cache, ctx.length, new_keys, new_values)
+        else:
+            for keys, values, k, v in zip(ctx.keys, ctx.values, new_keys, new_values):
+                keys[ctx.length:ctx.length + n] = k
+                values[ctx.length:ctx.length + n] = v
         ctx.length += n
+
+    def _context_kv(self, feats: np.ndarray) -> list[np.ndarray]:
+        """Each layer's [keys | values] of context features (before RoPE)."""
+        if self.kernel is not None:
+            return [self.kernel.project(feats, wkv) for wkv in self.kernel.wkv]
+        return [feats @ layer["wkv"] for layer in self.layers]
 
     # ------------------------------------------------------------------ block pass
     def block_pass(self, ctx: DraftContext, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -321,6 +353,8 @@ class DSparkDrafter:
         C = ctx.length
         if C:  # every slot reads the last committed row's feature directly
             x += _rms(ctx.features[C - 1:C] @ self.last_proj_t, self.last_norm, c.rms_eps)
+        if self.kernel is not None:
+            return self.kernel.run_block(x, ctx.cache, C)
         if self.ort is not None:
             cos, sin = rope_trig(np.arange(C, C + k), c.head_dim, c.rope_base)
             return self.ort.run_block(x, cos, sin, [kk[:C] for kk in ctx.keys],

@@ -99,19 +99,26 @@ class KernelCache(CacheRows):
         return self.keys.nbytes + self.values.nbytes + self.positions.nbytes
 
 
-def pack_matrix(model: GGUFModel, name: str) -> "_llama.PackedMatrix":
-    """One GGUF matrix in the kernels' layout: Q4_0/Q4_1/Q8_0 blocks as stored; float matrices
-    (F32/F16/BF16) quantized to Q8_0 at load, so every product runs on the int8 kernels."""
-    kind = model.tensor_type(name)
-    if kind in PACKED_TYPES:
-        raw = model.raw(name)  # [n, k / 32 * block bytes]
-        return pack_blocks(raw, kind, raw.shape[0], raw.shape[1] // BLOCK_BYTES[kind] * 32)
+def pack_float(weights: np.ndarray) -> "_llama.PackedMatrix":
+    """A float matrix [n outputs, k inputs] quantized to Q8_0 blocks, in the kernels' layout."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
+    weights = np.asarray(weights, np.float32)
+    return pack_blocks(quantize(weights, GGMLQuantizationType.Q8_0), "Q8_0", *weights.shape)
+
+
+def pack_matrix(model: GGUFModel, name: str, rows: np.ndarray | None = None) -> "_llama.PackedMatrix":
+    """One GGUF matrix (only its ``rows`` when given) in the kernels' layout: Q4_0/Q4_1/Q8_0
+    blocks as stored; float matrices (F32/F16/BF16) quantized to Q8_0 at load, so every product
+    runs on the int8 kernels."""
+    kind = model.tensor_type(name)
+    if kind in PACKED_TYPES:
+        raw = model.raw(name)  # [n, k / 32 * block bytes]
+        raw = raw if rows is None else np.asarray(raw)[rows]
+        return pack_blocks(raw, kind, raw.shape[0], raw.shape[1] // BLOCK_BYTES[kind] * 32)
     weights = model.dequantized(name)  # [n, k]
-    blocks = quantize(weights, GGMLQuantizationType.Q8_0)
-    return pack_blocks(blocks, "Q8_0", *weights.shape)
+    return pack_float(weights if rows is None else weights[rows])
 
 
 def pack_weights(model: GGUFModel) -> dict:

@@ -158,7 +158,7 @@ def test_rounds_that_do_not_draft_leave_the_context_to_the_next_draft():
         assert len(d.propose(history, 4, 4)) == 0
         d.verified(DraftTree(), [], [history[-1] + 1], taps[row:row + 1], 0.01)
         history = history + [history[-1] + 1]
-        assert d.ctx.length == 0  # nothing read while the rounds were plain
+        assert d.ctx.length == 2  # the prompt's rows only: nothing read while the rounds were plain
     assert len(d.propose(history, 4, 4)) > 0
     assert d.ctx.length == 4
     expected = drafter.new_context(64)

@@ -318,6 +318,23 @@ def test_binding_refuses_foreign_caches_and_buffers(tiny, smol):
         with pytest.raises(RequestError) as err:
             tiny._model.forward(segments, [0], out)
         assert err.value.field == field, segments
+    good = [(small.keys, small.values, 0, [1], [0], mask)]
+    for inputs in (np.zeros((2, tiny.config.hidden), np.float32), np.zeros((1, 3), np.float32),
+                   np.zeros((1, tiny.config.hidden))):
+        with pytest.raises(RequestError) as err:
+            tiny._model.forward(good, [0], logits, inputs=inputs)
+        assert err.value.field == "inputs"
+
+
+def test_inputs_in_place_of_embeddings_give_the_tokens_logits(tiny):
+    """A step fed hidden rows (a drafter's slots) computes what the same rows as tokens give."""
+    tokens, positions = [3, 17, 40], [0, 1, 2]
+    want = tiny.forward(tiny.new_cache(16), tokens, positions)
+    cache = tiny.new_cache(16)
+    logits = np.empty((3, tiny._model.head_columns), np.float32)
+    tiny._model.forward([(cache.keys, cache.values, 0, [0, 0, 0], positions, np.tri(3, dtype=bool))],
+                        [0, 1, 2], logits, inputs=tiny._model.embed(tokens))
+    assert np.array_equal(logits[:, :tiny.config.vocab], want)
 
 
 def test_concurrent_callers_get_their_own_results(tiny):

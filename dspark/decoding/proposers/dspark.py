@@ -10,8 +10,9 @@ requests get the drafter's argmax chain; sampled ones a chain drawn from the dra
 distributions, recorded in the tree for the rejection sampler (lossless). When drafted rounds
 stop paying for themselves (fewer tokens per unit of cost than plain decoding, smoothed), the
 request decodes plainly for a while, for longer each time, and then tries again. The
-committed rows' taps are read into the drafter's context only when it drafts (one call over
-every row since the last draft), so a round that does not draft costs what plain decoding does.
+rows committed by each round are read into the drafter's context only when it drafts again (one
+call over every row since the last draft, counted in the draft's cost), so a round that does not
+draft costs what plain decoding does.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class DSparkProposer:
 
     @classmethod
     def for_import(cls, folder: str | Path, weights: str | Path | None = None,
-                   backend: str = "onnxruntime", threads: int = 1) -> "DSparkProposer":
+                   backend: str = "kernel", threads: int = 2) -> "DSparkProposer":
         """For a model imported by ``dspark llm import`` (its import.json names the GGUF the
         drafter shares the embedding with); ``weights`` default: the drafter trained for
         SmolLM2-135M-Instruct."""
@@ -76,8 +77,7 @@ class DSparkRequestDrafter(BaseDrafter):
         self.pending_rows += len(taps)
 
     def prefilled(self, taps: Optional[np.ndarray]) -> None:
-        if taps is not None:
-            self._hold(taps)
+        self.drafter.extend(self.ctx, taps)  # the prompt's rows, in one call
 
     def propose(self, history: list[int], max_depth: int, max_nodes: int) -> DraftTree:
         k = min(self.k_max, max_depth, max_nodes)
@@ -87,11 +87,11 @@ class DSparkRequestDrafter(BaseDrafter):
             return DraftTree()
         if not self.gate.should_draft():
             return DraftTree()
-        if self.pending:  # not timed as the draft: plain rounds read these rows before too
+        sampling = self.request.sampling
+        start = time.perf_counter()  # reading the pending rows is part of the draft's cost
+        if self.pending:
             self.drafter.extend(self.ctx, np.concatenate(self.pending))
             self.pending, self.pending_rows = [], 0
-        sampling = self.request.sampling
-        start = time.perf_counter()
         proposal = self.drafter.propose(self.ctx, history[-1], k, sampling.temperature,
                                         self.request.rng, want_probs=not sampling.greedy,
                                         stop_below=STOP_BELOW)

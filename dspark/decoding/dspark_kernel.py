@@ -1,0 +1,83 @@
+"""DSpark's block pass on dspark's own C kernels (cython_ext/llama_*.c, the target's runtime).
+
+The drafter's backbone is a stack of llama blocks whose context keys and values come from the
+target's taps instead of earlier layers, and whose block slots attend to the whole context and
+to each other. That is one llama decoder step: the context rows' keys and values sit in a
+KV cache (written by ``write_context``), the k slots are the step's new rows with an all-true
+mask, their inputs are given as hidden states (``LlamaModel.forward(inputs=...)``), and the head
+is the target's embedding restricted to the draft vocabulary. Weights are 8-bit blocks (Q8_0).
+
+Why: ONNX Runtime's block pass of 8 slots took ~2.7 ms on 2 threads (Zen 4), most of a 4.5 ms
+target row, which made every drafted round lose (docs/dspark.md). The slots' rows are cache
+rows past the context length; the pass never moves the length, so they are overwritten by the
+next draft.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dspark._ext import llama as _llama
+from dspark.llm.kernel_runtime import KernelCache, pack_float
+
+
+class KernelDrafterPasses:
+    """The drafter's layers and head on the llama kernels; ``threads`` run each pass."""
+
+    def __init__(self, cfg, weights: dict[str, np.ndarray], head: "_llama.PackedMatrix", vocab: int,
+                 threads: int = 2):
+        """``head``: the draft vocabulary's ``vocab`` embedding rows (padded to whole tiles)."""
+        self.cfg = cfg
+        self.vocab = vocab
+        packed = {"embed": head, "head": head, "out_norm": weights["out_norm"]}
+        names = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
+                 "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
+        for i in range(cfg.n_layer):
+            src, dst = f"layers.{i}.", f"blk.{i}."
+            packed[dst + "attn_norm"] = weights[src + "attn_norm"]
+            packed[dst + "ffn_norm"] = weights[src + "ffn_norm"]
+            for ours, theirs in names.items():
+                packed[dst + theirs] = pack_float(weights[src + ours])
+        config = {"n_layer": cfg.n_layer, "hidden": cfg.hidden, "ffn": cfg.ffn,
+                  "n_head": cfg.n_head, "n_kv": cfg.n_kv_head, "head_dim": cfg.head_dim,
+                  "vocab": vocab, "rms_eps": cfg.rms_eps, "rope_base": cfg.rope_base}
+        self.model = _llama.LlamaModel(config, packed, threads)
+        self.out_norm = np.asarray(weights["out_norm"], np.float32)
+        # the context's projections: taps -> feature, feature -> each layer's keys and values
+        self.fc = pack_float(weights["fc"])
+        self.wkv = [pack_float(np.concatenate([weights[f"layers.{i}.wk"], weights[f"layers.{i}.wv"]]))
+                    for i in range(cfg.n_layer)]
+
+    def project(self, x: np.ndarray, matrix: "_llama.PackedMatrix") -> np.ndarray:
+        """x [n, matrix inputs] @ matrix.T on the kernels (int8 activations)."""
+        out = np.empty((x.shape[0], matrix.n), np.float32)
+        self.model.project(np.ascontiguousarray(x, np.float32), out, matrix, False)
+        return out
+
+    def new_cache(self, capacity: int) -> KernelCache:
+        """Room for ``capacity`` context rows and one block after them."""
+        slots = capacity + self.cfg.block
+        kshape, vshape = self.model.cache_shapes(slots)
+        return KernelCache(np.zeros(kshape, np.uint16), np.zeros(vshape, np.uint16),
+                           np.zeros(vshape[2], np.int64), 0, slots)
+
+    @staticmethod
+    def write_context(cache: KernelCache, start: int, keys: list[np.ndarray],
+                      values: list[np.ndarray]) -> None:
+        """Context rows start.. of every layer: keys (RoPE applied) and values [n, n_kv, hd]."""
+        slots = np.arange(start, start + len(keys[0]))
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            cache.keys[layer][:, slots // 16, :, slots % 16] = k.astype(np.float16).view(np.uint16)
+            cache.values[layer][:, slots] = v.transpose(1, 0, 2).astype(np.float16).view(np.uint16)
+
+    def run_block(self, x: np.ndarray, cache: KernelCache, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """The block's normed hidden states [k, H] and head logits [k, V] for slot inputs x [k, H]
+        after ``length`` context rows."""
+        k = x.shape[0]
+        logits = np.empty((k, self.model.head_columns), np.float32)
+        last = np.empty((k, self.cfg.hidden), np.float32)
+        segment = (cache.keys, cache.values, length, np.zeros(k, np.int64),
+                   np.arange(length, length + k), np.ones((k, length + k), bool))
+        self.model.forward([segment], np.arange(k), logits, last, (self.cfg.n_layer - 1,), None,
+                           np.ascontiguousarray(x, np.float32))
+        ms = np.mean(last * last, axis=-1, keepdims=True)
+        return last * (self.out_norm / np.sqrt(ms + self.cfg.rms_eps)), logits[:, :self.vocab]
