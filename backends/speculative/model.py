@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -170,6 +171,8 @@ class TritonPythonModel:
         self.name, self.version = args["model_name"], args["model_version"]
         self.finalizing = threading.Event()
         self.streams = StreamLedger()
+        # senders ask the server "cancelled?" here, never on a decode thread (response_sender.py)
+        self.cancel_asks = ThreadPoolExecutor(1, thread_name_prefix="cancel-ask")
         self.watcher = threading.Thread(target=self._watch_unload, name="unload-watch", daemon=True)
         self.watcher.start()
         pb_utils.Logger.log_info(
@@ -268,7 +271,8 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            sender = GuardedSender(request.get_response_sender(), FINAL, CANCEL_RECHECK_S, self.streams)
+            sender = GuardedSender(request.get_response_sender(), FINAL, CANCEL_RECHECK_S, self.streams,
+                                   self.cancel_asks.submit)
             self.pool.submit(lambda r=request, s=sender: self._serve(r, s),
                              lambda error, s=sender: self._fail(s, error))
         return None
@@ -374,6 +378,7 @@ class TritonPythonModel:
         started = time.monotonic()
         self.finalizing.set()
         drained = self.pool.close(DRAIN_TIMEOUT_S)
+        self.cancel_asks.shutdown(wait=True)
         self.watcher.join(DRAIN_TIMEOUT_S)
         self.generator.engine.close()
         self.metrics.clear()

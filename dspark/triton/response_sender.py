@@ -8,7 +8,10 @@ while the round batcher was asking whether it was cancelled). Here asking and se
 lock, and once the final response is sent ``is_cancelled`` answers True without asking the server.
 
 Asking is an IPC round trip to the server; a decode loop that asks every round (a few ms) would
-pay it on its critical path, so an answer "not cancelled" is reused for ``recheck_s``.
+pay it on its critical path, so an answer "not cancelled" is reused for ``recheck_s``, and with
+``ask_on`` (a one-thread executor's ``submit``) a stale answer is refreshed on that thread while
+the caller goes on with the one it has: the round batcher, which asks for every request of a
+round, spent ~18 % of a served 4-request run waiting for these round trips.
 
 A model's ``StreamLedger`` counts its streams: an unload that hangs (Triton calls ``finalize``
 only when no response factory is left) then says whether every request had its final response."""
@@ -17,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 @dataclass
@@ -51,8 +54,11 @@ class StreamLedger:
 
 class GuardedSender:
     def __init__(self, sender: Any, final_flag: int, recheck_s: float = 0.0,
-                 ledger: Optional[StreamLedger] = None):
+                 ledger: Optional[StreamLedger] = None,
+                 ask_on: Optional[Callable[[Callable[[], None]], Any]] = None):
         self._sender = sender
+        self._ask_on = ask_on
+        self._asking = False
         self._ledger = ledger or StreamLedger()
         self._ledger.count(opened=1)
         self._final_flag = final_flag
@@ -68,11 +74,19 @@ class GuardedSender:
             return True
         if time.monotonic() - self._asked < self._recheck_s:
             return False
+        if self._ask_on is None:
+            self._ask()
+        elif not self._asking:
+            self._asking = True
+            self._ask_on(self._ask)
+        return self.closed or self._cancelled
+
+    def _ask(self) -> None:
         with self._lock:
             if not (self.closed or self._cancelled):
                 self._cancelled = bool(self._sender.is_cancelled())
                 self._asked = time.monotonic()
-            return self.closed or self._cancelled
+            self._asking = False
 
     def send(self, response: Any = None, final: bool = False) -> bool:
         """Send ``response`` (and/or the final flag); False when the stream was already closed

@@ -176,3 +176,34 @@ def test_guarded_sender_asks_at_most_once_per_recheck_interval_and_remembers_a_c
     time.sleep(0.06)
     assert sender.is_cancelled() and raw.asked == 2
     assert sender.is_cancelled() and raw.asked == 2  # known now; the server is not asked again
+
+
+def test_guarded_sender_with_an_asking_thread_never_waits_for_the_server():
+    """With ``ask_on`` the caller (the round batcher) gets the answer it has at once; the server is
+    asked on the other thread, once per recheck interval, and a cancel is seen after that."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dspark.triton.response_sender import GuardedSender
+
+    class Slow:
+        asked, cancelled, threads = 0, False, set()
+
+        def is_cancelled(self):
+            self.asked += 1
+            self.threads.add(threading.get_ident())
+            time.sleep(0.05)  # a slow round trip
+            return self.cancelled
+
+    raw = Slow()
+    with ThreadPoolExecutor(1) as asker:
+        sender = GuardedSender(raw, final_flag=1, recheck_s=0.01, ask_on=asker.submit)
+        start = time.monotonic()
+        assert not any(sender.is_cancelled() for _ in range(100))
+        assert time.monotonic() - start < 0.02  # no caller waited for the round trip
+        raw.cancelled = True
+        deadline = time.monotonic() + 2
+        while not sender.is_cancelled() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert sender.is_cancelled()
+    assert threading.get_ident() not in raw.threads
+    assert raw.asked <= 2 + 2.0 / 0.05  # one question in flight at a time
