@@ -125,15 +125,20 @@ def test_sampled_dspark_follows_the_target_distribution(target):
     assert g_test_p_value(counts, expected * n) > 1e-3
 
 
-def test_a_context_that_misses_rows_falls_back_to_plain_rounds(target):
+def request_drafter():
+    """A tiny drafter's state for one request of prompt [1, 2, 3], and the drafter."""
+    from dspark.decoding.proposers.base import DraftRequest
+
     emb = np.random.default_rng(2).standard_normal((VOCAB, HIDDEN)).astype(np.float32)
     drafter = DSparkDrafter(CFG, tiny_weights(seed=4, cfg=CFG, n_vocab=VOCAB), np.arange(VOCAB),
                             lambda ids: emb[ids])
-    from dspark.decoding.proposers.base import DraftRequest
-
     request = DraftRequest([1, 2, 3], SamplingParams(), SpeculativeParams("dspark"),
                            np.random.default_rng(0), DecodeStats(), 64, lambda rows: 1.0)
-    d = DSparkProposer(drafter).start(request)
+    return DSparkProposer(drafter).start(request), drafter
+
+
+def test_a_context_that_misses_rows_falls_back_to_plain_rounds():
+    d, _ = request_drafter()
     d.prefilled(np.zeros((2, 3 * HIDDEN), np.float32))
     assert len(d.propose([1, 2, 3], 4, 4)) > 0
     assert len(d.propose([1, 2, 3, 4, 5], 4, 4)) == 0  # two committed rows without taps
@@ -142,14 +147,7 @@ def test_a_context_that_misses_rows_falls_back_to_plain_rounds(target):
 def test_rounds_that_do_not_draft_leave_the_context_to_the_next_draft():
     """A round the gate keeps plain reads no taps into the drafter (its cost is plain
     decoding's); the next drafted round reads every committed row first, in order."""
-    emb = np.random.default_rng(2).standard_normal((VOCAB, HIDDEN)).astype(np.float32)
-    drafter = DSparkDrafter(CFG, tiny_weights(seed=4, cfg=CFG, n_vocab=VOCAB), np.arange(VOCAB),
-                            lambda ids: emb[ids])
-    from dspark.decoding.proposers.base import DraftRequest
-
-    request = DraftRequest([1, 2, 3], SamplingParams(), SpeculativeParams("dspark"),
-                           np.random.default_rng(0), DecodeStats(), 64, lambda rows: 1.0)
-    d = DSparkProposer(drafter).start(request)
+    d, drafter = request_drafter()
     taps = np.random.default_rng(5).standard_normal((6, 3 * HIDDEN)).astype(np.float32)
     d.prefilled(taps[:2])
     d.gate.pause = 2  # the next two rounds decode plainly
