@@ -293,7 +293,8 @@ class DSparkDrafter:
     def context_features(self, taps: np.ndarray) -> np.ndarray:
         c = self.cfg
         z = np.clip((np.asarray(taps, np.float32) - self.tap_mean) / self.tap_std, -c.tap_clip, c.tap_clip)
-        fc = self.kernel.project(z * self.tap_norm, self.kernel.fc) if self.kernel else (z * self.tap_norm) @ self.fc_t
+        z = z * self.tap_norm
+        fc = z @ self.fc_t if self.kernel is None else self.kernel.project(z, self.kernel.fc)
         return _rms(fc, self.ctx_norm, c.rms_eps)
 
     def extend(self, ctx: DraftContext, taps: np.ndarray) -> None:

@@ -78,7 +78,10 @@ class GuardedSender:
             self._ask()
         elif not self._asking:
             self._asking = True
-            self._ask_on(self._ask)
+            try:
+                self._ask_on(self._ask)
+            except RuntimeError:  # the executor was shut down (the model finalized): ask here
+                self._ask()
         return self.closed or self._cancelled
 
     def _ask(self) -> None:

@@ -287,6 +287,7 @@ def test_kernel_backend_computes_the_same_block_up_to_8bit_weights(isa, monkeypa
 
     ref = DSparkDrafter(KERNEL_CFG, weights, VOCAB_IDS, rows)
     fast = DSparkDrafter(KERNEL_CFG, weights, VOCAB_IDS, rows, backend="kernel")
+    assert isa == "auto" or fast.kernel.model.isa == isa
     taps = np.random.default_rng(2).standard_normal((9, 3 * KERNEL_CFG.hidden)).astype(np.float32)
     c1, c2 = ref.new_context(64), fast.new_context(64)
     ref.extend(c1, taps)

@@ -207,3 +207,5 @@ def test_guarded_sender_with_an_asking_thread_never_waits_for_the_server():
         assert sender.is_cancelled()
     assert threading.get_ident() not in raw.threads
     assert raw.asked <= 2 + 2.0 / 0.05  # one question in flight at a time
+    late = GuardedSender(Slow(), final_flag=1, ask_on=asker.submit)  # its executor is shut down
+    assert not late.is_cancelled()  # asked here instead
