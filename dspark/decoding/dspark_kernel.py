@@ -7,10 +7,9 @@ KV cache (written by ``write_context``), the k slots are the step's new rows wit
 mask, their inputs are given as hidden states (``LlamaModel.forward(inputs=...)``), and the head
 is the target's embedding restricted to the draft vocabulary. Weights are 8-bit blocks (Q8_0).
 
-Why: ONNX Runtime's block pass of 8 slots took ~2.7 ms on 2 threads (Zen 4), most of a 4.5 ms
-target row, which made every drafted round lose (docs/dspark.md). The slots' rows are cache
-rows past the context length; the pass never moves the length, so they are overwritten by the
-next draft.
+Why: on Zen 4 (2 threads) ONNX Runtime's block of 8 slots took 4.4-4.7 ms, more than a 3.6 ms
+target row; on these kernels it takes 1.7-2.6 ms (docs/dspark.md). The slots' rows are cache
+rows past the context length; the pass never moves the length, so the next draft overwrites them.
 """
 from __future__ import annotations
 
