@@ -355,7 +355,8 @@ class DSparkDrafter:
         if C:  # every slot reads the last committed row's feature directly
             x += _rms(ctx.features[C - 1:C] @ self.last_proj_t, self.last_norm, c.rms_eps)
         if self.kernel is not None:
-            return self.kernel.run_block(x, ctx.cache, C)
+            last, logits = self.kernel.run_block(x, ctx.cache, C)
+            return _rms(last, self.out_norm, c.rms_eps), logits
         if self.ort is not None:
             cos, sin = rope_trig(np.arange(C, C + k), c.head_dim, c.rope_base)
             return self.ort.run_block(x, cos, sin, [kk[:C] for kk in ctx.keys],

@@ -40,7 +40,6 @@ class KernelDrafterPasses:
                   "n_head": cfg.n_head, "n_kv": cfg.n_kv_head, "head_dim": cfg.head_dim,
                   "vocab": vocab, "rms_eps": cfg.rms_eps, "rope_base": cfg.rope_base}
         self.model = _llama.LlamaModel(config, packed, threads)
-        self.out_norm = np.asarray(weights["out_norm"], np.float32)
         # the context's projections: taps -> feature, feature -> each layer's keys and values
         self.fc = pack_float(weights["fc"])
         self.wkv = [pack_float(np.concatenate([weights[f"layers.{i}.wk"], weights[f"layers.{i}.wv"]]))
@@ -54,10 +53,7 @@ class KernelDrafterPasses:
 
     def new_cache(self, capacity: int) -> KernelCache:
         """Room for ``capacity`` context rows and one block after them."""
-        slots = capacity + self.cfg.block
-        kshape, vshape = self.model.cache_shapes(slots)
-        return KernelCache(np.zeros(kshape, np.uint16), np.zeros(vshape, np.uint16),
-                           np.zeros(vshape[2], np.int64), 0, slots)
+        return KernelCache.empty(self.model, capacity + self.cfg.block)
 
     @staticmethod
     def write_context(cache: KernelCache, start: int, keys: list[np.ndarray],
@@ -69,8 +65,8 @@ class KernelDrafterPasses:
             cache.values[layer][:, slots] = v.transpose(1, 0, 2).astype(np.float16).view(np.uint16)
 
     def run_block(self, x: np.ndarray, cache: KernelCache, length: int) -> tuple[np.ndarray, np.ndarray]:
-        """The block's normed hidden states [k, H] and head logits [k, V] for slot inputs x [k, H]
-        after ``length`` context rows."""
+        """The block's last-layer residual stream [k, H] (before the final norm) and head logits
+        [k, V] for slot inputs x [k, H] after ``length`` context rows."""
         k = x.shape[0]
         logits = np.empty((k, self.model.head_columns), np.float32)
         last = np.empty((k, self.cfg.hidden), np.float32)
@@ -78,5 +74,4 @@ class KernelDrafterPasses:
                    np.arange(length, length + k), np.ones((k, length + k), bool))
         self.model.forward([segment], np.arange(k), logits, last, (self.cfg.n_layer - 1,), None,
                            np.ascontiguousarray(x, np.float32))
-        ms = np.mean(last * last, axis=-1, keepdims=True)
-        return last * (self.out_norm / np.sqrt(ms + self.cfg.rms_eps)), logits[:, :self.vocab]
+        return last, logits[:, :self.vocab]

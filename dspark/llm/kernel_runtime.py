@@ -98,6 +98,13 @@ class KernelCache(CacheRows):
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes + self.positions.nbytes
 
+    @classmethod
+    def empty(cls, model: "_llama.LlamaModel", capacity: int) -> "KernelCache":
+        """An empty cache of ``model`` with room for ``capacity`` rows."""
+        kshape, vshape = model.cache_shapes(capacity)
+        return cls(np.zeros(kshape, np.uint16), np.zeros(vshape, np.uint16),
+                   np.zeros(vshape[2], np.int64), 0, capacity)
+
 
 def pack_float(weights: np.ndarray) -> "_llama.PackedMatrix":
     """A float matrix [n outputs, k inputs] quantized to Q8_0 blocks, in the kernels' layout."""
@@ -184,9 +191,7 @@ class KernelRuntime:
         capacity = int(capacity or self.config.ctx)
         if not 0 < capacity <= self.config.ctx:
             raise RequestError("capacity", f"{capacity}: expected 1..{self.config.ctx} rows (max_context)")
-        kshape, vshape = self._model.cache_shapes(capacity)
-        return KernelCache(np.zeros(kshape, np.uint16), np.zeros(vshape, np.uint16),
-                           np.zeros(vshape[2], np.int64), 0, capacity)
+        return KernelCache.empty(self._model, capacity)
 
     def _segment(self, where: str, cache, tokens, positions, tree_mask, past_visible):
         if not isinstance(cache, KernelCache):

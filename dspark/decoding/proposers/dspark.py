@@ -70,18 +70,13 @@ class DSparkRequestDrafter(BaseDrafter):
         self.lost = False  # a round's taps went missing: no more drafting for this request
         self.gate = DraftGate(SMOOTHING)
         self.pending: list[np.ndarray] = []  # taps of committed rows not in ctx yet
-        self.pending_rows = 0
-
-    def _hold(self, taps: np.ndarray) -> None:
-        self.pending.append(taps)
-        self.pending_rows += len(taps)
 
     def prefilled(self, taps: Optional[np.ndarray]) -> None:
         self.drafter.extend(self.ctx, taps)  # the prompt's rows, in one call
 
     def propose(self, history: list[int], max_depth: int, max_nodes: int) -> DraftTree:
         k = min(self.k_max, max_depth, max_nodes)
-        if self.ctx.length + self.pending_rows != len(history) - 1:
+        if self.ctx.length + sum(map(len, self.pending)) != len(history) - 1:
             self.lost = True  # never draft from a context that misses committed rows
         if k <= 0 or self.lost:
             return DraftTree()
@@ -91,7 +86,7 @@ class DSparkRequestDrafter(BaseDrafter):
         start = time.perf_counter()  # reading the pending rows is part of the draft's cost
         if self.pending:
             self.drafter.extend(self.ctx, np.concatenate(self.pending))
-            self.pending, self.pending_rows = [], 0
+            self.pending = []
         proposal = self.drafter.propose(self.ctx, history[-1], k, sampling.temperature,
                                         self.request.rng, want_probs=not sampling.greedy,
                                         stop_below=STOP_BELOW)
@@ -114,7 +109,7 @@ class DSparkRequestDrafter(BaseDrafter):
         if taps is None:
             self.lost = True
             return
-        self._hold(taps)
+        self.pending.append(taps)
         if self.draft_s > 0 and target_s > 0:
             rows_cost = self.request.verify_cost(len(tree) + 1)
             self.draft_cost += SMOOTHING * (self.draft_s / (target_s / rows_cost) - self.draft_cost)
