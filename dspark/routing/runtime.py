@@ -139,7 +139,10 @@ class StageTimes:
     def dump(self) -> None:
         summary = {stage: {"p50_ms": 1000 * median(values), "n": len(values)}
                    for stage, values in list(self._stages.items()) if values}
-        self.path.write_text(json.dumps(summary, indent=1))
+        # readers poll the file while it is rewritten: replace it whole, never truncate it
+        partial = self.path.with_name(self.path.name + ".partial")
+        partial.write_text(json.dumps(summary, indent=1))
+        partial.replace(self.path)
 
 
 @dataclass(eq=False)
