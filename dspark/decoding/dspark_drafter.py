@@ -75,6 +75,10 @@ def gguf_embedding(model) -> EmbedRows:
 
     def rows(ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if qtype == GGMLQuantizationType.Q8_0:  # one anchor a draft: the direct path is ~10x cheaper
+            blocks = np.asarray(raw[ids]).reshape(len(ids), -1, 34)
+            scale = blocks[..., :2].copy().view(np.float16).astype(np.float32)
+            return (scale * blocks[..., 2:].view(np.int8)).reshape(len(ids), -1)
         return np.asarray(dequantize(raw[ids], qtype), np.float32).reshape(len(ids), -1)
 
     return rows
@@ -114,6 +118,8 @@ class DraftContext:
     values: list[np.ndarray]
     length: int = 0
     cache: object = None      # the kernel backend's KernelCache (keys and values empty then)
+    last_input: Optional[np.ndarray] = None  # the block's context term for row length - 1 ...
+    last_input_at: int = -1                  # ... when computed at this length
 
     @property
     def capacity(self) -> int:
@@ -227,7 +233,7 @@ class DSparkDrafter:
 
             self.kernel = KernelDrafterPasses(cfg, w, head if head is not None else pack_float(self.head_t.T),
                                               self.vocab_ids.size, threads)
-            self.layers, self.head_t, self.fc_t = [], None, None  # held by the kernels now
+            self.layers, self.head_t, self.fc_t, self.markov_w2 = [], None, None, None  # the kernels' now
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -322,10 +328,11 @@ class DSparkDrafter:
             return
         feats = self.context_features(taps)
         ctx.features[ctx.length:ctx.length + n] = feats
-        new_keys, new_values = [], []
-        for kv in self._context_kv(feats):
-            new_keys.append(_rope_pairs(kv[:, :self.kv_dim].reshape(n, c.n_kv_head, c.head_dim), pos, c.rope_base))
-            new_values.append(kv[:, self.kv_dim:].reshape(n, c.n_kv_head, c.head_dim))
+        kv, last = self._context_outputs(feats)
+        kv = kv.reshape(n, c.n_layer, 2, c.n_kv_head, c.head_dim)
+        new_keys = _rope_pairs(kv[:, :, 0].reshape(n, -1, c.head_dim), pos, c.rope_base)
+        new_keys = [new_keys[:, layer * c.n_kv_head:(layer + 1) * c.n_kv_head] for layer in range(c.n_layer)]
+        new_values = [kv[:, layer, 1] for layer in range(c.n_layer)]
         if self.kernel is not None:
             self.kernel.write_context(ctx.cache, ctx.length, new_keys, new_values)
         else:
@@ -333,12 +340,17 @@ class DSparkDrafter:
                 keys[ctx.length:ctx.length + n] = k
                 values[ctx.length:ctx.length + n] = v
         ctx.length += n
+        ctx.last_input, ctx.last_input_at = _rms(last, self.last_norm, c.rms_eps), ctx.length
 
-    def _context_kv(self, feats: np.ndarray) -> list[np.ndarray]:
-        """Each layer's [keys | values] of context features (before RoPE)."""
+    def _context_outputs(self, feats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every layer's [keys | values] of the context features (before RoPE), [n, layers *
+        2 * kv_dim], and the last row's term of the block input, last_proj(feature) [1, H]: one
+        product on the kernels (each call pays for reading its weights from memory)."""
         if self.kernel is not None:
-            return [self.kernel.project(feats, wkv) for wkv in self.kernel.wkv]
-        return [feats @ layer["wkv"] for layer in self.layers]
+            out = self.kernel.project(feats, self.kernel.context_out)
+            return out[:, :-self.cfg.hidden], out[-1:, -self.cfg.hidden:]
+        return (np.concatenate([feats @ layer["wkv"] for layer in self.layers], 1),
+                feats[-1:] @ self.last_proj_t)
 
     # ------------------------------------------------------------------ block pass
     def block_pass(self, ctx: DraftContext, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -353,7 +365,8 @@ class DSparkDrafter:
         x[1:] = self.mask_emb
         C = ctx.length
         if C:  # every slot reads the last committed row's feature directly
-            x += _rms(ctx.features[C - 1:C] @ self.last_proj_t, self.last_norm, c.rms_eps)
+            x += (ctx.last_input if ctx.last_input_at == C else
+                  _rms(ctx.features[C - 1:C] @ self.last_proj_t, self.last_norm, c.rms_eps))
         if self.kernel is not None:
             last, logits = self.kernel.run_block(x, ctx.cache, C)
             return _rms(last, self.out_norm, c.rms_eps), logits
@@ -394,6 +407,12 @@ class DSparkDrafter:
             x = x + ((g / (1.0 + np.exp(-g))) * u) @ layer["w_down"]
         return _rms(x, self.out_norm, c.rms_eps)
 
+    def markov_bias(self, w1_row: np.ndarray) -> np.ndarray:
+        """The Markov head's logit bias W1[prev] @ W2 over the draft vocabulary."""
+        if self.kernel is not None:
+            return self.kernel.markov(w1_row)
+        return w1_row @ self.markov_w2
+
     def propose(self, ctx: DraftContext, anchor: int, k: int, temperature: float = 0.0,
                 rng: Optional[np.random.Generator] = None, want_probs: bool = True,
                 stop_below: float = 0.0) -> Proposal:
@@ -411,13 +430,15 @@ class DSparkDrafter:
         probs = np.zeros((k, self.cfg.target_vocab), np.float32) if sampled and want_probs else None
         if sampled and rng is None:
             raise ValueError("sampling needs an rng")
+        H = self.cfg.hidden
+        conf_w = self.conf_w[:, int(sampled)]
+        conf_hidden = hid @ conf_w[:H] + self.conf_b[int(sampled)]
         prev = int(self.to_draft[anchor])
         prefix = 1.0
         for j in range(k):
             emb = self.markov_w1[prev]
-            logits = base[j] + emb @ self.markov_w2
-            conf[j] = _sigmoid(np.concatenate([hid[j], emb]) @ self.conf_w[:, int(sampled)]
-                               + self.conf_b[int(sampled)])
+            logits = base[j] + self.markov_bias(emb)
+            conf[j] = _sigmoid(conf_hidden[j] + emb @ conf_w[H:])
             if sampled:
                 z = np.exp((logits - logits.max()).astype(np.float64) / temperature)
                 cdf = np.cumsum(z)

@@ -40,16 +40,27 @@ class KernelDrafterPasses:
                   "n_head": cfg.n_head, "n_kv": cfg.n_kv_head, "head_dim": cfg.head_dim,
                   "vocab": vocab, "rms_eps": cfg.rms_eps, "rope_base": cfg.rope_base}
         self.model = _llama.LlamaModel(config, packed, threads)
-        # the context's projections: taps -> feature, feature -> each layer's keys and values
+        # the context's projections: taps -> feature; feature -> each layer's keys and values
+        # and the block's last-row term, in one product
         self.fc = pack_float(weights["fc"])
-        self.wkv = [pack_float(np.concatenate([weights[f"layers.{i}.wk"], weights[f"layers.{i}.wv"]]))
-                    for i in range(cfg.n_layer)]
+        self.context_out = pack_float(np.concatenate(
+            [weights[f"layers.{i}.{name}"] for i in range(cfg.n_layer) for name in ("wk", "wv")]
+            + [weights["last_proj"]]))
+        # the Markov head's W2 as rows of the draft vocabulary, its rank padded to whole blocks
+        w2 = weights["markov_w2"].T
+        self.markov_w2 = pack_float(np.pad(w2, ((0, 0), (0, -w2.shape[1] % 32))))
 
     def project(self, x: np.ndarray, matrix: "_llama.PackedMatrix") -> np.ndarray:
         """x [n, matrix inputs] @ matrix.T on the kernels (int8 activations)."""
         out = np.empty((x.shape[0], matrix.n), np.float32)
         self.model.project(np.ascontiguousarray(x, np.float32), out, matrix, False)
         return out
+
+    def markov(self, w1_row: np.ndarray) -> np.ndarray:
+        """W1[prev] @ W2 over the draft vocabulary (8-bit W2: a quarter of the float32 bytes)."""
+        x = np.zeros((1, self.markov_w2.k), np.float32)
+        x[0, :w1_row.shape[0]] = w1_row
+        return self.project(x, self.markov_w2)[0, :self.vocab]
 
     def new_cache(self, capacity: int) -> KernelCache:
         """Room for ``capacity`` context rows and one block after them."""

@@ -159,6 +159,7 @@ def test_rounds_that_do_not_draft_leave_the_context_to_the_next_draft():
         assert d.ctx.length == 2  # the prompt's rows only: nothing read while the rounds were plain
     assert len(d.propose(history, 4, 4)) > 0
     assert d.ctx.length == 4
-    expected = drafter.new_context(64)
-    drafter.extend(expected, taps[:4])
+    expected = drafter.new_context(64)  # read as the request did: the prompt, then both rounds at once
+    drafter.extend(expected, taps[:2])
+    drafter.extend(expected, taps[2:4])
     np.testing.assert_array_equal(d.ctx.features[:4], expected.features[:4])
