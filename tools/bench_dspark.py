@@ -186,7 +186,7 @@ def main() -> None:
                                          for m in methods}
                                   for kind in dict.fromkeys(p["kind"] for p in prompts)
                                   for idx in [[j for j, p in enumerate(prompts) if p["kind"] == kind]]}}
-    report = {"cpu": this_machine().cpu_model, "runtime": args.runtime, "drafter_backend": args.drafter_backend,
+    report = {"cpu": f"{this_machine().cpu_model} ({this_machine().cpu_class})", "runtime": args.runtime, "drafter_backend": args.drafter_backend,
               "threads": args.threads, "max_tokens": args.max_tokens,
               "prompts": len(prompts), "k": args.k, "weights": str(args.weights),
               "command": " ".join(sys.argv), "pass_costs_ms": costs_ms, "results": results}

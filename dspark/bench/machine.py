@@ -13,6 +13,7 @@ import os
 import platform
 import re
 import subprocess
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -40,13 +41,17 @@ class Machine:
     memory_gib: float
     python: str
 
+    @property
+    def cpu_class(self) -> str:
+        return cpu_class(self.vendor, self.family, self.isa)
+
     def fp32_peak_gflops(self, cores: int | None = None) -> float:
         """cores x clock x FLOP/cycle; ``cores`` defaults to all usable ones (a 1-thread
         benchmark compares with one core's peak)."""
         return (cores or self.cores) * self.clock_ghz * self.fp32_flop_per_cycle
 
     def describe(self) -> str:
-        return (f"{self.cpu_model} ({', '.join(f for f in self.isa if f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16')) or 'no AVX2'}), "
+        return (f"{self.cpu_model} ({self.cpu_class}), "
                 f"{self.cores} cores at {self.clock_ghz:.2f} GHz ({self.clock_source}); fp32 peak "
                 f"{self.fp32_peak_gflops(1):.1f} GFLOP/s per core = {self.peak_basis}")
 
@@ -54,6 +59,21 @@ class Machine:
         data = asdict(self)
         data["fp32_peak_gflops_per_core"] = round(self.fp32_peak_gflops(1), 1)
         return data
+
+
+def cpu_class(vendor: str, family: int, isa: Sequence[str]) -> str:
+    """The core generation and what the kernels dispatch on, in a few words: a model name such
+    as "AMD EPYC" does not tell a Zen 3 (AVX2) from a Zen 4 or Zen 5 (AVX-512 VNNI/BF16)."""
+    if "avx512f" not in isa:
+        simd = "AVX2" if "avx2" in isa else "no AVX2"
+    else:
+        extras = [name for flag, name in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16"),
+                                          ("avx512_fp16", "FP16")) if flag in isa]
+        simd = "AVX-512" + (f" {'/'.join(extras)}" if extras else "") + (" + AMX" if "amx_int8" in isa else "")
+    generation = None
+    if vendor == "AuthenticAMD":
+        generation = {0x17: "Zen 2", 0x19: "Zen 4" if "avx512f" in isa else "Zen 3", 0x1A: "Zen 5"}.get(family)
+    return f"{generation}: {simd}" if generation else simd
 
 
 def _cpuinfo(text: str) -> dict[str, str]:

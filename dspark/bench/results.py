@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from dspark.bench.machine import git_revision, this_machine
+from dspark.bench.machine import cpu_class, git_revision, this_machine
 from dspark.bench.table import Column, format_table
 from dspark.errors import ConfigError
 
@@ -133,7 +133,8 @@ def header_line(result: BenchResult) -> str:
     m = result.machine
     commit = (result.git.get("commit") or "unknown")[:10] + ("+dirty" if result.git.get("dirty") else "")
     load = f"; load average {result.load_average:g}" if result.load_average is not None else ""
-    return f"{m.get('cpu_model', '?')}, {m.get('cores', '?')} cores; git {commit}; {result.created}{load}"
+    isa = f" ({cpu_class(m.get('vendor', ''), m.get('family', 0), m['isa'])})" if m.get("isa") is not None else ""
+    return f"{m.get('cpu_model', '?')}{isa}, {m.get('cores', '?')} cores; git {commit}; {result.created}{load}"
 
 
 def relative_band(values: Sequence[float]) -> float:

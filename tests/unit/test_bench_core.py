@@ -35,6 +35,8 @@ def test_fma_peak_from_the_instruction_set_and_the_clock(monkeypatch):
     assert spr.fp32_peak_gflops(2) == pytest.approx(2 * 2.7 * 64)
     assert "2.70 GHz x 64 FLOP/cycle" in spr.peak_basis and "AVX-512" in spr.peak_basis
     assert "amx_bf16" in spr.isa and "avx512f" not in zen3.isa
+    # the tables' header tells the CPUs apart where the model name does not
+    assert (zen3.cpu_class, zen4.cpu_class, spr.cpu_class) == ("Zen 3: AVX2", "Zen 4: AVX-512 BF16", "AVX-512 + AMX")
     monkeypatch.setenv("DSPARK_CPU_GHZ", "3.0")
     monkeypatch.setenv("DSPARK_FLOP_PER_CYCLE", "16")
     assert detect(ZEN3).fp32_peak_gflops(1) == pytest.approx(48.0)
