@@ -62,7 +62,7 @@ def gather(args) -> None:
     _, _, reader = read_gguf(smollm2_gguf_path())
     tok = build_tokenizer(reader)
     target = TorchTarget(dtype=torch.bfloat16)
-    prompts = training_prompts(args.prompts, seed=0)[args.shard::args.shards]
+    prompts = training_prompts(args.prompts, seed=args.prompt_seed)[args.shard::args.shards]
     out = DATA / f"shard{args.shard}"
     out.mkdir(parents=True, exist_ok=True)
     index_path = out / "index.json"
@@ -385,6 +385,9 @@ def train(args) -> None:
     rng = np.random.default_rng(args.seed)
     random.seed(args.seed)
     _, tensors, _ = read_gguf(smollm2_gguf_path())
+    if args.init_from.endswith(".npz"):  # its draft vocabulary indexes its head and Markov rows
+        with np.load(args.init_from) as z:
+            np.save(DATA / "draft_vocab.npy", z["vocab_ids"].astype(np.int64))
     cfg = _model_cfg(args)
     vocab = np.load(DATA / "draft_vocab.npy")
     embed_full = torch.from_numpy(tensors["token_embd.weight"])
@@ -394,7 +397,8 @@ def train(args) -> None:
     seqs = load_data()
     train_seqs, val_seqs = _split(seqs)
     if args.init_from:  # continue a run: its weights (and tap statistics), a new schedule
-        ck = torch.load(args.init_from)
+        ck = torch.load(args.init_from) if not args.init_from.endswith(".npz") else \
+            checkpoint_from_export(torch, model, cfg, args.init_from)
         if ck["cfg"] != cfg:
             raise SystemExit(f"{args.init_from} was trained with {ck['cfg']}, not {cfg}")
         model.load_state_dict(ck["state"])
@@ -492,6 +496,19 @@ def validate(torch, model, head, batcher, val_seqs, cfg, args) -> dict:
     return res
 
 
+def checkpoint_from_export(torch, model, cfg, path: str) -> dict:
+    """Exported weights (float16 .npz) as a checkpoint of this model: the inverse of export."""
+    with np.load(path) as z:
+        meta = json.loads(bytes(z["__config__"]).decode())
+        arrays = {k: z[k] for k in z.files}
+    trained = {k: v for k, v in cfg.items() if k not in ("init_blocks", "draft_vocab")}
+    if any(meta["config"].get(k) != v for k, v in trained.items()):
+        raise SystemExit(f"{path} was trained with {meta['config']}, not {trained}")
+    state = {name: torch.from_numpy(arrays[name.removesuffix(".weight")].astype(np.float32)).reshape(t.shape)
+             for name, t in model.state_dict().items()}
+    return {"state": state, "cfg": cfg}
+
+
 def save_checkpoint(torch, model, cfg, vocab, args) -> None:
     DATA.mkdir(parents=True, exist_ok=True)
     torch.save({"state": model.state_dict(), "cfg": cfg}, args.out)
@@ -570,6 +587,8 @@ def main() -> None:
     g.add_argument("--max-prompt", type=int, default=384)
     g.add_argument("--minutes", type=float, default=40)
     g.add_argument("--threads", type=int, default=1)
+    g.add_argument("--prompt-seed", type=int, default=0,
+                   help="another seed draws other prompts: more data for a run that continues one")
     v = sub.add_parser("vocab")
     v.add_argument("--draft-vocab", type=int, default=8192)
     v.add_argument("--answer-weight", type=float, default=3.0)
@@ -580,7 +599,8 @@ def main() -> None:
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--init-blocks", default="", help="target blocks the layers start from (default: random)")
-    t.add_argument("--init-from", default="", help="a drafter.pt to continue from")
+    t.add_argument("--init-from", default="",
+                   help="a drafter.pt, or exported weights (.npz, e.g. the shipped ones), to continue from")
     t.add_argument("--out", default=str(DATA / "drafter.pt"))
     t.add_argument("--block", type=int, default=8)
     t.add_argument("--markov-rank", type=int, default=128)

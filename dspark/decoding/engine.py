@@ -22,6 +22,7 @@ from typing import Optional
 
 import numpy as np
 
+from dspark.decoding.prompt import read_prompt
 from dspark.decoding.proposers.base import DraftRequest, Drafter, PlainDecoding, Proposer
 from dspark.decoding.rejection import verify
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
@@ -29,7 +30,6 @@ from dspark.decoding.stats import DecodeStats
 from dspark.decoding.tree import DraftTree
 from dspark.errors import RequestError
 
-PREFILL_CHUNK = 64
 # A verified row's cost relative to a pass, until measured: about 0.03 (fp32 graphs) to 0.15
 # (4-bit weights, where a pass is cheap) on the CPUs seen (docs/speculative.md).
 PRIOR_ROW_COST = 0.05
@@ -200,15 +200,9 @@ class Generation:
         """The target reads everything but the prompt's last token, which each round feeds as
         the root."""
         start = time.perf_counter()
-        taps = []
-        prompt = self.history
-        for s in range(0, len(prompt) - 1, PREFILL_CHUNK):
-            chunk = prompt[s:min(s + PREFILL_CHUNK, len(prompt) - 1)]
-            _, chunk_taps = forward(self.engine.target, self.cache, chunk,
-                                    np.arange(s, s + len(chunk)), want_taps=self.want_taps)
-            taps.append(chunk_taps)
+        taps = read_prompt(self.engine.target, self.cache, self.history, self.want_taps)
         self.stats.prefill_s = time.perf_counter() - start
-        self.drafter.prefilled(np.concatenate(taps) if self.want_taps and taps else None)
+        self.drafter.prefilled(taps)
 
     def plan(self) -> Optional[VerifyItem]:
         """This round's rows (root + guesses), or None when the request is done."""

@@ -158,6 +158,7 @@ class KernelRuntime:
     want_taps, logit_rows, forward_batch) plus ``project`` through the head or a vocabulary
     subset of it (``head_subset``)."""
     exact_trees = True  # a tree row's logits are bitwise a chain's (docs/llm_kernels.md)
+    skips_logits = True  # forward(logit_rows=()) runs no head product (a prompt's chunks)
 
     def __init__(self, model: GGUFModel | str | Path, threads: int | None = None,
                  isa: str | None = None, max_context: int = DEFAULT_MAX_CONTEXT):

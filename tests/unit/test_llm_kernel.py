@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from dspark._ext import llama as ext
+from dspark.decoding.prompt import read_prompt
 from dspark.errors import ConfigError, RequestError
 from dspark.llm.evaluate import heldout_text, perplexity, runtime_logits
 from dspark.llm.gguf_model import GGUFModel, installed_smollm2
@@ -248,6 +249,21 @@ def test_plain_chain_tree_and_batch_rows_are_bitwise_equal(fixture, request):
     first.truncate(start)
     assert np.array_equal(rt.forward(first, [a, b1, c1], start + np.arange(3), logit_rows=[2]),
                           plain_1[2:])
+
+
+def test_a_prompt_read_without_logits_leaves_the_same_cache_and_taps(tiny):
+    """read_prompt skips the head's product on this runtime; what the next rounds see is
+    unchanged: the same taps, the same cache, the next token's logits bit for bit."""
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, tiny.config.vocab, 150)]
+    full = tiny.new_cache(256)
+    logits, taps = tiny.forward(full, prompt[:-1], np.arange(len(prompt) - 1), want_taps=True)
+    assert logits.shape[0] == len(prompt) - 1
+    skipped = tiny.new_cache(256)
+    read = read_prompt(tiny, skipped, prompt, want_taps=True)  # 3 chunks
+    assert np.array_equal(read, taps) and skipped.length == len(prompt) - 1
+    root = len(prompt) - 1
+    assert np.array_equal(tiny.forward(skipped, prompt[-1:], [root]), tiny.forward(full, prompt[-1:], [root]))
+    assert tiny.forward(tiny.new_cache(8), [1, 2], [0, 1], logit_rows=()).shape == (0, tiny.config.vocab)
 
 
 def test_past_visible_hides_cache_rows(tiny):

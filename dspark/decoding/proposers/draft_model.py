@@ -10,22 +10,15 @@ from typing import ClassVar, Optional
 import numpy as np
 
 from dspark.decoding.adaptive import AdaptiveDraftLength
+from dspark.decoding.prompt import read_prompt
 from dspark.decoding.proposers.base import BaseDrafter, DraftRequest, agreed
 from dspark.decoding.sampling import distribution, sample
 from dspark.decoding.tree import DraftTree
 
-PREFILL_CHUNK = 64
 # A chain stops after a token the draft itself gives less than this probability: the next guess
 # would likely be rejected. It depends on the draft alone, so it changes no output.
 DRAFT_MIN_CONFIDENCE = 0.15
 DRAFT_START_COST = 0.25  # a draft step per target pass, before it is measured
-
-
-def prefill(lm, cache, prompt: list[int]) -> None:
-    """Everything but the prompt's last token, which each round feeds as the root."""
-    for s in range(0, len(prompt) - 1, PREFILL_CHUNK):
-        chunk = prompt[s:min(s + PREFILL_CHUNK, len(prompt) - 1)]
-        lm.forward(cache, chunk, np.arange(s, s + len(chunk)))
 
 
 class Background:
@@ -69,7 +62,7 @@ class DraftModelDrafter(BaseDrafter):
         self.request = request
         self.min_confidence = min_confidence
         self.cache = lm.new_cache(request.context)
-        self._prefill: Optional[Background] = Background(prefill, lm, self.cache, request.prompt)
+        self._prefill: Optional[Background] = Background(read_prompt, lm, self.cache, request.prompt)
         self.length = AdaptiveDraftLength(request.spec.num_speculative_tokens, DRAFT_START_COST,
                                           request.spec.adaptive)
         self.rows: dict[int, int] = {}  # node -> row of the draft cache, this round
