@@ -4,9 +4,14 @@ Decode on a CPU is bound by memory bandwidth: a pass reads every weight once how
 it has, so the rows of several requests' rounds verified together cost little more than one
 request's. ``RoundBatcher`` runs the rounds of all active generations in lockstep on one
 thread: each plans (proposes), the target's ``forward_batch`` scores all their rows, each
-commits. The prompt's prefill runs on the request's own thread before it joins (it is long, and
-would stall everyone's rounds). Greedy output stays identical to plain decoding as long as the
-runtime's batched rows equal its single rows bit for bit (contract C1).
+commits. Greedy output stays identical to plain decoding as long as the runtime's batched rows
+equal its single rows bit for bit (contract C1).
+
+Prompts: where the runtime can leave a call's prompt rows without logits (``skips_logits``),
+a new request's prompt is read in the same calls, one chunk of at most ``PREFILL_CHUNK`` rows a
+call, and the decoding requests' rounds ride along: a chunk is compute-bound, so their few rows
+cost little there, where a separate pass would cost a whole read of the weights while the
+prompt waited. Otherwise the prompt is read on the request's own thread before it joins.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ class RoundBatcher:
         self.engine = engine
         self.target = engine.target
         self.max_batch = max_batch
+        self.reads_prompts = bool(getattr(self.target, "skips_logits", False))
         self._arrivals: "queue.Queue[tuple[Generation, queue.Queue]]" = queue.Queue()
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
@@ -36,7 +42,8 @@ class RoundBatcher:
         """The generation's new tokens per round, its rounds batched with the others'."""
         out: queue.Queue = queue.Queue()
         try:
-            generation.prefill()
+            if not self.reads_prompts:
+                generation.prefill()
             self._submit(generation, out)
             while True:
                 item = out.get()
@@ -86,10 +93,19 @@ class RoundBatcher:
                     generation.finish("cancelled")
                     out.put(_DONE)
                 return
-            planned = []
+            planned, prompt = [], None  # prompt: the index in planned of this call's prompt chunk
             for generation, out in active:
                 try:
-                    item = None if len(planned) >= self.max_batch else generation.plan()
+                    item = None
+                    if len(planned) >= self.max_batch:
+                        pass
+                    elif not generation.prefilled:
+                        if prompt is None and (item := generation.plan_prompt()) is not None:
+                            prompt = len(planned)
+                        elif generation.prefilled:  # a one-token prompt: nothing to read
+                            item = generation.plan()
+                    else:
+                        item = generation.plan()
                 except BaseException as error:  # noqa: BLE001 - handed to the request's thread
                     generation.finish("error")
                     out.put(error)
@@ -101,26 +117,43 @@ class RoundBatcher:
             active = [(g, o) for g, o in active if not g.done]
             if not planned:
                 continue
-            want_taps = any(generation.want_taps for generation, _, _ in planned)
-            items = [(i.cache, i.tokens, i.positions, i.tree_mask) for _, _, i in planned]
-            start = time.perf_counter()
-            try:
-                if want_taps:
-                    results = self.target.forward_batch(items, want_taps=True)
-                else:
-                    results = [(logits, None) for logits in self.target.forward_batch(items)]
-            except BaseException as error:  # noqa: BLE001 - every request of the call fails
-                for generation, out, _ in planned:
-                    generation.finish("error")
-                    out.put(error)
+            results, seconds = self._forward(planned, prompt)
+            if results is None:
                 active = [(g, o) for g, o in active if not g.done]
                 continue
-            seconds = time.perf_counter() - start
-            self.engine.verified_call(sum(len(i.tokens) for _, _, i in planned), seconds)
-            for (generation, out, _), (logits, taps) in zip(planned, results):
+            for index, ((generation, out, item), (logits, taps)) in enumerate(zip(planned, results)):
                 try:
-                    out.put(generation.commit(logits, taps if generation.want_taps else None,
-                                              seconds))
+                    if index == prompt:
+                        generation.prompt_read(len(item.tokens), taps)
+                    else:
+                        # beside a prompt chunk the round's own cost is unknown: 0 tells the
+                        # drafters not to calibrate on it
+                        out.put(generation.commit(logits, taps if generation.want_taps else None,
+                                                  seconds if prompt is None else 0.0))
                 except BaseException as error:  # noqa: BLE001
                     generation.finish("error")
                     out.put(error)
+
+    def _forward(self, planned: list, prompt: Optional[int]) -> tuple[Optional[list], float]:
+        """One target call over every planned item: [(logits, taps)] in order and its seconds;
+        None when it failed (every request of the call got the error)."""
+        want_taps = any(generation.want_taps for generation, _, _ in planned)
+        items = [(i.cache, i.tokens, i.positions, i.tree_mask) for _, _, i in planned]
+        skip = {} if prompt is None else {"skip_logits": (prompt,)}
+        start = time.perf_counter()
+        try:
+            if want_taps:
+                results = self.target.forward_batch(items, want_taps=True, **skip)
+            else:
+                results = [(logits, None) for logits in self.target.forward_batch(items, **skip)]
+        except BaseException as error:  # noqa: BLE001 - every request of the call fails
+            for generation, out, _ in planned:
+                generation.finish("error")
+                out.put(error)
+            return None, 0.0
+        seconds = time.perf_counter() - start
+        if prompt is None:
+            self.engine.verified_call(sum(len(i.tokens) for _, _, i in planned), seconds)
+        elif len(planned) > 1:  # rounds rode along with a prompt's rows
+            self.engine.verified_call(sum(len(i.tokens) for n, (_, _, i) in enumerate(planned) if n != prompt), None)
+        return results, seconds

@@ -22,7 +22,7 @@ from typing import Optional
 
 import numpy as np
 
-from dspark.decoding.prompt import read_prompt
+from dspark.decoding.prompt import PREFILL_CHUNK, read_prompt
 from dspark.decoding.proposers.base import DraftRequest, Drafter, PlainDecoding, Proposer
 from dspark.decoding.rejection import verify
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
@@ -153,9 +153,11 @@ class SpeculativeEngine:
             return self.batcher.run(generation)
         return generation.run()
 
-    def verified_call(self, rows: int, seconds: float) -> None:
-        """A round loop's target call over ``rows`` rows took ``seconds``."""
-        self.verify_cost.observe(rows, seconds)
+    def verified_call(self, rows: int, seconds: Optional[float]) -> None:
+        """A round loop's target call over ``rows`` rows took ``seconds`` (None: it also read a
+        prompt's rows, so it says nothing about a round's cost)."""
+        if seconds is not None:
+            self.verify_cost.observe(rows, seconds)
         with self._calls_lock:
             self._calls += 1
 
@@ -191,6 +193,10 @@ class Generation:
         self.tree = DraftTree()
         self.done = False
         self._stopped = False
+        self.prefilled = False
+        self._prompt_rows = 0  # rows of the prompt in the cache
+        self._prompt_taps: list[np.ndarray] = []
+        self._prefill_start: Optional[float] = None
 
     @property
     def generated(self) -> int:
@@ -199,10 +205,34 @@ class Generation:
     def prefill(self) -> None:
         """The target reads everything but the prompt's last token, which each round feeds as
         the root."""
-        start = time.perf_counter()
+        self._prefill_start = time.perf_counter()
         taps = read_prompt(self.engine.target, self.cache, self.history, self.want_taps)
-        self.stats.prefill_s = time.perf_counter() - start
-        self.drafter.prefilled(taps)
+        self.prompt_read(self.prompt_length - 1, taps)
+
+    def plan_prompt(self) -> Optional[VerifyItem]:
+        """The next chunk of the prompt for a batched call (``prompt_read`` takes its
+        result), or None when the request is done or the prompt is read (then ``plan``)."""
+        if self._stopped or (self.cancelled is not None and self.cancelled()):
+            return self.finish("cancelled")
+        if self._prefill_start is None:
+            self._prefill_start = time.perf_counter()
+        start = self._prompt_rows
+        end = min(start + PREFILL_CHUNK, self.prompt_length - 1)
+        if start == end:
+            self.prompt_read(0, None)
+            return None
+        return VerifyItem(self.cache, self.history[start:end], list(range(start, end)), None)
+
+    def prompt_read(self, rows: int, taps: Optional[np.ndarray]) -> None:
+        """``rows`` more of the prompt are in the cache (their taps when the drafter wants them)."""
+        self._prompt_rows += rows
+        if taps is not None and self.want_taps:
+            self._prompt_taps.append(taps)
+        if self._prompt_rows == self.prompt_length - 1:
+            self.prefilled = True
+            self.stats.prefill_s = time.perf_counter() - self._prefill_start
+            self.drafter.prefilled(np.concatenate(self._prompt_taps) if self._prompt_taps else None)
+            self._prompt_taps = []
 
     def plan(self) -> Optional[VerifyItem]:
         """This round's rows (root + guesses), or None when the request is done."""

@@ -254,20 +254,27 @@ class KernelRuntime:
         logits = logits[:, :self.config.vocab]
         return (logits, taps) if want_taps else logits
 
-    def forward_batch(self, items: Sequence[tuple], want_taps: bool = False) -> list:
+    def forward_batch(self, items: Sequence[tuple], want_taps: bool = False,
+                      skip_logits: Sequence[int] = ()) -> list:
         """Several requests' new rows in one step: items of (cache, tokens, positions,
         tree_mask[, past_visible]) with distinct caches; results in item order, as ``forward``
-        returns them (bitwise the same as separate calls)."""
+        returns them (bitwise the same as separate calls). The items numbered in
+        ``skip_logits`` (a prompt's rows) get no logits (zero rows) and cost no head product."""
         if not items:
             return []
         full = [tuple(item) + (None,) * (5 - len(item)) for item in items]
-        logits, taps = self._run(full, None, None)
+        counts = [len(np.asarray(item[1])) for item in full]
+        starts = np.cumsum([0] + counts)
+        skip = set(skip_logits)
+        logit_rows = None if not skip else np.concatenate(
+            [np.arange(starts[i], starts[i + 1]) for i in range(len(full)) if i not in skip] + [np.zeros(0, np.int64)])
+        logits, taps = self._run(full, logit_rows, None)
         out, row = [], 0
-        for item in full:
-            t = len(np.asarray(item[1]))
-            part = logits[row:row + t, :self.config.vocab]
-            out.append((part, taps[row:row + t]) if want_taps else part)
-            row += t
+        for i, t in enumerate(counts):
+            n = 0 if i in skip else t
+            part = logits[row:row + n, :self.config.vocab]
+            row += n
+            out.append((part, taps[starts[i]:starts[i + 1]]) if want_taps else part)
         return out
 
     def head_subset(self, vocab_ids: Sequence[int]) -> "_llama.PackedMatrix":

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from dspark._ext import llama as ext
-from dspark.decoding.prompt import read_prompt
+from dspark.decoding.engine import SpeculativeEngine
+from dspark.decoding.prompt import PREFILL_CHUNK, read_prompt
+from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.errors import ConfigError, RequestError
 from dspark.llm.evaluate import heldout_text, perplexity, runtime_logits
 from dspark.llm.gguf_model import GGUFModel, installed_smollm2
@@ -264,6 +266,39 @@ def test_a_prompt_read_without_logits_leaves_the_same_cache_and_taps(tiny):
     root = len(prompt) - 1
     assert np.array_equal(tiny.forward(skipped, prompt[-1:], [root]), tiny.forward(full, prompt[-1:], [root]))
     assert tiny.forward(tiny.new_cache(8), [1, 2], [0, 1], logit_rows=()).shape == (0, tiny.config.vocab)
+
+
+def test_batched_requests_read_a_new_prompt_in_the_calls_of_their_rounds(tiny, monkeypatch):
+    """With verification batched, a new request's prompt is read a chunk a call, without
+    logits, in the calls that verify the running requests' rounds: every text is still its
+    decoding alone, and calls carried both."""
+    calls = []
+    batch = tiny.forward_batch
+
+    def recorded(items, want_taps=False, skip_logits=()):
+        calls.append((len(items), tuple(skip_logits), [len(item[1]) for item in items]))
+        return batch(items, want_taps, skip_logits)
+
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(0, TINY["vocab"], n)] for n in (3, 150, 1)]
+    lengths = (200, 30, 30)  # the first request is still decoding while the others' prompts are read
+    alone = SpeculativeEngine(tiny)
+    expected = [[t for new in alone.generate(p, SamplingParams(max_tokens=n), SpeculativeParams("none"))
+                 for t in new] for p, n in zip(prompts, lengths)]
+    monkeypatch.setattr(tiny, "forward_batch", recorded)
+    batched = SpeculativeEngine(tiny, batch_verification=True)
+    streams = [batched.generate(p, SamplingParams(max_tokens=n), SpeculativeParams("none"))
+               for p, n in zip(prompts, lengths)]
+    got = [next(streams[0])]  # the first request decodes before the others arrive
+    rest = [[next(s)] for s in streams[1:]]
+    got += list(streams[0])
+    for out, s in zip(rest, streams[1:]):
+        out += list(s)
+    batched.close()
+    assert [[t for new in g for t in new] for g in [got] + rest] == expected
+    shared = [c for c in calls if c[1] and c[0] > 1]
+    assert shared and all(c[2][c[1][0]] <= PREFILL_CHUNK for c in calls if c[1])
+    assert sum(c[2][c[1][0]] for c in calls if c[1]) == sum(len(p) - 1 for p in prompts)  # all but the roots
 
 
 def test_past_visible_hides_cache_rows(tiny):

@@ -57,7 +57,8 @@ class Drafter(Protocol):
                  taps: Optional[np.ndarray], target_s: float) -> None:
         """The pass kept ``path`` (nodes of ``tree``) and emitted ``new`` (the path's tokens and the
         target's own next one); ``taps``: tapped states of the rows now committed (the root and
-        the path); ``target_s``: the pass's seconds."""
+        the path); ``target_s``: the pass's seconds (0 when unknown: the
+        round shared its pass with a prompt's rows)."""
 
     def finish(self, output: list[int]) -> None:
         """The request ended with ``output`` (also when cancelled); release per-request state."""
