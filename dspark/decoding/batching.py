@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Optional
 
-from dspark.decoding.engine import Generation
+from dspark.decoding.engine import Generation, VerifyItem
 from dspark.errors import UnavailableError
 
 _DONE = object()
@@ -96,16 +96,10 @@ class RoundBatcher:
             planned, prompt = [], None  # prompt: the index in planned of this call's prompt chunk
             for generation, out in active:
                 try:
-                    item = None
-                    if len(planned) >= self.max_batch:
-                        pass
-                    elif not generation.prefilled:
-                        if prompt is None and (item := generation.plan_prompt()) is not None:
-                            prompt = len(planned)
-                        elif generation.prefilled:  # a one-token prompt: nothing to read
-                            item = generation.plan()
-                    else:
-                        item = generation.plan()
+                    item, is_prompt = (None, False) if len(planned) >= self.max_batch else \
+                        self._plan(generation, prompt is None)
+                    if is_prompt:
+                        prompt = len(planned)
                 except BaseException as error:  # noqa: BLE001 - handed to the request's thread
                     generation.finish("error")
                     out.put(error)
@@ -134,6 +128,16 @@ class RoundBatcher:
                     generation.finish("error")
                     out.put(error)
 
+    @staticmethod
+    def _plan(generation: Generation, prompt_free: bool) -> tuple[Optional[VerifyItem], bool]:
+        """The generation's item of this call: a chunk of its prompt (at most one a call:
+        ``prompt_free``) and True, else its round."""
+        if not generation.prefilled:
+            item = generation.plan_prompt() if prompt_free else None
+            if item is not None or not generation.prefilled:  # a chunk, done, or waiting its turn
+                return item, item is not None
+        return generation.plan(), False
+
     def _forward(self, planned: list, prompt: Optional[int]) -> tuple[Optional[list], float]:
         """One target call over every planned item: [(logits, taps)] in order and its seconds;
         None when it failed (every request of the call got the error)."""
@@ -152,8 +156,7 @@ class RoundBatcher:
                 out.put(error)
             return None, 0.0
         seconds = time.perf_counter() - start
-        if prompt is None:
-            self.engine.verified_call(sum(len(i.tokens) for _, _, i in planned), seconds)
-        elif len(planned) > 1:  # rounds rode along with a prompt's rows
-            self.engine.verified_call(sum(len(i.tokens) for n, (_, _, i) in enumerate(planned) if n != prompt), None)
+        rounds = [item for n, (_, _, item) in enumerate(planned) if n != prompt]
+        if rounds:  # beside a prompt's rows a call says nothing about a round's cost
+            self.engine.verified_call(sum(len(i.tokens) for i in rounds), seconds if prompt is None else None)
         return results, seconds
