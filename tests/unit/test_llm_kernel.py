@@ -406,3 +406,19 @@ def test_concurrent_callers_get_their_own_results(tiny):
         together = list(pool.map(decode, prompts))
     for a, b in zip(alone, together):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_1"])
+def test_the_drafters_embedding_rows_are_the_ggufs_dequantized_rows(tmp_path, weight_type):
+    """DSpark's anchor rows (dequantized per draft, Q8_0 directly) equal gguf's dequantization."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from dspark.decoding.dspark_drafter import gguf_embedding
+
+    model = tiny_gguf(tmp_path / "m.gguf", weight_type, head_type=weight_type)
+    ids = np.array([0, 7, TINY["vocab"] - 1, 7])
+    want = dequantize(np.asarray(model.raw("token_embd.weight"))[ids],
+                      GGMLQuantizationType[model.tensor_type("token_embd.weight")])
+    got = gguf_embedding(model)(ids)
+    assert got.dtype == np.float32 and np.array_equal(got, want.reshape(len(ids), -1))
