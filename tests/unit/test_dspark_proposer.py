@@ -144,6 +144,15 @@ def test_a_context_that_misses_rows_falls_back_to_plain_rounds():
     assert len(d.propose([1, 2, 3, 4, 5], 4, 4)) == 0  # two committed rows without taps
 
 
+def test_a_one_token_prompt_drafts_from_an_empty_context():
+    """A one-token prompt has no rows before its root: the engine hands over no taps."""
+    d, _ = request_drafter()
+    d.prefilled(None)
+    assert d.ctx.length == 0 and not d.lost
+    d.verified(DraftTree(), [], [7], np.zeros((1, 3 * HIDDEN), np.float32), 0.01)
+    assert len(d.propose([1, 7], 4, 4)) > 0
+
+
 def test_rounds_that_do_not_draft_leave_the_context_to_the_next_draft():
     """A round the gate keeps plain reads no taps into the drafter (its cost is plain
     decoding's); the next drafted round reads every committed row first, in order."""

@@ -72,7 +72,8 @@ class DSparkRequestDrafter(BaseDrafter):
         self.pending: list[np.ndarray] = []  # taps of committed rows not in ctx yet
 
     def prefilled(self, taps: Optional[np.ndarray]) -> None:
-        self.drafter.extend(self.ctx, taps)  # the prompt's rows, in one call
+        if taps is not None:  # None: a one-token prompt, no rows before the root
+            self.drafter.extend(self.ctx, taps)  # the prompt's rows, in one call
 
     def propose(self, history: list[int], max_depth: int, max_nodes: int) -> DraftTree:
         k = min(self.k_max, max_depth, max_nodes)
