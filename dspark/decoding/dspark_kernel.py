@@ -7,8 +7,8 @@ KV cache (written by ``write_context``), the k slots are the step's new rows wit
 mask, their inputs are given as hidden states (``LlamaModel.forward(inputs=...)``), and the head
 is the target's embedding restricted to the draft vocabulary. Weights are 8-bit blocks (Q8_0).
 
-Why: on Zen 4 (2 threads) ONNX Runtime's block of 8 slots took 4.4-4.7 ms, more than a 3.6 ms
-target row; on these kernels it takes 1.7-2.6 ms (docs/dspark.md). The slots' rows are cache
+Why: ONNX Runtime's block of 8 slots cost about a target row (2 threads; Zen 5: 1.8-2.8 ms
+against 2.7); on these kernels it takes 0.8-1.5 ms (docs/dspark.md). The slots' rows are cache
 rows past the context length; the pass never moves the length, so the next draft overwrites them.
 """
 from __future__ import annotations
