@@ -331,7 +331,7 @@ class TritonPythonModel:
         if stream:
             def send(text):
                 self._count_generated(stats)  # live, so a cancelled request is seen to stop
-                if not sender.is_cancelled():
+                if not sender.is_cancelled(ask_here=True):
                     sender.send(pb_utils.InferenceResponse(output_tensors=[_text_tensor(text)]))
 
             send_coalesced(pieces, send, self.stream_interval_s)

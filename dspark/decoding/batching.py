@@ -12,6 +12,11 @@ a new request's prompt is read in the same calls, one chunk of at most ``PREFILL
 call, and the decoding requests' rounds ride along: a chunk is compute-bound, so their few rows
 cost little there, where a separate pass would cost a whole read of the weights while the
 prompt waited. Otherwise the prompt is read on the request's own thread before it joins.
+
+A request that arrives while no other is decoding runs its rounds on its own thread, as an
+unbatched engine would, and joins the batched loop after the round in which another request
+arrives. A lone request gains nothing from the loop's thread, and each hand-off to it is a
+thread wake-up, which on 2 cores preempts a decoding thread.
 """
 from __future__ import annotations
 
@@ -37,14 +42,31 @@ class RoundBatcher:
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._closed = False
+        self._solo = False  # a request runs its rounds on its own thread
+        self._batched = 0  # requests handed to the loop whose consumers have not finished
+
+    def _claim_solo(self) -> bool:
+        with self._lock:
+            if self._solo or self._batched or self._closed:
+                return False
+            self._solo = True
+            return True
 
     def run(self, generation: Generation) -> Iterator[list[int]]:
         """The generation's new tokens per round, its rounds batched with the others'."""
         out: queue.Queue = queue.Queue()
+        solo = self._claim_solo()
+        handed = False  # to the loop, which then ends the generation
         try:
-            if not self.reads_prompts:
-                generation.prefill()
-            self._submit(generation, out)
+            if solo:
+                handed = yield from self._solo_rounds(generation, out)
+                if not handed:
+                    return
+            else:
+                if not self.reads_prompts:
+                    generation.prefill()
+                self._submit(generation, out)
+                handed = True
             while True:
                 item = out.get()
                 if item is _DONE:
@@ -54,17 +76,44 @@ class RoundBatcher:
                 yield item
         finally:
             generation.stop()  # the consumer left early: the loop drops it at its next round
-            if self._thread is None or not self._thread.is_alive():
+            with self._lock:
+                if handed:
+                    self._batched -= 1
+                elif solo:
+                    self._solo = False
+                loop_ended = self._thread is None or not self._thread.is_alive()
+            if not handed or loop_ended:
                 generation.finish("stopped")
+
+    def _solo_rounds(self, generation: Generation, out: queue.Queue) -> Iterator[list[int]]:
+        """Rounds on this thread until the generation ends (False) or another request has
+        come (True: the generation is handed to the loop)."""
+        generation.prefill()
+        while not self._batched:
+            if self._closed:
+                generation.finish("cancelled")
+                return False
+            new = generation.step()
+            if new is None:
+                return False
+            yield new
+        with self._lock:
+            self._solo = False
+            self._submit_locked(generation, out)
+        return True
 
     def _submit(self, generation: Generation, out: queue.Queue) -> None:
         with self._lock:
-            if self._closed:
-                raise UnavailableError("the model is shutting down", "shutdown")
-            self._arrivals.put((generation, out))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="round-batcher", daemon=True)
-                self._thread.start()
+            self._submit_locked(generation, out)
+
+    def _submit_locked(self, generation: Generation, out: queue.Queue) -> None:
+        if self._closed:
+            raise UnavailableError("the model is shutting down", "shutdown")
+        self._batched += 1
+        self._arrivals.put((generation, out))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="round-batcher", daemon=True)
+            self._thread.start()
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop after the current round; every generation still active ends as cancelled."""

@@ -290,16 +290,24 @@ class Generation:
             self.cache = None  # the runtime's cache slot goes back to its pool now
         return None
 
+    def step(self) -> Optional[list[int]]:
+        """One round with its own target call on this thread: the new tokens, or None when
+        the request is done."""
+        item = self.plan()
+        if item is None:
+            return None
+        start = time.perf_counter()
+        logits, taps = forward(self.engine.target, item.cache, item.tokens, item.positions,
+                               item.tree_mask, self.want_taps)
+        seconds = time.perf_counter() - start
+        self.engine.verified_call(len(item.tokens), seconds)
+        return self.commit(logits, taps, seconds)
+
     def run(self) -> Iterator[list[int]]:
         """The round loop on this thread: one target call per round."""
         try:
             self.prefill()
-            while (item := self.plan()) is not None:
-                start = time.perf_counter()
-                logits, taps = forward(self.engine.target, item.cache, item.tokens, item.positions,
-                                       item.tree_mask, self.want_taps)
-                seconds = time.perf_counter() - start
-                self.engine.verified_call(len(item.tokens), seconds)
-                yield self.commit(logits, taps, seconds)
+            while (new := self.step()) is not None:
+                yield new
         finally:
             self.finish("stopped")

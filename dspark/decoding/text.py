@@ -3,7 +3,6 @@ engine."""
 from __future__ import annotations
 
 import codecs
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -136,14 +135,6 @@ def _find_stop(text: str, stops: list[str], start: int) -> int | None:
     return min(hits) if hits else None
 
 
-_DONE = object()
-
-
-class _Failed:
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
 def send_coalesced(pieces: Iterable[str], send: Callable[[str], None],
                    min_interval_s: float = 0.0) -> None:
     """Send ``pieces`` (produced on a helper thread) as one message per ``send`` call,
@@ -151,49 +142,71 @@ def send_coalesced(pieces: Iterable[str], send: Callable[[str], None],
     ``min_interval_s`` of it. Generation never waits for the transport, and each message's
     fixed cost (Triton's IPC + gRPC, ~0.5-1 ms) is paid at most once per interval. The first
     piece goes out at once; an error while producing is raised here after the pieces before
-    it were sent; if ``send`` raises, production stops at the next piece."""
-    items: queue.Queue = queue.Queue()
-    stop = threading.Event()
+    it were sent; if ``send`` raises, production stops at the next piece.
 
-    def produce() -> None:
+    The producer wakes the sending thread only when a message is due (the interval has passed,
+    or production ended), never per piece: on 2 cores each thread wake-up preempts a decoding
+    thread, so a piece that arrives early waits for the next one or the end (at most one
+    decoding round longer)."""
+    state = _Coalescer(min_interval_s)
+    producer = threading.Thread(target=state.produce, args=(pieces,), daemon=True)
+    producer.start()
+    try:
+        while (text := state.next_message()) is not None:
+            send(text)
+            state.sent()
+    finally:
+        state.stop()
+    producer.join()
+    if state.failure is not None:
+        raise state.failure
+
+
+class _Coalescer:
+    """What ``send_coalesced``'s two threads share: the pieces not yet sent, and when to wake."""
+
+    def __init__(self, min_interval_s: float):
+        self.min_interval_s = min_interval_s
+        self.buffer: list[str] = []
+        self.last_sent = float("-inf")
+        self.sending = False
+        self.done = self.stopped = False
+        self.failure: Optional[BaseException] = None
+        self._ready = threading.Condition()
+
+    def produce(self, pieces: Iterable[str]) -> None:
         try:
             for piece in pieces:
-                items.put(piece)
-                if stop.is_set():
-                    break
+                with self._ready:
+                    if self.stopped:
+                        break
+                    self.buffer.append(piece)
+                    if not self.sending and time.monotonic() >= self.last_sent + self.min_interval_s:
+                        self._ready.notify()
         except BaseException as error:  # noqa: BLE001 - handed to the sending thread
-            items.put(_Failed(error))
-        items.put(_DONE)
+            self.failure = error
+        with self._ready:
+            self.done = True
+            self._ready.notify()
 
-    producer = threading.Thread(target=produce, daemon=True)
-    producer.start()
-    buffer: list[str] = []
-    last = float("-inf")
-    failure = None
-    try:
-        done = False
-        while not done:
-            wait = None if not buffer else last + min_interval_s - time.monotonic()
-            try:
-                item = items.get() if wait is None else items.get(timeout=max(wait, 0.0))
-            except queue.Empty:
-                item = None
-            while item is not None:  # take everything already queued
-                if item is _DONE:
-                    done = True
-                elif isinstance(item, _Failed):
-                    failure = item.error
-                else:
-                    buffer.append(item)
-                try:
-                    item = items.get_nowait()
-                except queue.Empty:
-                    item = None
-            if buffer and (done or time.monotonic() >= last + min_interval_s):
-                send("".join(buffer))
-                buffer, last = [], time.monotonic()
-    finally:
-        stop.set()
-    producer.join()
-    if failure is not None:
-        raise failure
+    def next_message(self) -> Optional[str]:
+        """The text of the next message once it is due; None when production has ended and
+        everything was sent."""
+        with self._ready:
+            while not self.done and not (
+                    self.buffer and time.monotonic() >= self.last_sent + self.min_interval_s):
+                self._ready.wait()
+            if not self.buffer:
+                return None
+            text, self.buffer = "".join(self.buffer), []
+            self.sending = True
+            return text
+
+    def sent(self) -> None:
+        with self._ready:
+            self.sending = False
+            self.last_sent = time.monotonic()
+
+    def stop(self) -> None:
+        with self._ready:
+            self.stopped = True

@@ -68,13 +68,17 @@ class GuardedSender:
         self._cancelled = False
         self.closed = False
 
-    def is_cancelled(self) -> bool:
+    def is_cancelled(self, ask_here: bool = False) -> bool:
+        """Whether the client cancelled. A stale answer is refreshed on ``ask_on``'s thread
+        while the caller goes on, or on this thread with ``ask_here`` (a streaming request's
+        sending thread, awake anyway), which refreshes it at half that age: the decode loop then
+        rarely finds it stale, and no other thread is woken to ask."""
         # a known answer needs no lock: the decode loop must not wait for a send in flight
         if self.closed or self._cancelled:
             return True
-        if time.monotonic() - self._asked < self._recheck_s:
+        if time.monotonic() - self._asked < (self._recheck_s / 2 if ask_here else self._recheck_s):
             return False
-        if self._ask_on is None:
+        if self._ask_on is None or ask_here:
             self._ask()
         elif not self._asking:
             self._asking = True

@@ -271,7 +271,8 @@ def test_a_prompt_read_without_logits_leaves_the_same_cache_and_taps(tiny):
 def test_batched_requests_read_a_new_prompt_in_the_calls_of_their_rounds(tiny, monkeypatch):
     """With verification batched, a new request's prompt is read a chunk a call, without
     logits, in the calls that verify the running requests' rounds: every text is still its
-    decoding alone, and calls carried both."""
+    decoding alone, and calls carried both. The first request decodes alone on its own thread
+    (no batched call) until the second arrives, then joins the loop."""
     calls = []
     batch = tiny.forward_batch
 
@@ -280,8 +281,8 @@ def test_batched_requests_read_a_new_prompt_in_the_calls_of_their_rounds(tiny, m
         return batch(items, want_taps, skip_logits)
 
     rng = np.random.default_rng(11)
-    prompts = [[int(t) for t in rng.integers(0, TINY["vocab"], n)] for n in (3, 150, 1)]
-    lengths = (200, 30, 30)  # the first request is still decoding while the others' prompts are read
+    prompts = [[int(t) for t in rng.integers(0, TINY["vocab"], n)] for n in (3, 20, 150)]
+    lengths = (200, 100, 30)  # the first two are still decoding while the third's prompt is read
     alone = SpeculativeEngine(tiny)
     expected = [[t for new in alone.generate(p, SamplingParams(max_tokens=n), SpeculativeParams("none"))
                  for t in new] for p, n in zip(prompts, lengths)]
@@ -289,16 +290,20 @@ def test_batched_requests_read_a_new_prompt_in_the_calls_of_their_rounds(tiny, m
     batched = SpeculativeEngine(tiny, batch_verification=True)
     streams = [batched.generate(p, SamplingParams(max_tokens=n), SpeculativeParams("none"))
                for p, n in zip(prompts, lengths)]
-    got = [next(streams[0])]  # the first request decodes before the others arrive
-    rest = [[next(s)] for s in streams[1:]]
-    got += list(streams[0])
-    for out, s in zip(rest, streams[1:]):
+    got = [[next(streams[0])], [], []]
+    got[0].append(next(streams[0]))
+    assert not calls and batched.batcher._thread is None  # alone: its own calls, no loop
+    got[1].append(next(streams[1]))  # read and decoded in the loop
+    got[0].append(next(streams[0]))  # the first sees it and joins the loop
+    got[2].append(next(streams[2]))  # its prompt rides with both rounds
+    for out, s in zip(got, streams):
         out += list(s)
     batched.close()
-    assert [[t for new in g for t in new] for g in [got] + rest] == expected
-    shared = [c for c in calls if c[1] and c[0] > 1]
+    assert [[t for new in g for t in new] for g in got] == expected
+    shared = [c for c in calls if c[1] and c[0] > 2]
     assert shared and all(c[2][c[1][0]] <= PREFILL_CHUNK for c in calls if c[1])
-    assert sum(c[2][c[1][0]] for c in calls if c[1]) == sum(len(p) - 1 for p in prompts)  # all but the roots
+    # the prompts read in the loop, all but their roots
+    assert sum(c[2][c[1][0]] for c in calls if c[1]) == sum(len(p) - 1 for p in prompts[1:])
 
 
 def test_past_visible_hides_cache_rows(tiny):

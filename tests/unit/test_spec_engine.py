@@ -269,6 +269,27 @@ def test_cancelling_a_batched_generation_ends_it_at_the_next_round():
     assert len(out) == 3 and stats.finish_reason == "cancelled"
 
 
+def test_a_lone_request_decodes_on_its_own_thread():
+    """With verification batched, a request alone needs no loop thread; one whose consumer
+    leaves early is ended, the next is alone again, and a close ends a lone one as cancelled."""
+    batched = make_engine(ENGINES[1].target, None, batch_verification=True)
+    sampling = SamplingParams(max_tokens=30)
+    stats = DecodeStats()
+    left = batched.generate([1, 2], sampling, SpeculativeParams("none"), stats)
+    next(left)
+    left.close()
+    assert stats.finish_reason == "stopped" and batched.batcher._thread is None
+    stats = DecodeStats()
+    assert run(batched, [1, 2], sampling, SpeculativeParams("none"), stats) == \
+        run(ENGINES[1], [1, 2], sampling, SpeculativeParams("none"))
+    assert stats.finish_reason == "length" and batched.batcher._thread is None
+    stats = DecodeStats()
+    closing = batched.generate([1, 2], sampling, SpeculativeParams("none"), stats)
+    first = next(closing)
+    batched.close()
+    assert len(first + [t for new in closing for t in new]) < 30 and stats.finish_reason == "cancelled"
+
+
 def test_end_of_sequence_ends_the_text_without_it():
     engine = ENGINES[2]
     prompt = [3, 1, 4, 1, 5]
