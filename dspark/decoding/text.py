@@ -144,10 +144,9 @@ def send_coalesced(pieces: Iterable[str], send: Callable[[str], None],
     piece goes out at once; an error while producing is raised here after the pieces before
     it were sent; if ``send`` raises, production stops at the next piece.
 
-    The producer wakes the sending thread only when a message is due (the interval has passed,
-    or production ended), never per piece: on 2 cores each thread wake-up preempts a decoding
-    thread, so a piece that arrives early waits for the next one or the end (at most one
-    decoding round longer)."""
+    The sending thread sleeps until a message is due, and the producer wakes it only for a
+    piece that arrives when one is, or at the end: never per piece, as on 2 cores each thread
+    wake-up preempts a decoding thread."""
     state = _Coalescer(min_interval_s)
     producer = threading.Thread(target=state.produce, args=(pieces,), daemon=True)
     producer.start()
@@ -193,9 +192,12 @@ class _Coalescer:
         """The text of the next message once it is due; None when production has ended and
         everything was sent."""
         with self._ready:
-            while not self.done and not (
-                    self.buffer and time.monotonic() >= self.last_sent + self.min_interval_s):
-                self._ready.wait()
+            while not self.done:
+                wait = self.last_sent + self.min_interval_s - time.monotonic()
+                if wait <= 0 and self.buffer:
+                    break
+                # until the message is due; once due, until the producer has a piece
+                self._ready.wait(wait if wait > 0 else None)
             if not self.buffer:
                 return None
             text, self.buffer = "".join(self.buffer), []
