@@ -10,7 +10,9 @@ outputs, never its own). ``tokens/s`` counts decoding after the first token (the
 prefill, the same work for every method, is the TTFT). Through the server, each method and
 concurrency (1, 2, 4) gets freshly loaded models (one per pass, median of the passes) warmed up
 on a prompt outside the set; all prompts go ``concurrency`` at a time over gRPC streaming
-(dspark/bench/client.py); tokens/s is the in-process token count over the pass's wall time.
+(dspark/bench/client.py); tokens/s is the in-process token count over the pass's wall time. At
+concurrency 1 each prompt also runs in process right after it was served, the in-process
+reference for every concurrency.
 One ``BenchResult``, one table per ``run``.
 """
 from __future__ import annotations
@@ -317,6 +319,20 @@ def batching_rows(gen: TextGenerator, prompts: list[BenchPrompt], specs: dict[st
 
 
 # --- through a server --------------------------------------------------------------------------
+def _prepared(transport, info, prompt: BenchPrompt, sampling: dict):
+    return transport.prepare(info, {
+        "text_input": np.array([prompt.text.encode()], dtype=np.object_),
+        "sampling_parameters": np.array([json.dumps({**sampling, "chat": prompt.chat}).encode()], dtype=np.object_),
+        "stream": np.array([True])})
+
+
+def _check_answered(records: list) -> None:
+    failed = [r for r in records if r.error is not None]
+    if failed:
+        raise UnavailableError(f"{MODEL} failed {len(failed)} of {len(records)} streamed requests, e.g. "
+                               f"{failed[0].error}: {failed[0].detail}")
+
+
 async def _served_pass(transport, info, prompts: Sequence[BenchPrompt], sampling: dict,
                        concurrency: int) -> tuple[list, float]:
     """All prompts, ``concurrency`` at a time in prompt order: their records and the wall time."""
@@ -326,21 +342,16 @@ async def _served_pass(transport, info, prompts: Sequence[BenchPrompt], sampling
         async with gate:
             return await transport.send(MODEL, MODEL, prepared, time.perf_counter())
 
-    prepared = [transport.prepare(info, {
-        "text_input": np.array([p.text.encode()], dtype=np.object_),
-        "sampling_parameters": np.array([json.dumps({**sampling, "chat": p.chat}).encode()], dtype=np.object_),
-        "stream": np.array([True])}) for p in prompts]
+    prepared = [_prepared(transport, info, p, sampling) for p in prompts]
     start = time.perf_counter()
     records = await asyncio.gather(*(one(p) for p in prepared))
     wall = time.perf_counter() - start
-    failed = [r for r in records if r.error is not None]
-    if failed:
-        raise UnavailableError(f"{MODEL} failed {len(failed)} of {len(records)} streamed requests, e.g. "
-                               f"{failed[0].error}: {failed[0].detail}")
+    _check_answered(records)
     return records, wall
 
 
-def run_served(grpc_url: str, prompts: Sequence[BenchPrompt], sampling: dict, concurrency: int) -> tuple[list, float]:
+def _with_transport(grpc_url: str, concurrency: int, work: Callable):
+    """``await work(transport, info)`` over a gRPC streaming transport opened for ``concurrency``."""
     from dspark.bench.client import GrpcStreamTransport
     from dspark.bench.inputs import ModelInfo
 
@@ -348,11 +359,40 @@ def run_served(grpc_url: str, prompts: Sequence[BenchPrompt], sampling: dict, co
         transport = GrpcStreamTransport(grpc_url, timeout_s=600, keep="text_output")
         await transport.open(concurrency)
         try:
-            info = ModelInfo.from_config(await transport.model_config(MODEL))
-            return await _served_pass(transport, info, prompts, sampling, concurrency)
+            return await work(transport, ModelInfo.from_config(await transport.model_config(MODEL)))
         finally:
             await transport.close()
     return _event_loop().run_until_complete(go())
+
+
+def run_served(grpc_url: str, prompts: Sequence[BenchPrompt], sampling: dict, concurrency: int) -> tuple[list, float]:
+    return _with_transport(grpc_url, concurrency,
+                           lambda transport, info: _served_pass(transport, info, prompts, sampling, concurrency))
+
+
+def run_interleaved(grpc_url: str, prompts: Sequence[BenchPrompt], request: dict, gen: TextGenerator,
+                    spec: SpeculativeParams, sampling: SamplingParams) -> tuple[list, float, float]:
+    """Concurrency 1, each prompt streamed through the server and then at once in process, so
+    that this machine's drift (its speed wanders by a quarter over minutes) hits both alike: the
+    records, the served seconds (each request's send to its final response) and the in-process
+    seconds (from an empty output cache, as the freshly loaded server starts)."""
+    ids = [prompt_ids(gen, p) for p in prompts]
+    for cache in output_caches(gen.engine):
+        cache.replace([])
+
+    async def work(transport, info):
+        records, inprocess_s = [], 0.0
+        for prompt, prompt_tokens in zip(prompts, ids):
+            records.append(await transport.send(MODEL, MODEL, _prepared(transport, info, prompt, request),
+                                                time.perf_counter()))
+            start = time.perf_counter()
+            run_one(gen, prompt_tokens, sampling, spec)
+            inprocess_s += time.perf_counter() - start
+        return records, inprocess_s
+
+    records, inprocess_s = _with_transport(grpc_url, 1, work)
+    _check_answered(records)
+    return records, sum(r.done - r.sent for r in records), inprocess_s
 
 
 _loop: Optional[asyncio.AbstractEventLoop] = None
@@ -442,10 +482,9 @@ class _FreshModels:
         if failed:
             self.log(f"the server's log is kept: {self.server.log_path}")
 
-    def pass_on_fresh_stub(self, request: dict, prompts: list[BenchPrompt],
-                           concurrency: int) -> tuple[list, float, float]:
-        """Reload, warm up on a prompt outside the set, then run all prompts: their records, the
-        wall time, and the stub's peak resident MiB meanwhile."""
+    def pass_on_fresh_stub(self, request: dict, measure: Callable[[str], tuple]) -> tuple[tuple, float]:
+        """Reload, warm up on a prompt outside the set, then ``measure(grpc_url)``: what it
+        returns, and the stub's peak resident MiB meanwhile."""
         from dspark.bench.resources import ResourceSampler, summarize_samples
 
         self.reload()
@@ -453,8 +492,8 @@ class _FreshModels:
         run_served(grpc_url, [BenchPrompt("warm-up", True, WARM_UP)], request, 1)
         _stub_pid(pid)
         sampler = ResourceSampler(pid, 0.5).start()
-        records, wall = run_served(grpc_url, prompts, request, concurrency)
-        return records, wall, summarize_samples(sampler.stop(), MODEL).get("model_stubs_rss_mib", 0.0)
+        measured = measure(grpc_url)
+        return measured, summarize_samples(sampler.stop(), MODEL).get("model_stubs_rss_mib", 0.0)
 
 
 def served_rows(gen: TextGenerator, prompts: list[BenchPrompt], results: dict[str, MethodResult],
@@ -463,9 +502,9 @@ def served_rows(gen: TextGenerator, prompts: list[BenchPrompt], results: dict[st
     """Each method at concurrency 1, 2, 4 through a tritonserver started here, the median of
     ``repeats`` passes (the same text in every pass counts); the stub's resident memory after
     load and at most while serving (MiB); the reloads' unload times. The in-process reference is
-    measured beside the served passes: after each concurrency-1 pass, the same prompts in
-    process, one at a time (this shared machine's speed drifts between the in-process section
-    and this one)."""
+    measured inside the concurrency-1 passes, each prompt in process right after it was served
+    (``run_interleaved``); served / in-process at concurrency 1 is the median of the passes'
+    ratios."""
     from dspark.bench.load import summarize
 
     rows = []
@@ -479,24 +518,31 @@ def served_rows(gen: TextGenerator, prompts: list[BenchPrompt], results: dict[st
             runs = results[method].runs
             counts = sum(len(r.tokens) for r in runs)
             inproc_rates: list[float] = []  # filled by the concurrency-1 passes, CONCURRENCY's first
+            pass_ratios: list[float] = []
             for concurrency in CONCURRENCY:
                 records, walls, same = [], [], len(prompts)
                 for _ in range(repeats):
-                    pass_records, wall, rss = models.pass_on_fresh_stub(request, prompts, concurrency)
+                    if concurrency == 1:
+                        (pass_records, wall, inprocess_s), rss = models.pass_on_fresh_stub(
+                            request, lambda url: run_interleaved(url, prompts, request, gen, specs[method], sampling))
+                        inproc_rates.append(counts / inprocess_s)
+                        pass_ratios.append(inprocess_s / wall)
+                    else:
+                        (pass_records, wall), rss = models.pass_on_fresh_stub(
+                            request, lambda url: run_served(url, prompts, request, concurrency))
                     peak = max(peak, rss)
                     records += pass_records
                     walls.append(wall)
                     texts = [b"".join(r.kept).decode(errors="replace") for r in pass_records]
                     same = min(same, sum(text == run.text for text, run in zip(texts, runs)))
-                    if concurrency == 1:
-                        inproc_rates.append(concurrent_inprocess(gen, prompts, specs[method], sampling, 1))
                 tps = statistics.median(counts / wall for wall in walls)
                 inproc = statistics.median(inproc_rates)
                 figures = summarize(records, sum(walls))
                 rows.append({"run": SERVED, "method": method, "concurrency": concurrency, "tokens_per_s": tps,
                              "ttft_p50_ms": figures["ttft_p50_ms"], "gap_p50_ms": figures["itl_p50_ms"],
                              "gap_p99_ms": figures["itl_p99_ms"], "inprocess_e2e_tokens_per_s": inproc,
-                             "served_x_inprocess": tps / inproc if inproc else None,
+                             "served_x_inprocess": statistics.median(pass_ratios) if concurrency == 1 else
+                             tps / inproc if inproc else None,
                              "same_text": f"{same}/{len(prompts)}"})
                 log(f"served {method} at concurrency {concurrency}: {tps:.1f} tok/s")
         failed = False
@@ -686,8 +732,10 @@ def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lam
         notes.append(f"served: the median of {settings.served_repeats} passes per method and concurrency, "
                      f"each on a freshly loaded {MODEL} warmed up on a prompt outside "
                      "the set; tokens/s = the in-process token count over the pass's wall time (prompt reading "
-                     "included); in-process reference: the same prompts one at a time in process after each "
-                     "concurrency-1 pass (median); response gaps between streamed responses")
+                     "included; at concurrency 1, over the requests' times); in-process reference: each prompt "
+                     "in process right after it was served at concurrency 1 (median of the passes; served / "
+                     "in-process at concurrency 1: the median of the passes' ratios); response gaps between "
+                     "streamed responses")
     rows += [{"run": MEMORY, "measure": k, "value": v} for k, v in memory.items()]
     return BenchResult(
         "spec", {**settings.to_json(), "model": f"{MODEL} ({folder.name})", "target": type(engine.target).__name__,

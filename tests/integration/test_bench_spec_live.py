@@ -28,3 +28,21 @@ def test_served_pass_keeps_each_prompts_text_in_order_with_its_timings(triton_se
     assert figures["ok"] == 3 and all(r.sent < r.first <= r.last <= r.done for r in records)
     assert 0 < figures["ttft_p50_ms"] < 1e3 * wall and wall >= max(r.done for r in records) - min(r.sent for r in records)
     assert samples and max(sum(rss for _, rss in model_stubs(s, spec.MODEL)) for s in samples) > 100  # MiB
+
+
+def test_interleaved_pass_serves_and_runs_each_prompt_in_process(triton_server):
+    """Concurrency 1 with the in-process reference interleaved: the served text of each prompt
+    is the in-process text, and both times cover every request."""
+    from dspark.decoding.models import llm_generator
+    from dspark.decoding.sampling import SamplingParams, SpeculativeParams
+    from dspark.paths import project_root
+
+    prompts = spec.load_prompts(1)[:2]
+    gen = llm_generator(project_root() / "model_repository" / spec.MODEL / "1" / "smollm2", threads=1)
+    sampling = SamplingParams(max_tokens=10)
+    request = {"max_tokens": 10, "speculative": {"method": "none"}}
+    records, served_s, inprocess_s = spec.run_interleaved(triton_server.grpc_url, prompts, request, gen,
+                                                          SpeculativeParams("none"), sampling)
+    expected = [spec.run_one(gen, spec.prompt_ids(gen, p), sampling, SpeculativeParams("none")).text for p in prompts]
+    assert [b"".join(r.kept).decode() for r in records] == expected
+    assert served_s == sum(r.done - r.sent for r in records) > 0 and inprocess_s > 0
