@@ -128,6 +128,22 @@ def test_streamed_pieces_are_coalesced_but_never_lost_or_reordered():
     assert len(sent) <= (time.monotonic() - started) / 0.03 + 2  # at most one per interval
 
 
+def test_a_piece_goes_out_when_its_interval_ends_not_with_the_next_piece():
+    import time
+
+    def pieces():
+        yield "a"
+        time.sleep(0.005)
+        yield "b"  # within the interval of "a": held
+        time.sleep(0.3)
+        yield "c"
+
+    sent = []
+    send_coalesced(pieces(), lambda text: sent.append((text, time.monotonic())), min_interval_s=0.03)
+    assert [text for text, _ in sent] == ["a", "b", "c"]
+    assert 0.02 < sent[1][1] - sent[0][1] < 0.2  # "b" when the interval ended, not 0.3 s later
+
+
 def test_a_failure_while_streaming_is_raised_after_the_text_before_it():
     import time
 
