@@ -329,10 +329,11 @@ class TritonPythonModel:
         pieces = self.generator.stream(ids, options.sampling, options.spec, stats,
                                        cancelled=self._cancelled(sender))
         if stream:
-            def send(text):
-                self._count_generated(stats)  # live, so a cancelled request is seen to stop
-                if not sender.is_cancelled(ask_here=True):
+            def send(text):  # the text first: each call below is an IPC round trip
+                if not sender.known_cancelled:
                     sender.send(pb_utils.InferenceResponse(output_tensors=[_text_tensor(text)]))
+                self._count_generated(stats)  # live, so a cancelled request is seen to stop
+                sender.is_cancelled(ask_here=True)  # asked here, the decode loop rarely has to
 
             send_coalesced(pieces, send, self.stream_interval_s)
             self._record(stats, time.perf_counter() - started)

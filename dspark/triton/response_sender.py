@@ -68,13 +68,18 @@ class GuardedSender:
         self._cancelled = False
         self.closed = False
 
+    @property
+    def known_cancelled(self) -> bool:
+        """Cancelled or closed as last asked (no IPC)."""
+        return self.closed or self._cancelled
+
     def is_cancelled(self, ask_here: bool = False) -> bool:
         """Whether the client cancelled. A stale answer is refreshed on ``ask_on``'s thread
         while the caller goes on, or on this thread with ``ask_here`` (a streaming request's
         sending thread, awake anyway), which refreshes it at half that age: the decode loop then
         rarely finds it stale, and no other thread is woken to ask."""
         # a known answer needs no lock: the decode loop must not wait for a send in flight
-        if self.closed or self._cancelled:
+        if self.known_cancelled:
             return True
         if time.monotonic() - self._asked < (self._recheck_s / 2 if ask_here else self._recheck_s):
             return False
@@ -86,11 +91,11 @@ class GuardedSender:
                 self._ask_on(self._ask)
             except RuntimeError:  # the executor was shut down (the model finalized): ask here
                 self._ask()
-        return self.closed or self._cancelled
+        return self.known_cancelled
 
     def _ask(self) -> None:
         with self._lock:
-            if not (self.closed or self._cancelled):
+            if not self.known_cancelled:
                 self._cancelled = bool(self._sender.is_cancelled())
                 self._asked = time.monotonic()
             self._asking = False
