@@ -168,7 +168,6 @@ class _Coalescer:
         self.min_interval_s = min_interval_s
         self.buffer: list[str] = []
         self.last_sent = float("-inf")
-        self.sending = False
         self.done = self.stopped = False
         self.failure: Optional[BaseException] = None
         self._ready = threading.Condition()
@@ -180,7 +179,7 @@ class _Coalescer:
                     if self.stopped:
                         break
                     self.buffer.append(piece)
-                    if not self.sending and time.monotonic() >= self.last_sent + self.min_interval_s:
+                    if time.monotonic() >= self.last_sent + self.min_interval_s:
                         self._ready.notify()
         except BaseException as error:  # noqa: BLE001 - handed to the sending thread
             self.failure = error
@@ -201,12 +200,10 @@ class _Coalescer:
             if not self.buffer:
                 return None
             text, self.buffer = "".join(self.buffer), []
-            self.sending = True
             return text
 
     def sent(self) -> None:
         with self._ready:
-            self.sending = False
             self.last_sent = time.monotonic()
 
     def stop(self) -> None:
