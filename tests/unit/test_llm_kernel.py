@@ -306,6 +306,44 @@ def test_batched_requests_read_a_new_prompt_in_the_calls_of_their_rounds(tiny, m
     assert sum(c[2][c[1][0]] for c in calls if c[1]) == sum(len(p) - 1 for p in prompts[1:])
 
 
+def test_requests_coming_and_leaving_at_random_keep_their_texts(tiny):
+    """Requests start alone or batched, hand over to the loop, and leave early at random, on
+    several threads: each text is a prefix of its decoding alone (all of it when not left
+    early), and no request is left counted as alone or batched."""
+    import random
+    import threading
+
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(0, TINY["vocab"], n)] for n in (2, 9, 70)]
+    sampling = SamplingParams(max_tokens=20)
+    alone = SpeculativeEngine(tiny)
+    expected = [[t for new in alone.generate(p, sampling, SpeculativeParams("none")) for t in new] for p in prompts]
+    batched = SpeculativeEngine(tiny, batch_verification=True)
+    wrong = []
+
+    def client(seed):
+        pick = random.Random(seed)
+        for _ in range(8):
+            i, leave_after = pick.randrange(len(prompts)), pick.choice([None, None, 1, 3])
+            got, stream = [], batched.generate(prompts[i], sampling, SpeculativeParams("none"))
+            for rounds, new in enumerate(stream, 1):
+                got += new
+                if rounds == leave_after:
+                    stream.close()
+                    break
+            if got != expected[i][:len(got)] or (leave_after is None and got != expected[i]):
+                wrong.append((i, got))
+
+    threads = [threading.Thread(target=client, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    batched.close()
+    assert not any(t.is_alive() for t in threads) and not wrong
+    assert not batched.batcher._solo and batched.batcher._batched == 0
+
+
 def test_past_visible_hides_cache_rows(tiny):
     """Hiding cached rows equals removing them: the same keys and values, in the same order."""
     cache = tiny.new_cache(32)
