@@ -209,3 +209,33 @@ def test_guarded_sender_with_an_asking_thread_never_waits_for_the_server():
     assert raw.asked <= 2 + 2.0 / 0.05  # one question in flight at a time
     late = GuardedSender(Slow(), final_flag=1, ask_on=asker.submit)  # its executor is shut down
     assert not late.is_cancelled()  # asked here instead
+
+
+def test_guarded_sender_asks_on_the_sending_thread_when_told_to():
+    """A streaming request's sending thread refreshes the answer itself (``ask_here``), at half
+    the recheck age, so the decode loop's check finds it fresh and wakes no asking thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dspark.triton.response_sender import GuardedSender
+
+    class Counting:
+        cancelled = False
+
+        def __init__(self):
+            self.threads = []
+
+        def is_cancelled(self):
+            self.threads.append(threading.get_ident())
+            return self.cancelled
+
+    raw = Counting()
+    with ThreadPoolExecutor(1) as asker:
+        sender = GuardedSender(raw, final_flag=1, recheck_s=0.4, ask_on=asker.submit)
+        assert not sender.is_cancelled(ask_here=True) and raw.threads == [threading.get_ident()]
+        time.sleep(0.25)  # past half the recheck age, within it
+        assert not sender.is_cancelled()  # the decode loop: still fresh, nobody asked
+        assert not sender.is_cancelled(ask_here=True) and len(raw.threads) == 2
+        raw.cancelled = True
+        time.sleep(0.25)
+        assert sender.is_cancelled(ask_here=True) and sender.known_cancelled
+    assert raw.threads == [threading.get_ident()] * 3
