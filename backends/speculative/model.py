@@ -5,7 +5,8 @@ Decoupled. Inputs follow Triton's LLM backends, so /generate, /generate_stream a
 streaming work unchanged: text_input (BYTES, UTF-8), messages (BYTES, optional: a JSON chat),
 stream (BOOL), sampling_parameters (BYTES, JSON: max_tokens, temperature, top_k, top_p, seed,
 stop, chat, speculative {method, num_speculative_tokens, tree_width, adaptive}),
-exclude_input_in_output (BOOL); output text_output (BYTES). docs/speculative.md has the rest.
+exclude_input_in_output (BOOL); outputs text_output (BYTES) and, on the final response only, usage
+(BYTES, JSON: prompt_tokens, completion_tokens, finish_reason). docs/speculative.md has the rest.
 
 Requests run on a bounded worker pool (max_concurrent_requests; up to max_queued_requests more
 wait at most max_queue_wait_ms, beyond that UNAVAILABLE); a request's loop checks for
@@ -57,7 +58,8 @@ INPUTS = [
     {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
 ]
-OUTPUTS = [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]}]
+OUTPUTS = [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
+           {"name": "usage", "data_type": "TYPE_STRING", "dims": [1]}]
 
 
 def _scalar(request, name):
@@ -97,8 +99,15 @@ def _model_file(repository: Path, name: str) -> Path:
     return (folder / "1" / "model.onnx").resolve()
 
 
-def _text_tensor(text: str):
-    return pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))
+def _text_tensor(text: str, name: str = "text_output"):
+    return pb_utils.Tensor(name, np.array([text.encode("utf-8")], dtype=np.object_))
+
+
+def _final_outputs(text: str, prompt_tokens: int, stats: DecodeStats) -> list:
+    """The last response's tensors: its text and what the request used (OpenAI's usage)."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": stats.generated_tokens,
+             "finish_reason": stats.finish_reason}
+    return [_text_tensor(text), _text_tensor(json.dumps(usage), "usage")]
 
 
 class TritonPythonModel:
@@ -338,14 +347,16 @@ class TritonPythonModel:
             send_coalesced(pieces, send, self.stream_interval_s)
             self._record(stats, time.perf_counter() - started)
             self._unless_unloading(stats)
-            sender.send(final=True)
+            sender.send(pb_utils.InferenceResponse(output_tensors=_final_outputs("", len(ids), stats)),
+                        final=True)
         else:
             text = "".join(pieces)
             self._record(stats, time.perf_counter() - started)
             self._unless_unloading(stats)
             if not exclude:
                 text = echo + text
-            sender.send(pb_utils.InferenceResponse(output_tensors=[_text_tensor(text)]), final=True)
+            sender.send(pb_utils.InferenceResponse(output_tensors=_final_outputs(text, len(ids), stats)),
+                        final=True)
 
     def _unless_unloading(self, stats: DecodeStats):
         """A request the unload stopped gets an error, not a text that looks complete."""

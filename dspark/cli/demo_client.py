@@ -57,7 +57,24 @@ def _describe(row: np.ndarray) -> str:
     return f"  class={CLASSES[int(row.argmax())]:<16} probabilities=[{', '.join(f'{p:.4f}' for p in row)}]"
 
 
-def run_samples(http_url: str, grpc_url: str, echo: Callable[[str], None] = print) -> None:
+def openai_chat(openai_url: str, model: str, question: str, max_tokens: int) -> tuple[str, float]:
+    """One chat completion through the OpenAI-compatible API, with the real openai SDK."""
+    import openai
+
+    client = openai.OpenAI(base_url=openai_url, api_key="unused-on-loopback", max_retries=0)
+    start = time.perf_counter()
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                           max_tokens=max_tokens, temperature=0)
+    return reply.choices[0].message.content, time.perf_counter() - start
+
+
+def openai_curl(openai_url: str, model: str, question: str) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 64})
+    return f"curl -s {openai_url}/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+
+
+def run_samples(http_url: str, grpc_url: str, echo: Callable[[str], None] = print,
+                openai_url: str = "") -> None:
     features = sample_features()
     probabilities = classify(httpclient, http_url, "mlp_classifier", "features", features)
     echo("mlp_classifier over HTTP (2 rows of 16 standardized features):")
@@ -72,3 +89,8 @@ def run_samples(http_url: str, grpc_url: str, echo: Callable[[str], None] = prin
     _plain_and_speculative(http_url, echo, "chat", CHAT_QUESTION, True, 64)
     echo("code completion: " + CODE_PROMPT.splitlines()[0])
     _plain_and_speculative(http_url, echo, "code completion", CODE_PROMPT, True, 96)
+    if openai_url:
+        text, seconds = openai_chat(openai_url, "spec_lm", CHAT_QUESTION, 64)
+        echo(f"spec_lm chat over the OpenAI API ({openai_url}, openai SDK), greedy: {seconds * 1e3:.0f} ms")
+        echo("  " + text.strip().replace("\n", "\n  "))
+        echo("  try: " + openai_curl(openai_url, "spec_lm", CHAT_QUESTION))

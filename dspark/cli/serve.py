@@ -22,6 +22,9 @@ from dspark.triton.server import (
 )
 
 
+DEMO_OPENAI_PORT = 8003
+
+
 def server_options(function):
     options = [
         click.option("--repository", "-r", "repositories", multiple=True, type=click.Path(path_type=Path),
@@ -46,6 +49,9 @@ def server_options(function):
                      help="Path of a tritonserver binary (default: $TRITONSERVER, the nvidia-pytriton wheel, PATH)."),
         click.option("--forward-headers", default=DEFAULT_HEADER_PATTERN, show_default=True,
                      help="Regex of HTTP/gRPC headers Triton forwards to models as request parameters."),
+        click.option("--openai-port", type=click.IntRange(1, 65535), default=None,
+                     help="Also serve the OpenAI-compatible API (/v1/chat/completions, ...) on this port, on "
+                          "--host. Off by default. Beyond loopback it needs the API key as a Bearer token."),
     ]
     for option in reversed(options):
         function = option(function)
@@ -54,8 +60,9 @@ def server_options(function):
 
 def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_port: int, metrics_port: int,
                  model_control: str, load_models: Sequence[str], api_key, log_verbose: int, log_file, server_path,
-                 forward_headers: str) -> TritonServer:
-    """Start the server, or exit with one line saying why it could not."""
+                 forward_headers: str, openai_port=None) -> tuple[TritonServer, object]:
+    """Start the server (and the OpenAI API when ``openai_port``: the second item, else None), or
+    exit with one line saying why it could not."""
     try:
         extra = header_forward_args(forward_headers) if forward_headers else []
         server = TritonServer(
@@ -88,7 +95,27 @@ def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_p
     if server.api_key:
         shown = "from --api-key / " + API_KEY_ENV if api_key else server.api_key
         click.echo(f"  API key  {shown} (send it as the {API_KEY_HEADER} header to load/unload models)")
-    return server
+    api = start_openai(server, host, openai_port, explicit_key=api_key) if openai_port else None
+    return server, api
+
+
+def start_openai(server: TritonServer, host: str, port: int, explicit_key):
+    """The OpenAI-compatible API on a thread of this process. It needs a key when the user gave
+    one or when it listens beyond loopback (then the server's key, or a new one, printed)."""
+    from dspark.openai.server import OpenAIServer
+    from dspark.triton.server import new_api_key
+
+    key = explicit_key or (None if is_loopback(host) else server.api_key or new_api_key())
+    api = OpenAIServer(host, port, server.grpc_url, key, server.repository_headers)
+    try:
+        api.start()
+    except RuntimeError as error:
+        click.echo(f"dspark: {error}", err=True)
+        server.stop()
+        sys.exit(1)
+    click.echo(f"  OpenAI   {api.url}" + ("" if key is None else
+               f" (Authorization: Bearer {'<--api-key>' if explicit_key else key})"))
+    return api
 
 
 def serve_until_signal(server: TritonServer) -> None:
@@ -120,7 +147,7 @@ def serve_until_signal(server: TritonServer) -> None:
 @server_options
 def serve(**options) -> None:
     """Start Triton on a model repository with dspark's backends; Ctrl-C stops it cleanly."""
-    server = start_server(**options)
+    server, _api = start_server(**options)
     click.echo("dspark: ready; press Ctrl-C to stop")
     serve_until_signal(server)
 
@@ -129,12 +156,14 @@ def serve(**options) -> None:
 @server_options
 @click.option("--exit", "exit_after", is_flag=True, help="Stop the server after the sample requests.")
 def demo(exit_after: bool, **options) -> None:
-    """Serve the demo repository, send it sample requests over HTTP and gRPC, print the answers."""
+    """Serve the demo repository (and the OpenAI API, on --openai-port or 8003), send it sample
+    requests over HTTP, gRPC and the OpenAI API, print the answers."""
     from dspark.cli.demo_client import run_samples
 
-    server = start_server(**options)
+    options["openai_port"] = options["openai_port"] or DEMO_OPENAI_PORT
+    server, api = start_server(**options)
     try:
-        run_samples(server.http_url, server.grpc_url, echo=click.echo)
+        run_samples(server.http_url, server.grpc_url, echo=click.echo, openai_url=api.url)
     except Exception as error:  # show the failure, and the server's view of it
         click.echo(f"dspark: sample request failed: {error}; server said: {server.first_error()}", err=True)
         server.stop()

@@ -1,0 +1,132 @@
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/models, /v1/completions, /v1/chat/completions,
+streamed as server-sent events in OpenAI's chunk format, in front of Triton's LLMs."""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from dspark.decoding.request import parse_generate_options, parse_messages
+from dspark.decoding.sampling import SpeculativeParams
+from dspark.errors import RequestError
+from dspark.openai.protocol import (
+    SSE_DONE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    Reply,
+    finish_reason,
+    parse,
+    request_error,
+    sse,
+    usage,
+)
+from dspark.openai.triton import TritonLLMs
+
+
+def _check_with_backend_rules(inputs: dict) -> None:
+    """The speculative backend's own parsers, here, so a bad field is a 400 naming it before
+    any call to the server."""
+    try:
+        parse_generate_options(inputs["sampling_parameters"], SpeculativeParams())
+        parse_messages(inputs.get("messages"))
+    except RequestError as error:
+        raise request_error(error) from None
+
+
+def create_app(llms: TritonLLMs, api_key: Optional[str] = None) -> FastAPI:
+    """``api_key``: when set, every request needs ``Authorization: Bearer <api_key>``."""
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await llms.close()
+
+    app = FastAPI(title="dspark OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_request: Request, error: OpenAIError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Request, error: Exception):
+        return JSONResponse(OpenAIError(500, f"{type(error).__name__}: {error}").body(), status_code=500)
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        if api_key is not None:
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+                error = OpenAIError(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                                    code="invalid_api_key")
+                return JSONResponse(error.body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": await llms.models()}
+
+    @app.get("/v1/models/{model}")
+    async def get_model(model: str):
+        await llms.require(model)
+        return next(m for m in await llms.models() if m["id"] == model)
+
+    async def body_of(request: Request):
+        try:
+            return json.loads(await request.body())
+        except ValueError as error:
+            raise OpenAIError(400, f"the request body is not JSON ({error})") from None
+
+    async def complete(request: Request, kind):
+        req = parse(kind, await body_of(request))
+        inputs = req.backend_inputs()
+        _check_with_backend_rules(inputs)
+        await llms.require(req.model)
+        reply = Reply(req)
+        echo = req.prompt if isinstance(req, CompletionRequest) and req.echo else ""
+        pieces = llms.generate(req.model, inputs, stream=req.stream)
+        if not req.stream:
+            text = [echo]
+            async for piece in pieces:
+                text.append(piece.text)
+            return reply.whole("".join(text), finish_reason(piece.finish_reason),
+                               usage(piece.prompt_tokens, piece.completion_tokens))
+        first = await anext(pieces)  # an error before any text is still an HTTP error
+
+        async def events():
+            piece = first
+            yield sse(reply.chunk(echo + piece.text, first=True))
+            while not piece.final:
+                piece = await anext(pieces)
+                if piece.text:
+                    yield sse(reply.chunk(piece.text))
+            yield sse(reply.chunk(None, finish_reason(piece.finish_reason)))
+            if req.include_usage:
+                yield sse(reply.usage_chunk(usage(piece.prompt_tokens, piece.completion_tokens)))
+            yield SSE_DONE
+
+        async def guarded():
+            try:
+                async for event in events():
+                    yield event
+            except OpenAIError as error:  # after the first event: say so in the stream
+                yield sse(error.body())
+            finally:
+                await pieces.aclose()  # cancels the model's request if it is still running
+
+        return StreamingResponse(guarded(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, ChatCompletionRequest)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, CompletionRequest)
+
+    return app

@@ -1,0 +1,237 @@
+"""OpenAI's request and response shapes for completions and chat completions, and their
+translation to the inputs of dspark's `speculative` backend (Triton's LLM-backend convention).
+
+Pure: no Triton, no HTTP. Requests are pydantic models; a field OpenAI defines that dspark does
+not implement is refused by name (400) rather than silently ignored, except the few whose default
+value changes nothing (``n: 1``, ``presence_penalty: 0``, ``user``...).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from dspark.errors import RequestError, field_path
+
+# Used when a request gives no max_tokens (OpenAI's own default is "up to the context").
+DEFAULT_MAX_TOKENS = 256
+MAX_STOP_SEQUENCES = 4  # as OpenAI
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+             429: "rate_limit_error", 503: "server_error", 500: "server_error"}
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def from_validation_error(error: ValidationError) -> OpenAIError:
+    first = error.errors()[0]
+    param = field_path(first["loc"]) or None
+    message = first["msg"]
+    if first["type"] == "extra_forbidden":
+        message = "is not supported by this server"
+    return OpenAIError(400, f"{param}: {message}" if param else message, param)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """The fields completions and chat completions share."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # OpenAI's default
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: Optional[int] = Field(None, ge=0)
+    stop: Union[str, list[str], None] = None
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: Literal[0, 0.0] = 0
+    frequency_penalty: Literal[0, 0.0] = 0
+    user: Optional[str] = None  # accepted, not used
+    # dspark's extension: how the request speculates ({"method": "suffix", ...}), as in
+    # sampling_parameters.speculative of Triton's generate endpoint
+    speculative: Optional[dict[str, Any]] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value):
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("a stop sequence must not be empty")
+        return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _token_limit(self) -> int:
+        return self.max_tokens or DEFAULT_MAX_TOKENS
+
+    def sampling_parameters(self) -> dict:
+        """sampling_parameters of the speculative backend (it validates them once more)."""
+        params: dict[str, Any] = {"max_tokens": self._token_limit(), "temperature": self.temperature,
+                                  "top_p": self.top_p, "stop": self.stop}
+        if self.seed is not None:
+            params["seed"] = self.seed
+        if self.speculative is not None:
+            params["speculative"] = self.speculative
+        return params
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: Union[str, list[ContentPart]]
+    name: Optional[str] = None  # accepted, not used
+
+    def as_backend(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        # "developer" is OpenAI's newer name for the system role
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's newer name of max_tokens
+    logprobs: Literal[False, None] = None
+
+    def _token_limit(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
+
+    def backend_inputs(self) -> dict[str, Any]:
+        return {"messages": json.dumps([m.as_backend() for m in self.messages]),
+                "sampling_parameters": json.dumps(self.sampling_parameters())}
+
+
+class CompletionRequest(_Request):
+    prompt: Union[str, list[str]]
+    echo: bool = False
+    logprobs: Literal[0, None] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value):
+        if isinstance(value, list):
+            if len(value) != 1:
+                raise ValueError("give one prompt (a string, or a list of one string)")
+            value = value[0]
+        if not value:
+            raise ValueError("is empty; give a prompt")
+        return value
+
+    def backend_inputs(self) -> dict[str, Any]:
+        return {"text_input": self.prompt, "exclude_input_in_output": True,
+                "sampling_parameters": json.dumps(self.sampling_parameters())}
+
+
+def parse(kind: type[_Request], body: Any) -> _Request:
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    try:
+        return kind.model_validate(body)
+    except ValidationError as error:
+        raise from_validation_error(error) from None
+
+
+FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop"}
+
+
+def finish_reason(backend_reason: str) -> str:
+    return FINISH_REASONS.get(backend_reason, "stop")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Reply:
+    """Builds the response objects of one request (ids and timestamps shared by its chunks)."""
+
+    def __init__(self, request: _Request):
+        self.chat = isinstance(request, ChatCompletionRequest)
+        self.model = request.model
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if self.chat else "text_completion"
+
+    def _head(self, object_name: str) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, reason: str, counts: dict) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        return {**self._head(self.object), "choices": [choice], "usage": counts}
+
+    def chunk(self, text: Optional[str], reason: Optional[str] = None, first: bool = False) -> dict:
+        if self.chat:
+            delta: dict = {"role": "assistant", "content": text or ""} if first else \
+                ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, counts: dict) -> dict:
+        name = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(name), "choices": [], "usage": counts}
+
+
+def sse(data: Union[dict, str]) -> bytes:
+    """One server-sent event as OpenAI streams them: ``data: <json>`` and a blank line."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def backend_error(message: str) -> OpenAIError:
+    """A generation error the speculative backend returned, in OpenAI's terms. Over a gRPC
+    stream Triton passes only the message, so the status follows dspark's own messages:
+    "busy: ..." (its request pool is full) is 429, a shut-down or unloading model 503, an
+    unexpected failure ("generation failed: ...") 500, anything else a bad request naming the
+    field before its first colon."""
+    if message.startswith("busy:"):
+        return OpenAIError(429, message, code="model_busy")
+    if "shutting down" in message or "is unloading" in message or "not ready" in message:
+        return OpenAIError(503, message, code="model_unavailable")
+    if message.startswith("generation failed"):
+        return OpenAIError(500, message)
+    field, _, rest = message.partition(":")
+    param = field if rest and " " not in field.strip() else None
+    return OpenAIError(400, message, param)
+
+
+def request_error(error: RequestError) -> OpenAIError:
+    return OpenAIError(400, str(error), error.field or None)

@@ -1,0 +1,45 @@
+"""Run the OpenAI-compatible API with uvicorn on a thread of the calling process (`dspark serve`
+starts it this way, so its key is in no argv and no child environment)."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+
+from dspark.openai.app import create_app
+from dspark.openai.triton import TritonLLMs
+
+
+class OpenAIServer:
+    """``start()`` returns once the port accepts connections; ``stop()`` ends it."""
+
+    def __init__(self, host: str, port: int, grpc_url: str, api_key: Optional[str] = None,
+                 repository_headers: Optional[dict] = None):
+        import uvicorn
+
+        self.host, self.port = host, port
+        app = create_app(TritonLLMs(grpc_url, repository_headers), api_key)
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                     access_log=False, lifespan="on"))
+        self._server.install_signal_handlers = lambda: None  # the caller owns the signals
+        self._thread = threading.Thread(target=self._server.run, name="openai-api", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the OpenAI API could not start on {self.host}:{self.port} "
+                                   "(is the port in use? --openai-port picks another)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the OpenAI API did not start on {self.host}:{self.port} in {timeout_s:g} s")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
