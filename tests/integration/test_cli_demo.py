@@ -15,11 +15,11 @@ pytestmark = pytest.mark.integration
 
 
 def test_demo_serves_and_prints_inference_results():
-    ports = ServerPorts.free()
+    ports, openai_port = ServerPorts.free(), ServerPorts.free().http
     dspark = Path(sys.executable).parent / "dspark"
     result = subprocess.run(
         [str(dspark), "demo", "--exit", f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
-         f"--metrics-port={ports.metrics}"],
+         f"--metrics-port={ports.metrics}", f"--openai-port={openai_port}"],
         capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"http://127.0.0.1:{ports.http}" in result.stdout
@@ -33,6 +33,11 @@ def test_demo_serves_and_prints_inference_results():
     assert spec == ["chat", "code completion"], result.stdout
     assert "Rayleigh" in result.stdout or "scatter" in result.stdout  # the chat answer is on topic
     assert "def fibonacci(n):" in result.stdout and "return" in result.stdout
+    assert f"OpenAI   http://127.0.0.1:{openai_port}/v1" in result.stdout
+    answer = re.search(r"spec_lm chat over the OpenAI API .*\n  (.+)", result.stdout)
+    assert answer and ("scatter" in answer.group(1) or "Rayleigh" in answer.group(1)), result.stdout
+    curl = re.search(r"try: (curl .+)", result.stdout).group(1)
+    assert f"127.0.0.1:{openai_port}/v1/chat/completions" in curl and '"model": "spec_lm"' in curl
 
 
 def test_serve_forwards_sigterm_as_a_clean_shutdown():
