@@ -35,14 +35,24 @@ cdef extern from "llama_forward.h" nogil:
     ctypedef struct llama_layer:
         const float *attn_norm
         const float *ffn_norm
+        const float *post_attn_norm
+        const float *post_ffn_norm
+        const float *q_norm
+        const float *k_norm
+        const float *qkv_bias
         llama_matrix qkv[3]
         llama_matrix wo
         llama_matrix gate_up[2]
         llama_matrix down
+        size_t window
+        int local_rope
     ctypedef struct llama_model:
         size_t n_layer, hidden, ffn, n_head, n_kv, head_dim, vocab
         float rms_eps
-        double rope_base
+        double rope_base, rope_base_local
+        int rope_neox, ffn_gelu
+        float embed_scale
+        const float *rope_factors
         llama_matrix embed, head
         const float *out_norm
         const llama_layer *layers
@@ -52,6 +62,7 @@ cdef extern from "llama_forward.h" nogil:
         size_t cap, length, t
         const int32_t *tokens
         const int64_t *positions
+        const int64_t *past_positions
         const uint8_t *mask
     ctypedef struct llama_request:
         const llama_segment *segs
@@ -166,6 +177,10 @@ cdef const float *_floats(dict keep, str name, object value, size_t n) except NU
     return &view[0]
 
 
+cdef const float *_optional_floats(dict keep, str name, object value, size_t n) except? NULL:
+    return NULL if value is None else _floats(keep, name, value, n)
+
+
 cdef llama_matrix _matrix(dict keep, str name, object value, size_t n, size_t k) except *:
     if not isinstance(value, PackedMatrix):
         raise ConfigError(name, "expected a PackedMatrix")
@@ -176,8 +191,20 @@ cdef llama_matrix _matrix(dict keep, str name, object value, size_t n, size_t k)
     return pm.mat
 
 
+# The architecture's description (llama_forward.h) and its defaults: plain llama.
+ARCH_DEFAULTS = {"rope_neox": False, "ffn_gelu": False, "embed_scale": 1.0, "rope_base_local": 0.0,
+                 "windows": None, "local_rope": None}
+
+
 cdef class LlamaModel:
-    """The packed weights, a thread pool and the chosen kernels. ``forward`` runs one step."""
+    """The packed weights, a thread pool and the chosen kernels. ``forward`` runs one step.
+
+    ``config`` holds the sizes, ``rms_eps``, ``rope_base`` and optionally the architecture's
+    description (ARCH_DEFAULTS: NEOX RoPE, GELU-gated FFN, embedding scale, a second RoPE base
+    and per-layer sliding windows / local-RoPE flags); ``weights`` the packed matrices and norms
+    by GGUF name, plus the optional ``blk.N.attn_q_norm`` / ``attn_k_norm`` [head_dim],
+    ``post_attention_norm`` / ``post_ffw_norm`` [hidden], ``qkv_bias`` [(n_head + 2 n_kv) head_dim]
+    and the model's ``rope_factors`` [head_dim / 2]."""
     cdef llama_model model
     cdef llama_layer *layers
     cdef llama_pool *pool
@@ -204,6 +231,16 @@ cdef class LlamaModel:
         self.model.n_head, self.model.n_kv, self.model.head_dim = nh, nkv, hd
         self.model.vocab = config["vocab"]
         self.model.rms_eps, self.model.rope_base = config["rms_eps"], config["rope_base"]
+        arch = {**ARCH_DEFAULTS, **{k: v for k, v in config.items() if k in ARCH_DEFAULTS}}
+        self.model.rope_neox, self.model.ffn_gelu = bool(arch["rope_neox"]), bool(arch["ffn_gelu"])
+        self.model.embed_scale, self.model.rope_base_local = arch["embed_scale"], arch["rope_base_local"]
+        windows = list(arch["windows"] or [0] * n_layer)
+        local = list(arch["local_rope"] or [False] * n_layer)
+        if len(windows) != n_layer or len(local) != n_layer:
+            raise ConfigError("windows", f"expected one sliding window and local-RoPE flag per layer ({n_layer})")
+        if any(local) and not self.model.rope_base_local > 0:
+            raise ConfigError("rope_base_local", "layers with local RoPE need a positive rope_base_local")
+        self.model.rope_factors = _optional_floats(self.keep, "rope_factors", weights.get("rope_factors"), hd // 2)
         for name in ("embed", "head"):
             pm = weights.get(name)
             if not isinstance(pm, PackedMatrix) or pm.n < self.model.vocab:
@@ -228,6 +265,13 @@ cdef class LlamaModel:
             L.gate_up[0] = _matrix(self.keep, p + "ffn_gate", weights.get(p + "ffn_gate"), ffn, d)
             L.gate_up[1] = _matrix(self.keep, p + "ffn_up", weights.get(p + "ffn_up"), ffn, d)
             L.down = _matrix(self.keep, p + "ffn_down", weights.get(p + "ffn_down"), d, ffn)
+            L.post_attn_norm = _optional_floats(self.keep, p + "post_attention_norm",
+                                                weights.get(p + "post_attention_norm"), d)
+            L.post_ffn_norm = _optional_floats(self.keep, p + "post_ffw_norm", weights.get(p + "post_ffw_norm"), d)
+            L.q_norm = _optional_floats(self.keep, p + "attn_q_norm", weights.get(p + "attn_q_norm"), hd)
+            L.k_norm = _optional_floats(self.keep, p + "attn_k_norm", weights.get(p + "attn_k_norm"), hd)
+            L.qkv_bias = _optional_floats(self.keep, p + "qkv_bias", weights.get(p + "qkv_bias"), (nh + 2 * nkv) * hd)
+            L.window, L.local_rope = windows[i], bool(local[i])
         self.model.layers = self.layers
         self.kern = llama_isa_kernels(_isa_index(isa))
         self.pool = llama_pool_new(threads)
@@ -336,6 +380,7 @@ cdef class LlamaModel:
         cdef uint16_t[:, :, :, ::1] vview
         cdef const int32_t[::1] tok_view
         cdef const int64_t[::1] pos_view
+        cdef const int64_t[::1] past_view
         cdef const uint8_t[:, ::1] mask_view
         cdef const float[:, ::1] inputs_view
         cdef PackedMatrix head_pm
@@ -347,9 +392,10 @@ cdef class LlamaModel:
             for s in range(nseg):
                 where = f"segments[{s}]" if nseg > 1 else ""
                 try:
-                    keys, values, length_obj, tokens, positions, mask = segments[s]
+                    keys, values, length_obj, tokens, positions, mask, *past = segments[s]
                 except (TypeError, ValueError):
-                    raise RequestError(where or "segments", "expected (keys, values, length, tokens, positions, mask)")
+                    raise RequestError(where or "segments", "expected (keys, values, length, tokens, positions, "
+                                                            "mask[, past positions])")
                 if not isinstance(keys, np.ndarray) or keys.dtype != np.uint16 or keys.ndim != 5 \
                         or keys.shape[:2] + keys.shape[3:] != kshape0[:2] + kshape0[3:] \
                         or not keys.flags.c_contiguous or not keys.flags.writeable:
@@ -387,6 +433,15 @@ cdef class LlamaModel:
                 segs[s].k, segs[s].v, segs[s].cap = &kview[0, 0, 0, 0, 0], &vview[0, 0, 0, 0], cap
                 segs[s].length, segs[s].t = length, t
                 segs[s].tokens, segs[s].positions, segs[s].mask = &tok_view[0], &pos_view[0], &mask_view[0, 0]
+                segs[s].past_positions = NULL
+                if past and past[0] is not None and length:
+                    past_pos = _int64s(past[0], _field(where, "past positions"), "positions")
+                    if past_pos.shape[0] < length:
+                        raise RequestError(_field(where, "past positions"),
+                                           f"expected {length} positions (one per cached row), got {past_pos.shape[0]}")
+                    held.append(past_pos)
+                    past_view = past_pos
+                    segs[s].past_positions = &past_view[0]
                 rows += t
 
             req.segs, req.n_segs, req.head, req.inputs = segs, nseg, NULL, NULL

@@ -181,6 +181,7 @@ typedef struct {
     int32_t *row_seg;    /* [rows] segment of each row */
     int32_t *row_first;  /* [rows] the segment's first row */
     float *rope;         /* [rows][head_dim]: cos, sin per pair */
+    float *rope_local;   /* the same with rope_base_local (sliding-window layers of gemma3) */
     float *x;            /* [rows][hidden] residual stream */
     float *qkv;          /* [rows][n_qkv] */
     float *attn;         /* [rows][n_head * head_dim] */
@@ -306,6 +307,26 @@ static uint32_t matmul_items(fwd_state *st, const llama_matrix *mats, int n) {
     return (uint32_t)((total + chunk - 1) / chunk);
 }
 
+static const float *rope_of(const fwd_state *st, const llama_layer *L, size_t r) {
+    return (L->local_rope ? st->rope_local : st->rope) + r * st->m->head_dim;
+}
+
+static uint16_t *key_slot(const fwd_state *st, const llama_segment *seg, size_t layer, size_t g, size_t slot) {
+    const size_t hd = st->m->head_dim;
+    return seg->k + ((layer * st->m->n_kv + g) * (seg->cap / 16) + slot / 16) * hd * 16 + slot % 16;
+}
+
+static uint16_t *value_slot(const fwd_state *st, const llama_segment *seg, size_t layer, size_t g, size_t slot) {
+    const size_t hd = st->m->head_dim;
+    return seg->v + ((layer * st->m->n_kv + g) * seg->cap + slot) * hd;
+}
+
+/* Whether a layer's q/k/v need whole rows after their product (a bias, per-head norms or NEOX
+ * pairs that span tiles): then qkv_row runs as a phase of its own; else qkv_epilogue per tile. */
+static int qkv_by_rows(const llama_model *m, const llama_layer *L) {
+    return m->rope_neox || L->q_norm || L->k_norm || L->qkv_bias;
+}
+
 /* RoPE on the q and k columns [c0, c1), k and v into the caches, q scaled by 1/sqrt(hd).
  * [c0, c1) is whole tiles, and a 16-column tile lies inside one head (hd % 64 == 0). */
 static void qkv_epilogue(fwd_state *st, size_t layer, size_t c0, size_t c1) {
@@ -316,7 +337,7 @@ static void qkv_epilogue(fwd_state *st, size_t layer, size_t c0, size_t c1) {
         const llama_segment *seg = &st->req->segs[st->row_seg[r]];
         const size_t slot = seg->length + (r - (size_t)st->row_first[r]);
         float *row = st->qkv + r * st->n_qkv;
-        const float *cs = st->rope + r * hd;  /* cos, sin of pair i at 2i, 2i + 1 */
+        const float *cs = rope_of(st, &m->layers[layer], r);  /* cos, sin of pair i at 2i, 2i + 1 */
         for (size_t c = c0; c < c1; c += LLAMA_TILE) {
             float *x = row + c;
             if (c < nq + nk) {
@@ -331,16 +352,70 @@ static void qkv_epilogue(fwd_state *st, size_t layer, size_t c0, size_t c1) {
                 for (size_t i = 0; i < LLAMA_TILE; i++) x[i] *= qscale;
             } else if (c < nq + nk) {
                 const size_t g = (c - nq) / hd, d0 = (c - nq) % hd;
-                uint16_t *kt = seg->k + ((layer * m->n_kv + g) * (seg->cap / 16) + slot / 16) * hd * 16
-                               + d0 * 16 + slot % 16;
+                uint16_t *kt = key_slot(st, seg, layer, g, slot) + d0 * 16;
                 for (size_t i = 0; i < LLAMA_TILE; i++) kt[i * 16] = llama_float_to_half(x[i]);
             } else {
                 const size_t g = (c - nq - nk) / hd, d0 = (c - nq - nk) % hd;
-                uint16_t *v = seg->v + ((layer * m->n_kv + g) * seg->cap + slot) * hd + d0;
+                uint16_t *v = value_slot(st, seg, layer, g, slot) + d0;
                 for (size_t i = 0; i < LLAMA_TILE; i++) v[i] = llama_float_to_half(x[i]);
             }
         }
     }
+}
+
+/* x[:hd] = x / rms(x) * w, the same operations as the hidden-size RMSNorm. */
+static void head_norm(const fwd_state *st, float *x, const float *w) {
+    const size_t hd = st->m->head_dim;
+    const float scale = 1.0f / sqrtf(st->kern->sum_squares(x, hd) / (float)hd + st->m->rms_eps);
+    for (size_t i = 0; i < hd; i++) x[i] = x[i] * scale * w[i];
+}
+
+/* RoPE of one head in place; cs holds cos, sin of pair i at 2i, 2i + 1. */
+static void rope_head(float *x, const float *cs, size_t hd, int neox) {
+    const size_t half = hd / 2;
+    for (size_t i = 0; i < half; i++) {
+        float *a = neox ? x + i : x + 2 * i, *b = neox ? x + i + half : x + 2 * i + 1;
+        const float x0 = *a, x1 = *b, cos_ = cs[2 * i], sin_ = cs[2 * i + 1];
+        *a = x0 * cos_ - x1 * sin_;
+        *b = x0 * sin_ + x1 * cos_;
+    }
+}
+
+/* Row r's q, k, v after their product: bias, per-head norms, RoPE, q scaled by 1/sqrt(hd), k and
+ * v into the cache. */
+static void qkv_row(fwd_state *st, size_t layer, size_t r) {
+    const llama_model *m = st->m;
+    const llama_layer *L = &m->layers[layer];
+    const size_t hd = m->head_dim, nq = m->n_head * hd, nk = m->n_kv * hd;
+    const float qscale = 1.0f / sqrtf((float)hd);
+    const llama_segment *seg = &st->req->segs[st->row_seg[r]];
+    const size_t slot = seg->length + (r - (size_t)st->row_first[r]);
+    float *row = st->qkv + r * st->n_qkv;
+    const float *cs = rope_of(st, L, r);
+    if (L->qkv_bias)
+        for (size_t c = 0; c < st->n_qkv; c++) row[c] += L->qkv_bias[c];
+    for (size_t h = 0; h < m->n_head; h++) {
+        float *x = row + h * hd;
+        if (L->q_norm) head_norm(st, x, L->q_norm);
+        rope_head(x, cs, hd, m->rope_neox);
+        for (size_t i = 0; i < hd; i++) x[i] *= qscale;
+    }
+    for (size_t g = 0; g < m->n_kv; g++) {
+        float *x = row + nq + g * hd, *v = row + nq + nk + g * hd;
+        if (L->k_norm) head_norm(st, x, L->k_norm);
+        rope_head(x, cs, hd, m->rope_neox);
+        uint16_t *kt = key_slot(st, seg, layer, g, slot), *vt = value_slot(st, seg, layer, g, slot);
+        for (size_t i = 0; i < hd; i++) {
+            kt[i * 16] = llama_float_to_half(x[i]);
+            vt[i] = llama_float_to_half(v[i]);
+        }
+    }
+}
+
+/* The position of cached slot j of a segment (j < length: the cache's; else a new row's). */
+static int64_t slot_position(const llama_segment *seg, size_t j) {
+    if (j >= seg->length) return seg->positions[j - seg->length];
+    return seg->past_positions ? seg->past_positions[j] : (int64_t)j;
 }
 
 /* Attention of one KV head for a block of up to ATT_ROWS rows of one segment: the rows' query
@@ -355,6 +430,7 @@ static void attention_item(fwd_state *st, thread_scratch *ts, size_t layer, size
     const size_t width = seg->length + seg->t;
     const uint16_t *kt = seg->k + (layer * m->n_kv + g) * (seg->cap / 16) * hd * 16;
     const uint16_t *v = seg->v + (layer * m->n_kv + g) * seg->cap * hd;
+    const size_t window = m->layers[layer].window;
     const float *q[ATT_ROWS * 64];
     size_t visible[ATT_ROWS], most = 0;
     for (size_t i = 0; i < nr; i++) {
@@ -375,7 +451,10 @@ static void attention_item(fwd_state *st, thread_scratch *ts, size_t layer, size
             memset(out, 0, group * hd * sizeof(float));
             continue;
         }
-        if (!memchr(mask, 0, n)) {  /* sees every slot up to n: the compact list is 0..n-1 */
+        /* a sliding window hides the slots `window` or more positions back */
+        const int64_t pos = st->req->segs[st->row_seg[r0]].positions[r0 + i - (size_t)st->row_first[r0]];
+        const int windowed = window && pos >= (int64_t)window;
+        if (!windowed && !memchr(mask, 0, n)) {  /* sees every slot up to n: the compact list is 0..n-1 */
             for (size_t h = 0; h < group; h++)
                 scale[h] = 1.0f / st->kern->softmax(sc + h * st->max_slots, n);
             st->kern->values(sc, st->max_slots, group, scale, hd, v, ts->iota, n, out);
@@ -383,7 +462,7 @@ static void attention_item(fwd_state *st, thread_scratch *ts, size_t layer, size
         }
         size_t c = 0;
         for (size_t j = 0; j < n; j++)
-            if (mask[j]) ts->idx[c++] = (int32_t)j;
+            if (mask[j] && (!windowed || slot_position(seg, j) > pos - (int64_t)window)) ts->idx[c++] = (int32_t)j;
         for (size_t h = 0; h < group; h++) {
             const float *sh = sc + h * st->max_slots;
             float *ph = ts->probs + h * st->max_slots;
@@ -400,8 +479,40 @@ static void residual_add(fwd_state *st, size_t c0, size_t c1) {
         for (size_t c = c0; c < c1; c++) st->x[r * d + c] += st->proj[r * d + c];
 }
 
-/* Phases in order; the totals are set by set_phase_totals, consumed by forward_job. */
-enum { PH_QKV, PH_ATTN, PH_WO, PH_GATE_UP, PH_DOWN, PH_TAPS, PH_PER_LAYER };
+/* x[r] += RMSNorm(proj[r]) * w: a block output's norm before its residual add (gemma3). */
+static void norm_residual_add(fwd_state *st, size_t r, const float *w) {
+    const size_t d = st->m->hidden;
+    const float *p = st->proj + r * d;
+    float *x = st->x + r * d;
+    const float scale = 1.0f / sqrtf(st->kern->sum_squares(p, d) / (float)d + st->m->rms_eps);
+    for (size_t k = 0; k < d; k++) x[k] += p[k] * scale * w[k];
+}
+
+/* out[i] = gelu_tanh(gate[i]) * up[i] (GELU's tanh form, as llama.cpp computes it); plain C on
+ * every instruction set, so every path gives the same bits. */
+static void geglu(const float *gate, const float *up, size_t n, float *out) {
+    const float sqrt_2_over_pi = 0.79788456080286535588f, coef = 0.044715f;
+    for (size_t i = 0; i < n; i++) {
+        const float x = gate[i];
+        out[i] = 0.5f * x * (1.0f + tanhf(sqrt_2_over_pi * x * (1.0f + coef * x * x))) * up[i];
+    }
+}
+
+/* tmp[r] = the gated activation of row r's gate and up halves, quantized for the down product. */
+static void ffn_activate(fwd_state *st, thread_scratch *ts) {
+    const llama_model *m = st->m;
+    for (size_t r = 0; r < st->rows; r++) {
+        const float *gate = st->gu + r * 2 * m->ffn, *up = gate + m->ffn;
+        if (m->ffn_gelu) geglu(gate, up, m->ffn, ts->tmp + r * m->ffn);
+        else st->kern->swiglu(gate, up, m->ffn, ts->tmp + r * m->ffn);
+    }
+    quantize_rows(st, ts, ts->tmp, m->ffn, m->ffn, st->rows);
+}
+
+/* Phases in order; the totals are set by set_phase_totals, consumed by forward_job. A phase
+ * with no items (a step the architecture does not have) is skipped. */
+enum { PH_QKV, PH_QKV_ROWS, PH_ATTN, PH_WO, PH_POST_ATTN, PH_GATE_UP, PH_DOWN, PH_POST_FFN, PH_TAPS,
+       PH_PER_LAYER };
 
 static size_t phase_count(const llama_model *m) { return 1 + m->n_layer * PH_PER_LAYER + 1; }
 
@@ -409,22 +520,26 @@ static void set_phase_totals(fwd_state *st) {
     const llama_model *m = st->m;
     const llama_request *req = st->req;
     phase *p = st->phases;
+    const uint32_t rows = (uint32_t)st->rows;
     for (size_t i = 0; i < st->n_phases; i++) {
         atomic_init(&p[i].claimed, 0);
         atomic_init(&p[i].done, 0);
         p[i].total = 0;
     }
-    p[0].total = (uint32_t)st->rows;  /* embeddings */
+    p[0].total = rows;  /* embeddings */
     for (size_t l = 0; l < m->n_layer; l++) {
         const llama_layer *L = &m->layers[l];
         phase *q = p + 1 + l * PH_PER_LAYER;
         q[PH_QKV].total = matmul_items(st, L->qkv, 3);
+        q[PH_QKV_ROWS].total = qkv_by_rows(m, L) ? rows : 0;
         q[PH_ATTN].total = (uint32_t)(st->n_att_blocks * m->n_kv);
         q[PH_WO].total = matmul_items(st, &L->wo, 1);
+        q[PH_POST_ATTN].total = L->post_attn_norm ? rows : 0;
         q[PH_GATE_UP].total = matmul_items(st, L->gate_up, 2);
         q[PH_DOWN].total = matmul_items(st, &L->down, 1);
+        q[PH_POST_FFN].total = L->post_ffn_norm ? rows : 0;
         for (size_t t = 0; t < req->n_taps; t++)
-            if ((size_t)req->tap_layers[t] == l && req->taps) q[PH_TAPS].total = (uint32_t)st->rows;
+            if ((size_t)req->tap_layers[t] == l && req->taps) q[PH_TAPS].total = rows;
     }
     if (req->n_logit_rows)
         p[st->n_phases - 1].total = matmul_items(st, req->head ? req->head : &m->head, 1);
@@ -443,75 +558,63 @@ static void forward_job(void *arg, int tid) {
     while ((item = phase_claim(ph)) >= 0) {
         const size_t r = (size_t)item;
         const llama_segment *seg = &req->segs[st->row_seg[r]];
-        if (req->inputs)
-            memcpy(st->x + r * d, req->inputs + r * d, d * sizeof(float));
-        else
-            llama_embed_row(m, seg->tokens[r - (size_t)st->row_first[r]], st->x + r * d);
+        float *x = st->x + r * d;
+        if (req->inputs) {
+            memcpy(x, req->inputs + r * d, d * sizeof(float));
+        } else {
+            llama_embed_row(m, seg->tokens[r - (size_t)st->row_first[r]], x);
+            if (m->embed_scale != 1.0f)
+                for (size_t k = 0; k < d; k++) x[k] *= m->embed_scale;
+        }
         phase_finish(ph);
+    }
+
+/* Runs phase P after `prev` (when it has items), claiming its items with BODY; P becomes prev. */
+#define PHASE(P, PROLOGUE, ...)                                \
+    if ((P)->total) {                                          \
+        if (phase_open(P)) {                                   \
+            phase_wait(prev);                                  \
+            PROLOGUE;                                          \
+            while ((item = phase_claim(P)) >= 0) {             \
+                __VA_ARGS__;                                   \
+                phase_finish(P);                               \
+            }                                                  \
+        }                                                      \
+        prev = (P);                                            \
     }
 
     for (size_t l = 0; l < m->n_layer; l++) {
         const llama_layer *L = &m->layers[l];
         phase *q = st->phases + 1 + l * PH_PER_LAYER;
+        const int by_rows = q[PH_QKV_ROWS].total > 0;
+        const int post_attn = q[PH_POST_ATTN].total > 0, post_ffn = q[PH_POST_FFN].total > 0;
 
-        if (phase_open(&q[PH_QKV])) {
-            phase_wait(prev);
-            norm_quantize(st, ts, st->x, rows, NULL, L->attn_norm);
-            while ((item = phase_claim(&q[PH_QKV])) >= 0) {
-                matmul_item(st, ts, L->qkv, 3, (size_t)item, rows, st->qkv, st->n_qkv, &c0, &c1);
-                qkv_epilogue(st, l, c0, c1);
-                phase_finish(&q[PH_QKV]);
-            }
-        }
-        if (phase_open(&q[PH_ATTN])) {
-            phase_wait(&q[PH_QKV]);
-            while ((item = phase_claim(&q[PH_ATTN])) >= 0) {
-                attention_item(st, ts, l, (size_t)item);
-                phase_finish(&q[PH_ATTN]);
-            }
-        }
-        if (phase_open(&q[PH_WO])) {
-            phase_wait(&q[PH_ATTN]);
-            quantize_rows(st, ts, st->attn, nh, nh, rows);
-            while ((item = phase_claim(&q[PH_WO])) >= 0) {
-                matmul_item(st, ts, &L->wo, 1, (size_t)item, rows, st->proj, d, &c0, &c1);
-                residual_add(st, c0, c1);
-                phase_finish(&q[PH_WO]);
-            }
-        }
-        if (phase_open(&q[PH_GATE_UP])) {
-            phase_wait(&q[PH_WO]);
-            norm_quantize(st, ts, st->x, rows, NULL, L->ffn_norm);
-            while ((item = phase_claim(&q[PH_GATE_UP])) >= 0) {
-                matmul_item(st, ts, L->gate_up, 2, (size_t)item, rows, st->gu, 2 * m->ffn, &c0, &c1);
-                phase_finish(&q[PH_GATE_UP]);
-            }
-        }
-        if (phase_open(&q[PH_DOWN])) {
-            phase_wait(&q[PH_GATE_UP]);
-            for (size_t r = 0; r < rows; r++)
-                st->kern->swiglu(st->gu + r * 2 * m->ffn, st->gu + r * 2 * m->ffn + m->ffn, m->ffn,
-                                 ts->tmp + r * m->ffn);
-            quantize_rows(st, ts, ts->tmp, m->ffn, m->ffn, rows);
-            while ((item = phase_claim(&q[PH_DOWN])) >= 0) {
-                matmul_item(st, ts, &L->down, 1, (size_t)item, rows, st->proj, d, &c0, &c1);
-                residual_add(st, c0, c1);
-                phase_finish(&q[PH_DOWN]);
-            }
-        }
-        prev = &q[PH_DOWN];
-        if (phase_open(&q[PH_TAPS])) {
-            phase_wait(prev);
-            while ((item = phase_claim(&q[PH_TAPS])) >= 0) {
-                for (size_t t = 0; t < req->n_taps; t++)
-                    if ((size_t)req->tap_layers[t] == l)
-                        memcpy(req->taps + ((size_t)item * req->n_taps + t) * d, st->x + (size_t)item * d,
-                               d * sizeof(float));
-                phase_finish(&q[PH_TAPS]);
-            }
-        }
-        if (q[PH_TAPS].total) prev = &q[PH_TAPS];
+        PHASE(&q[PH_QKV], norm_quantize(st, ts, st->x, rows, NULL, L->attn_norm), {
+            matmul_item(st, ts, L->qkv, 3, (size_t)item, rows, st->qkv, st->n_qkv, &c0, &c1);
+            if (!by_rows) qkv_epilogue(st, l, c0, c1);
+        })
+        PHASE(&q[PH_QKV_ROWS], (void)0, qkv_row(st, l, (size_t)item))
+        PHASE(&q[PH_ATTN], (void)0, attention_item(st, ts, l, (size_t)item))
+        PHASE(&q[PH_WO], quantize_rows(st, ts, st->attn, nh, nh, rows), {
+            matmul_item(st, ts, &L->wo, 1, (size_t)item, rows, st->proj, d, &c0, &c1);
+            if (!post_attn) residual_add(st, c0, c1);
+        })
+        PHASE(&q[PH_POST_ATTN], (void)0, norm_residual_add(st, (size_t)item, L->post_attn_norm))
+        PHASE(&q[PH_GATE_UP], norm_quantize(st, ts, st->x, rows, NULL, L->ffn_norm),
+              matmul_item(st, ts, L->gate_up, 2, (size_t)item, rows, st->gu, 2 * m->ffn, &c0, &c1))
+        PHASE(&q[PH_DOWN], ffn_activate(st, ts), {
+            matmul_item(st, ts, &L->down, 1, (size_t)item, rows, st->proj, d, &c0, &c1);
+            if (!post_ffn) residual_add(st, c0, c1);
+        })
+        PHASE(&q[PH_POST_FFN], (void)0, norm_residual_add(st, (size_t)item, L->post_ffn_norm))
+        PHASE(&q[PH_TAPS], (void)0, {
+            for (size_t t = 0; t < req->n_taps; t++)
+                if ((size_t)req->tap_layers[t] == l)
+                    memcpy(req->taps + ((size_t)item * req->n_taps + t) * d, st->x + (size_t)item * d,
+                           d * sizeof(float));
+        })
     }
+#undef PHASE
 
     phase *head_phase = st->phases + st->n_phases - 1;
     if (phase_open(head_phase)) {
@@ -575,6 +678,7 @@ static char *alloc_state(fwd_state *st, int nt, size_t qrows) {
         TAKE(st->phases, phase, st->n_phases);
         TAKE(st->att_blocks, att_block, rows);
         TAKE(st->rope, float, rows * hd);
+        TAKE(st->rope_local, float, rows * hd);
         TAKE(st->x, float, rows * d);
         TAKE(st->qkv, float, rows * st->n_qkv);
         TAKE(st->attn, float, rows * m->n_head * hd);
@@ -627,10 +731,16 @@ int llama_forward(const llama_model *m, const llama_kernels *kern, llama_pool *p
                 st.att_blocks[st.n_att_blocks++] = (att_block){r, left < ATT_ROWS ? left : ATT_ROWS};
             }
             for (size_t k = 0; k < hd / 2; k++) {
-                const double theta = (double)req->segs[s].positions[i] *
-                                     pow(m->rope_base, -2.0 * (double)k / (double)hd);
+                const double pos = (double)req->segs[s].positions[i], e = -2.0 * (double)k / (double)hd;
+                const double factor = m->rope_factors ? (double)m->rope_factors[k] : 1.0;
+                const double theta = pos * pow(m->rope_base, e) / factor;
                 st.rope[r * hd + 2 * k] = (float)cos(theta);
                 st.rope[r * hd + 2 * k + 1] = (float)sin(theta);
+                if (m->rope_base_local > 0) {
+                    const double local = pos * pow(m->rope_base_local, e) / factor;
+                    st.rope_local[r * hd + 2 * k] = (float)cos(local);
+                    st.rope_local[r * hd + 2 * k + 1] = (float)sin(local);
+                }
             }
         }
     set_phase_totals(&st);

@@ -1,7 +1,11 @@
-/* The llama-architecture decoder step (RMSNorm, RoPE "norm" pairing (2i, 2i+1), grouped-query
- * attention under an arbitrary mask, SwiGLU, a quantized head) over T new rows of one or more
- * sequences, each with its own fp16 KV cache. Weights are packed GGUF blocks (llama_kernels.h).
- * Arguments are validated by the caller (cython_ext/llama.pyx). */
+/* The decoder step of the llama family (llama, gemma3, qwen2, qwen3: one pass parameterised by
+ * the model's description below) over T new rows of one or more sequences, each with its own
+ * fp16 KV cache: RMSNorm, RoPE ("norm" pairing (2i, 2i+1) or NEOX pairing (i, i + d/2), optional
+ * per-dimension frequency factors), optional q/k biases and per-head q/k RMSNorm, grouped-query
+ * attention under an arbitrary mask (and a sliding window on some layers), optional norms of the
+ * attention and FFN outputs before each residual add, a SiLU- or GELU(tanh)-gated FFN, a
+ * quantized head. Weights are packed GGUF blocks (llama_kernels.h). Arguments are validated by
+ * the caller (cython_ext/llama.pyx). */
 #ifndef DSPARK_LLAMA_FORWARD_H
 #define DSPARK_LLAMA_FORWARD_H
 
@@ -11,16 +15,25 @@
 
 typedef struct {
     const float *attn_norm, *ffn_norm;  /* [hidden] */
+    const float *post_attn_norm, *post_ffn_norm;  /* [hidden] or NULL: norm of the block's output */
+    const float *q_norm, *k_norm;       /* [head_dim] or NULL: RMSNorm of each q / k head */
+    const float *qkv_bias;              /* [(n_head + 2 n_kv) head_dim] or NULL */
     llama_matrix qkv[3];                /* q, k, v projections of the normed input */
     llama_matrix wo;
     llama_matrix gate_up[2];            /* gate, up */
     llama_matrix down;
+    size_t window;                      /* > 0: a row sees only slots less than `window` positions back */
+    int local_rope;                     /* RoPE with rope_base_local instead of rope_base */
 } llama_layer;
 
 typedef struct {
     size_t n_layer, hidden, ffn, n_head, n_kv, head_dim, vocab;
     float rms_eps;
-    double rope_base;
+    double rope_base, rope_base_local;
+    int rope_neox;              /* 1: RoPE rotates pairs (i, i + head_dim / 2); 0: (2i, 2i + 1) */
+    int ffn_gelu;               /* 1: gelu_tanh(gate) * up; 0: silu(gate) * up */
+    float embed_scale;          /* the embedding rows are multiplied by this (1: unchanged) */
+    const float *rope_factors;  /* [head_dim / 2] or NULL: divisors of each RoPE frequency */
     llama_matrix embed;     /* token embeddings as vocab columns x hidden inputs */
     llama_matrix head;      /* output projection (the embeddings when tied) */
     const float *out_norm;  /* [hidden] */
@@ -35,6 +48,7 @@ typedef struct {
     size_t cap, length, t;
     const int32_t *tokens;
     const int64_t *positions;
+    const int64_t *past_positions;  /* [length] positions of the cached slots (sliding windows), or NULL: slot j is position j */
     const uint8_t *mask;
 } llama_segment;
 

@@ -572,6 +572,26 @@ def installed_gguf() -> Optional[Path]:
         return None
 
 
+def plain_llama_cpp_buffers() -> None:
+    """Turn llama.cpp's "extra buffer types" (weight repacking, its AMX kernels) off for the
+    models loaded after: built with GGML_NATIVE on a Sapphire Rapids VM its AMX Q4_1 kernel died
+    with SIGILL; off, the weights run on its AVX-512/AVX2 dot products, as on CPUs without AMX."""
+    from llama_cpp import llama_cpp as raw
+
+    if getattr(raw, "_dspark_plain_buffers", False):
+        return
+    defaults = raw.llama_model_default_params
+
+    def params():
+        p = defaults()
+        if hasattr(p, "use_extra_bufts"):
+            p.use_extra_bufts = False
+        return p
+
+    raw.llama_model_default_params = params
+    raw._dspark_plain_buffers = True
+
+
 def run_llama_cpp(gguf: Path, prompt_tokens: list[list[int]], max_tokens: int, threads: int,
                   temperature: float, seed: int, prompt_lookup: bool, eos: int,
                   repeats: int = 1, extra_buffers: bool = False) -> list[dict]:
@@ -580,22 +600,9 @@ def run_llama_cpp(gguf: Path, prompt_tokens: list[list[int]], max_tokens: int, t
     ``prompt_lookup``: its prompt-lookup speculative mode (``LlamaPromptLookupDecoding``);
     ``extra_buffers``: let llama.cpp repack weights for its own kernels (AMX where present)."""
     from llama_cpp import Llama
-    from llama_cpp import llama_cpp as raw
 
-    if not extra_buffers and not getattr(raw, "_dspark_plain_buffers", False):
-        # llama.cpp's "extra buffer types" (weight repacking, its AMX kernels) off: built with
-        # GGML_NATIVE on a Sapphire Rapids VM its AMX Q4_1 kernel died with SIGILL (seen by the
-        # llm-kernel work); off, Q4_1 runs on its AVX-512/AVX2 dot products, as on CPUs without AMX
-        defaults = raw.llama_model_default_params
-
-        def params():
-            p = defaults()
-            if hasattr(p, "use_extra_bufts"):
-                p.use_extra_bufts = False
-            return p
-
-        raw.llama_model_default_params = params
-        raw._dspark_plain_buffers = True
+    if not extra_buffers:
+        plain_llama_cpp_buffers()
     options = {}
     if prompt_lookup:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding

@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 
 from dspark._ext import llama as _llama
-from dspark.errors import RequestError
+from dspark.errors import ConfigError, RequestError
 from dspark.llm.gguf_model import BLOCK_MATRICES, GGUFModel, LlamaConfig
 from dspark.llm.kv_cache import CacheRows
 from dspark.llm.taps import TAP_LAYERS
@@ -115,32 +115,102 @@ def pack_float(weights: np.ndarray) -> "_llama.PackedMatrix":
     return pack_blocks(quantize(weights, GGMLQuantizationType.Q8_0), "Q8_0", *weights.shape)
 
 
+def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks (d, 32 high bits, 16 bytes of low nibbles) as Q8_0 blocks, exactly: each
+    weight is d * (q - 16) with q in 0..31, an int8 times the same d."""
+    blocks = np.asarray(raw, np.uint8).reshape(-1, 22)
+    high = blocks[:, 2:6].copy().view("<u4")[:, 0]
+    bits = ((high[:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)
+    low = np.concatenate([blocks[:, 6:] & 0x0F, blocks[:, 6:] >> 4], axis=1).astype(np.int16)
+    q = (low | (bits << 4)) - 16
+    out = np.concatenate([blocks[:, 0:2], q.astype(np.int8).view(np.uint8)], axis=1)
+    return out.reshape(raw.shape[0], -1)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit (scale, min) pairs of each Q4_K/Q5_K super-block's 12 bytes."""
+    s = scales.astype(np.uint8)
+    sc = np.empty(s.shape[:-1] + (8,), np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4], mn[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def q4_k_as_q4_1(raw: np.ndarray, name: str = "tensor") -> np.ndarray:
+    """Q4_K super-blocks (256 weights: d, dmin, 8 six-bit sub-block scales and mins, 4-bit q) as
+    Q4_1 blocks of 32: sub-block s's weights are (d * sc_s) * q - dmin * m_s, so its Q4_1 scale is
+    d * sc_s and its offset -dmin * m_s, rounded to fp16 (relative error at most 2**-11); the
+    4-bit q are the same."""
+    blocks = np.asarray(raw, np.uint8).reshape(-1, 144)
+    d = blocks[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16)[:, 0].astype(np.float32)
+    sc, mn = _k_scales(blocks[:, 4:16])
+    with np.errstate(over="ignore", invalid="ignore"):
+        scale = (d[:, None] * sc).astype(np.float16)
+        offset = (-dmin[:, None] * mn).astype(np.float16)
+    if not (np.isfinite(scale).all() and np.isfinite(offset).all()):
+        raise ConfigError(name, "Q4_K block scales overflow fp16 or are not finite")
+    qs = blocks[:, 16:].reshape(-1, 4, 32)  # chunk j: sub-block 2j in the low, 2j + 1 in the high nibbles
+    q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)  # [block, sub-block, element]
+    nibbles = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+    out = np.concatenate([scale.view(np.uint8).reshape(-1, 8, 2), offset.view(np.uint8).reshape(-1, 8, 2),
+                          nibbles], axis=2)
+    return out.reshape(raw.shape[0], -1)
+
+
 def pack_matrix(model: GGUFModel, name: str, rows: np.ndarray | None = None) -> "_llama.PackedMatrix":
-    """One GGUF matrix (only its ``rows`` when given) in the kernels' layout: Q4_0/Q4_1/Q8_0
-    blocks as stored; float matrices (F32/F16/BF16) quantized to Q8_0 at load, so every product
-    runs on the int8 kernels."""
+    """One GGUF matrix (only its ``rows`` when given) in the kernels' layout. Q4_0/Q4_1/Q8_0
+    blocks run as stored; Q5_0 as Q8_0 blocks and Q4_K as Q4_1 blocks, converted without
+    re-quantizing (see q5_0_as_q8_0 and q4_k_as_q4_1); the other types (F32/F16/BF16, Q5_1,
+    Q5_K, Q6_K) are dequantized and quantized to Q8_0 at load, so every product runs on the int8
+    kernels."""
     kind = model.tensor_type(name)
-    if kind in PACKED_TYPES:
-        raw = model.raw(name)  # [n, k / 32 * block bytes]
-        raw = raw if rows is None else np.asarray(raw)[rows]
-        return pack_blocks(raw, kind, raw.shape[0], raw.shape[1] // BLOCK_BYTES[kind] * 32)
+    n, k = model.shape(name)
+    if kind in PACKED_TYPES + ("Q5_0", "Q4_K"):
+        raw = np.asarray(model.raw(name)).reshape(n, -1)  # [n, k / block * block bytes]
+        raw = raw if rows is None else raw[rows]
+        if kind == "Q5_0":
+            raw, kind = q5_0_as_q8_0(raw), "Q8_0"
+        elif kind == "Q4_K":
+            raw, kind = q4_k_as_q4_1(raw, name), "Q4_1"
+        return pack_blocks(raw, kind, raw.shape[0], k)
     weights = model.dequantized(name)  # [n, k]
     return pack_float(weights if rows is None else weights[rows])
 
 
 def pack_weights(model: GGUFModel) -> dict:
-    """Every weight of the model, packed (matrices) or float32 (norms), by the names the
+    """Every weight of the model, packed (matrices) or float32 (norms, biases), by the names the
     binding takes."""
+    cfg = model.config
     weights = {"embed": pack_matrix(model, "token_embd.weight"),
                "out_norm": np.array(model.raw("output_norm.weight"), np.float32)}
-    weights["head"] = weights["embed"] if model.config.tied_embeddings else pack_matrix(model, "output.weight")
-    for i in range(model.config.n_layer):
+    weights["head"] = weights["embed"] if cfg.tied_embeddings else pack_matrix(model, "output.weight")
+    if model.has("rope_freqs.weight"):
+        weights["rope_factors"] = model.dequantized("rope_freqs.weight")
+    for i in range(cfg.n_layer):
         p = f"blk.{i}."
-        for norm in ("attn_norm", "ffn_norm"):
-            weights[p + norm] = np.array(model.raw(p + norm + ".weight"), np.float32)
+        for norm in ("attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"):
+            if model.has(p + norm + ".weight"):
+                weights[p + norm] = model.dequantized(p + norm + ".weight")
+        if cfg.arch.qkv_bias:
+            weights[p + "qkv_bias"] = np.concatenate(
+                [model.dequantized(p + f"attn_{x}.bias") for x in "qkv"]).astype(np.float32)
         for name in BLOCK_MATRICES:
             weights[p + name] = pack_matrix(model, p + name + ".weight")
     return weights
+
+
+def kernel_config(cfg: LlamaConfig) -> dict:
+    """The extension's model description (sizes and architecture switches) of a config."""
+    arch = cfg.arch
+    return {"n_layer": cfg.n_layer, "hidden": cfg.hidden, "ffn": cfg.ffn, "n_head": cfg.n_head,
+            "n_kv": cfg.n_kv_head, "head_dim": cfg.head_dim, "vocab": cfg.vocab, "rms_eps": cfg.rms_eps,
+            "rope_base": cfg.rope_base, "rope_neox": arch.rope_neox, "ffn_gelu": arch.ffn_gelu,
+            "embed_scale": cfg.embed_scale, "rope_base_local": arch.local_rope_base,
+            "windows": [cfg.layer_window(i) for i in range(cfg.n_layer)],
+            "local_rope": [cfg.layer_window(i) > 0 for i in range(cfg.n_layer)]}
 
 
 @lru_cache(maxsize=64)
@@ -166,11 +236,7 @@ class KernelRuntime:
         self.config: LlamaConfig = replace(model.config, ctx=min(model.config.ctx, max_context))
         weights = pack_weights(model)
         c = self.config
-        self._model = _llama.LlamaModel(
-            {"n_layer": c.n_layer, "hidden": c.hidden, "ffn": c.ffn, "n_head": c.n_head,
-             "n_kv": c.n_kv_head, "head_dim": c.head_dim, "vocab": c.vocab, "rms_eps": c.rms_eps,
-             "rope_base": c.rope_base},
-            weights, threads or default_threads(), isa)
+        self._model = _llama.LlamaModel(kernel_config(c), weights, threads or default_threads(), isa)
         self.weights = weights  # the packed matrices (the extension holds them too)
         self._head = weights["head"]
         # the tapped layers this model has (a small test model may lack the deeper ones)
@@ -217,7 +283,7 @@ class KernelRuntime:
             if not np.all(np.diagonal(tree_mask)):
                 raise RequestError(where + "tree_mask", "every token must see itself (the diagonal must be True)")
             mask[:, length:] = tree_mask
-        return (cache.keys, cache.values, length, tokens, positions, mask)
+        return (cache.keys, cache.values, length, tokens, positions, mask, cache.positions)
 
     def _run(self, items: list, logit_rows: Sequence[int] | None, head) -> tuple[np.ndarray, np.ndarray]:
         caches = [id(item[0]) for item in items]

@@ -1,11 +1,19 @@
 """The GGUF model's tokenizer on HF ``tokenizers`` (Rust), and its chat template.
 
-Built from ``tokenizer.ggml.tokens`` / ``merges`` the way llama.cpp tokenizes a ``gpt2``-style
-vocabulary: digits split one by one, then GPT-2's byte-level pre-tokenizer regex (no prefix
-space), byte-level BPE, a byte-level decoder; the control tokens (type 3, e.g.
-``<|im_start|>``) are special tokens, matched in the text as llama.cpp's
-``tokenize(..., special=True)`` does. The result is saved as one ``tokenizer.json`` next to the
-model, so serving loads it without the GGUF.
+Built from the GGUF's vocabulary the way llama.cpp tokenizes it, for its two kinds:
+
+* ``gpt2`` (SmolLM2, Qwen, Llama 3): byte-level BPE from ``tokenizer.ggml.merges``. The
+  pre-tokenizer follows ``tokenizer.ggml.pre``: ``smollm``/``default`` split digits one by one
+  and apply GPT-2's regex; ``qwen2`` and ``llama-bpe`` (and the other Llama-3-style names) use
+  their own regex, digits in runs of at most three.
+* ``llama`` (Gemma): SentencePiece BPE. llama.cpp merges the adjacent pair whose joined piece has
+  the best score; the same merges, ranked by that score, drive HF's BPE with byte fallback
+  (``<0xXX>`` tokens), spaces spelled ``▁`` and a ``▁`` prefix where ``add_space_prefix`` says.
+
+The control tokens (type 3, e.g. ``<|im_start|>``, ``<start_of_turn>``) and user-defined ones
+(type 4) are special tokens, matched in the text as llama.cpp's ``tokenize(..., special=True)``
+does. The result is saved as one ``tokenizer.json`` next to the model, so serving loads it
+without the GGUF.
 
 The chat template is the model's own Jinja program from ``tokenizer.chat_template``, rendered
 by jinja2 in a sandbox as HF transformers does.
@@ -20,44 +28,113 @@ from typing import Sequence
 from dspark.errors import ConfigError, RequestError
 
 CONTROL_TOKEN_TYPE = 3
-_META_KEY = "dspark"  # tokenizer.json entry holding bos/eos ids and the chat template
+USER_DEFINED_TOKEN_TYPE = 4
+BYTE_TOKEN_TYPE = 6
+_META_KEY = "dspark"  # tokenizer.json entry holding bos/eos ids, the kind and the chat template
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp) by tokenizer.ggml.pre
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_REGEX = {"llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX, "llama-v3": _LLAMA3_REGEX,
+              "qwen2": _QWEN2_REGEX, "deepseek-r1-qwen": _QWEN2_REGEX}
+_GPT2_PRE = ("default", "smollm", "gpt-2", "gpt2")
 
 
-def build_hf_tokenizer(tokens: Sequence[str], token_types: Sequence[int], merges: Sequence[str]):
+def _special_tokens(tokens: Sequence[str], token_types: Sequence[int]):
+    from tokenizers import AddedToken
+
+    return [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, token_types)
+            if kind in (CONTROL_TOKEN_TYPE, USER_DEFINED_TOKEN_TYPE)]
+
+
+def build_hf_tokenizer(tokens: Sequence[str], token_types: Sequence[int], merges: Sequence[str],
+                       pre: str = "default"):
     """An HF ``tokenizers.Tokenizer`` for a GGUF ``gpt2`` vocabulary (see module docstring)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {token: i for i, token in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False))
+    except Exception as exc:  # tokenizers raises plain Exception for merges outside the vocabulary
+        raise ConfigError("tokenizer.ggml.merges", f"not usable with tokenizer.ggml.tokens ({exc})") from None
+    if pre in _PRE_REGEX:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_PRE_REGEX[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    elif pre in _GPT2_PRE:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+    else:
+        raise ConfigError("tokenizer.ggml.pre", f"pre-tokenizer '{pre}' is not implemented "
+                          f"(known: {', '.join(sorted(set(_PRE_REGEX) | set(_GPT2_PRE)))})")
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, kind in zip(tokens, token_types) if kind == CONTROL_TOKEN_TYPE])
+    tok.add_special_tokens(_special_tokens(tokens, token_types))
+    return tok
+
+
+def spm_merges(tokens: Sequence[str], scores: Sequence[float], token_types: Sequence[int]) -> list[tuple[str, str]]:
+    """The BPE merges equivalent to SentencePiece's best-score pair merging: every split of a
+    normal token into two tokens, ranked by the joined token's score (best first)."""
+    mergeable = {t: i for i, (t, kind) in enumerate(zip(tokens, token_types))
+                 if kind not in (CONTROL_TOKEN_TYPE, BYTE_TOKEN_TYPE)}
+    found = []
+    for piece, i in mergeable.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in mergeable and right in mergeable:
+                found.append((-scores[i], i, mergeable[left], left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
+
+
+def build_spm_tokenizer(tokens: Sequence[str], token_types: Sequence[int], scores: Sequence[float],
+                        add_space_prefix: bool):
+    """An HF ``tokenizers.Tokenizer`` for a GGUF ``llama`` (SentencePiece) vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {token: i for i, token in enumerate(tokens)}
+    unk = next((t for t, kind in zip(tokens, token_types) if kind == 2), None)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=spm_merges(tokens, scores, token_types),
+                               byte_fallback=True, unk_token=unk, fuse_unk=True, ignore_merges=False))
+    steps = [normalizers.Prepend("▁")] if add_space_prefix else []
+    tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+    tok.add_special_tokens(_special_tokens(tokens, token_types))
     return tok
 
 
 class LlamaTokenizer:
-    """encode / decode / chat template of one model; interface of contract C1."""
+    """encode / decode / chat template of one model. ``kind`` is the GGUF tokenizer model
+    ("gpt2" byte-level BPE or "llama" SentencePiece), which says how token text maps to bytes;
+    ``add_bos`` whether a prompt starts with BOS."""
 
-    def __init__(self, hf_tokenizer, bos_id: int, eos_id: int, chat_template: str | None):
+    def __init__(self, hf_tokenizer, bos_id: int, eos_id: int, chat_template: str | None,
+                 kind: str = "gpt2", add_bos: bool = False):
         self._tok = hf_tokenizer
         self.bos_id, self.eos_id = bos_id, eos_id
         self.chat_template = chat_template
+        self.kind, self.add_bos = kind, add_bos
 
     @classmethod
     def from_gguf(cls, model) -> "LlamaTokenizer":
         """From a :class:`dspark.llm.gguf_model.GGUFModel`."""
-        tokens, types, merges = model.vocabulary
-        cfg = model.config
-        return cls(build_hf_tokenizer(tokens, types, merges), cfg.bos_id, cfg.eos_id, cfg.chat_template)
+        v, cfg = model.vocabulary, model.config
+        if v["model"] == "gpt2":
+            tok = build_hf_tokenizer(v["tokens"], v["types"], v["merges"], v["pre"])
+        else:
+            tok = build_spm_tokenizer(v["tokens"], v["types"], v["scores"], v["add_space_prefix"])
+        # SentencePiece models are trained with BOS first; byte-level BPE models here are not
+        add_bos = cfg.add_bos if v["model"] == "llama" else False
+        return cls(tok, cfg.bos_id, cfg.eos_id, cfg.chat_template, v["model"], add_bos)
 
     def save(self, path: str | Path) -> None:
         data = json.loads(self._tok.to_str())
-        data[_META_KEY] = {"bos_id": self.bos_id, "eos_id": self.eos_id,
-                           "chat_template": self.chat_template}
+        data[_META_KEY] = {"bos_id": self.bos_id, "eos_id": self.eos_id, "chat_template": self.chat_template,
+                           "kind": self.kind, "add_bos": self.add_bos}
         Path(path).write_text(json.dumps(data, ensure_ascii=False))
 
     @classmethod
@@ -68,16 +145,22 @@ class LlamaTokenizer:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
             meta = data.pop(_META_KEY)
             tok = Tokenizer.from_str(json.dumps(data))
-        except (OSError, ValueError, KeyError, Exception) as exc:  # tokenizers raises plain Exception
+        except Exception as exc:  # tokenizers raises plain Exception
             raise ConfigError("tokenizer", f"cannot read a dspark tokenizer.json ({exc})", path) from None
-        return cls(tok, meta["bos_id"], meta["eos_id"], meta["chat_template"])
+        return cls(tok, meta["bos_id"], meta["eos_id"], meta["chat_template"], meta.get("kind", "gpt2"),
+                   meta.get("add_bos", False))
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text`` (control tokens in it matched), BOS first when the model wants it
+        and the text (a chat template's output, say) did not bring it."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
@@ -92,8 +175,10 @@ class LlamaTokenizer:
     def _token_bytes(self) -> list[bytes]:
         special = set(self._tok.get_added_tokens_decoder())
         vocab = sorted(self._tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
-        return [text.encode() if i in special else bytes(_BYTE_DECODER[c] for c in text)
-                for text, i in vocab]
+        if self.kind == "gpt2":
+            return [text.encode() if i in special else bytes(_BYTE_DECODER[c] for c in text)
+                    for text, i in vocab]
+        return [text.encode() if i in special else _spm_piece_bytes(text) for text, i in vocab]
 
     @cached_property
     def _template(self):
@@ -125,6 +210,16 @@ class LlamaTokenizer:
 
     def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+
+
+def _spm_piece_bytes(piece: str) -> bytes:
+    """A SentencePiece piece's bytes: ``<0xAB>`` is the byte 0xAB, ``▁`` a space."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return piece.replace("▁", " ").encode()
 
 
 def _raise_template_error(message: str):

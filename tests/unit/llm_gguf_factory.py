@@ -1,4 +1,6 @@
-"""Small llama GGUF files written with the ``gguf`` package, for import tests (any weight type)."""
+"""Small GGUF files of the llama family written with the ``gguf`` package, for import and kernel
+tests: any weight type (the K-quants from random bytes with finite scales, as ``gguf`` quantizes
+only the legacy types) and the architectures dspark runs, each with the tensors it adds."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,9 +14,12 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 def write_llama_gguf(path: Path, weight_type: str = "Q4_1", head_type: str | None = None,
                      architecture: str = "llama", n_layer: int = 3, hidden: int = 64, ffn: int = 96,
                      n_head: int = 4, n_kv_head: int = 2, vocab: int = 288, tied: bool = True,
-                     extra_tensor: str | None = None, seed: int = 0) -> Path:
+                     extra_tensor: str | None = None, seed: int = 0, head_dim: int | None = None,
+                     sliding_window: int = 8, rope_freqs: bool = False, metadata: dict | None = None) -> Path:
     """A random model: block matrices in ``weight_type``, the embedding (and head) in ``head_type``
-    (default: the same). The vocabulary: 3 control tokens, the 256 byte tokens, a few merges."""
+    (default: the same). The vocabulary: 3 control tokens, the 256 byte tokens, a few merges.
+    ``head_dim`` (default hidden / n_head) is written as the attention key/value length;
+    ``metadata`` overrides keys (without the architecture prefix) after the defaults."""
     import gguf
     from gguf import GGMLQuantizationType as Q
 
@@ -28,7 +33,12 @@ def write_llama_gguf(path: Path, weight_type: str = "Q4_1", head_type: str | Non
     writer.add_head_count_kv(n_kv_head)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(hidden // n_head)
+    head_dim = head_dim or hidden // n_head
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if architecture == "gemma3":
+        writer.add_sliding_window(sliding_window)
     from dspark.llm.tokenizer import _bytes_to_unicode
 
     byte_tokens = list(_bytes_to_unicode().values())
@@ -49,6 +59,11 @@ def write_llama_gguf(path: Path, weight_type: str = "Q4_1", head_type: str | Non
             writer.add_tensor(name, data)
         elif kind == "F16":
             writer.add_tensor(name, data.astype(np.float16))
+        elif kind in K_QUANT_BYTES and shape[-1] % 256:  # rows too short for super-blocks, as llama.cpp does
+            writer.add_tensor(name, gguf.quants.quantize(data, Q.Q8_0), raw_dtype=Q.Q8_0)
+        elif kind in K_QUANT_BYTES:
+            qtype = getattr(Q, kind)
+            writer.add_tensor(name, random_k_blocks(rng, kind, shape, scale), raw_dtype=qtype)
         else:
             qtype = getattr(Q, kind)
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
@@ -58,22 +73,74 @@ def write_llama_gguf(path: Path, weight_type: str = "Q4_1", head_type: str | Non
     if not tied:
         add("output.weight", (vocab, hidden), head_type, scale=4.0)
     writer.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
-    kv = hidden // n_head * n_kv_head
+    if rope_freqs:
+        writer.add_tensor("rope_freqs.weight", (1 + 3 * rng.random(head_dim // 2)).astype(np.float32))
+    kv, nq = head_dim * n_kv_head, head_dim * n_head
+
+    def vector(name: str, n: int, around: float = 1.0):
+        writer.add_tensor(name, (around + 0.1 * rng.standard_normal(n)).astype(np.float32))
+
     for i in range(n_layer):
         p = f"blk.{i}."
         for norm in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(p + norm + ".weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
-        add(p + "attn_q.weight", (hidden, hidden), weight_type, 2.0)
+            vector(p + norm + ".weight", hidden)
+        add(p + "attn_q.weight", (nq, hidden), weight_type, 2.0)
         add(p + "attn_k.weight", (kv, hidden), weight_type, 2.0)
         add(p + "attn_v.weight", (kv, hidden), weight_type)
-        add(p + "attn_output.weight", (hidden, hidden), weight_type)
+        add(p + "attn_output.weight", (hidden, nq), weight_type)
+        if architecture in ("qwen3", "gemma3"):
+            vector(p + "attn_q_norm.weight", head_dim)
+            vector(p + "attn_k_norm.weight", head_dim)
+        if architecture == "qwen2":
+            for name, n in (("q", nq), ("k", kv), ("v", kv)):
+                vector(p + f"attn_{name}.bias", n, 0.0)
+        if architecture == "gemma3":
+            vector(p + "post_attention_norm.weight", hidden)
+            vector(p + "post_ffw_norm.weight", hidden)
         add(p + "ffn_gate.weight", (ffn, hidden), weight_type)
         add(p + "ffn_up.weight", (ffn, hidden), weight_type)
         add(p + "ffn_down.weight", (hidden, ffn), weight_type)
     if extra_tensor:
         writer.add_tensor(extra_tensor, np.zeros(hidden, np.float32))
+    for key, value in (metadata or {}).items():
+        _override(writer, key if key.startswith(("general.", "tokenizer.")) else f"{architecture}.{key}", value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# bytes per 256-weight super-block, and where its fp16 scales sit
+K_QUANT_BYTES = {"Q2_K": 84, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+_K_SCALES = {"Q2_K": (80, 82), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_k_blocks(rng, kind: str, shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:
+    """Random super-blocks of a K-quant type whose fp16 scale fields are small finite numbers
+    (uint8 ``[rows, bytes]``); the weights they encode have about ``scale / sqrt(in)`` spread."""
+    rows, k = shape
+    blocks = rng.integers(0, 256, (rows, k // 256, K_QUANT_BYTES[kind]), dtype=np.uint8)
+    spread = scale / np.sqrt(k)
+    # 6-bit sub-scales (Q4_K/Q5_K, ~32 on average) times 4/5-bit q; Q6_K: int8 scales times 6-bit q
+    d = {"Q2_K": spread / 8 / 2, "Q4_K": spread / 32 / 4, "Q5_K": spread / 32 / 8, "Q6_K": spread / 64 / 16}[kind]
+    for offset in _K_SCALES[kind]:
+        values = (d * (0.5 + rng.random(blocks.shape[:2]))).astype(np.float16)
+        blocks[:, :, offset:offset + 2] = values.view(np.uint8).reshape(blocks.shape[:2] + (2,))
+    return blocks.reshape(rows, -1)
+
+
+def _override(writer, key: str, value) -> None:
+    """Write ``key`` with the type its Python value has (a later value wins when read)."""
+    import gguf
+
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint64(key, value) if value >= 0 else writer.add_int64(key, value)
+    elif isinstance(value, float):
+        writer.add_float64(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    else:
+        writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY)

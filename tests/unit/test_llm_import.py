@@ -72,7 +72,7 @@ def test_tokenizer_and_chat_template_from_the_gguf(imported):
 
 @pytest.mark.parametrize("kwargs,field,found", [
     ({"architecture": "gpt2"}, "general.architecture", "found 'gpt2'"),
-    ({"weight_type": "Q5_0"}, "blk.0.attn_k.weight", "weight type Q5_0"),
+    ({"weight_type": "Q2_K", "hidden": 256}, "blk.0.attn_k.weight", "weight type Q2_K"),
     ({"extra_tensor": "blk.0.attn_q.bias"}, "blk.0.attn_q.bias", "does not use"),
 ])
 def test_refuses_what_it_cannot_run(tmp_path, kwargs, field, found):
