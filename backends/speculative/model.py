@@ -12,6 +12,7 @@ Requests run on a bounded worker pool (max_concurrent_requests; up to max_queued
 wait at most max_queue_wait_ms, beyond that UNAVAILABLE); a request's loop checks for
 cancellation every round; finalize cancels what runs and drains it.
 """
+import dataclasses
 import faulthandler
 import json
 import os
@@ -28,7 +29,7 @@ import triton_python_backend_utils as pb_utils
 from dspark.decoding.models import llm_generator, toy_generator
 from dspark.decoding.request import parse_generate_options, parse_messages
 from dspark.decoding.sampling import SpeculativeParams
-from dspark.decoding.serving import RequestPool, ServingConfig, limit_heap_growth
+from dspark.decoding.serving import INPUTS, OUTPUTS, RequestPool, ServingConfig, limit_heap_growth
 from dspark.decoding.stats import DecodeStats
 from dspark.decoding.text import send_coalesced
 from dspark.errors import ConfigError, RequestError, UnavailableError
@@ -50,17 +51,6 @@ UNLOAD_REPORT_S = 5.0
 # a request asks the server whether its client cancelled at most this often (an IPC round trip
 # that would otherwise sit in every decode round); a cancel still ends it within a few tokens
 CANCEL_RECHECK_S = 0.02
-
-INPUTS = [
-    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
-    {"name": "messages", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
-    {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
-    {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
-    {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
-]
-OUTPUTS = [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
-           {"name": "usage", "data_type": "TYPE_STRING", "dims": [1]}]
-
 
 def _scalar(request, name):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -214,6 +204,8 @@ class TritonPythonModel:
                 if isinstance(getattr(error, "reason", error), TimeoutError):
                     late = self._late_health(late, error)
                     continue  # a busy server answers late; that is no reason to stop
+                if not seen_ready:
+                    continue  # refused before ever ready: the server opens HTTP once every model loaded
                 failures += 1  # refused: the server is gone
                 ready = failures < 2
             except OSError as error:  # a timeout, or anything else the network says: ask again
@@ -330,12 +322,15 @@ class TritonPythonModel:
         echo = "" if messages is not None else prompt
         ids = self.generator.encode_chat(messages) if messages is not None else \
             self.generator.encode(prompt)
+        sampling = options.sampling
+        if messages is not None and self.generator.chat_stop:
+            sampling = dataclasses.replace(sampling, stop=sampling.stop + list(self.generator.chat_stop))
         self.generator.engine.check(ids, options.spec)  # before any model work
         stream = bool(_scalar(request, "stream"))
         exclude = bool(_scalar(request, "exclude_input_in_output"))
         stats = DecodeStats()
         started = time.perf_counter()
-        pieces = self.generator.stream(ids, options.sampling, options.spec, stats,
+        pieces = self.generator.stream(ids, sampling, options.spec, stats,
                                        cancelled=self._cancelled(sender))
         if stream:
             def send(text):  # the text first: each call below is an IPC round trip

@@ -41,13 +41,17 @@ def generate_http(url: str, model: str, prompt: str, chat: bool = False, **sampl
     return text, time.perf_counter() - start
 
 
+# The demo repository's LLMs: model name -> what it serves.
+LLMS = {"spec_lm": "SmolLM2-135M-Instruct", "gemma_lm": "Gemma 3 270M base, Q4_K_M"}
+
+
 def _plain_and_speculative(http_url: str, echo: Callable[[str], None], label: str, prompt: str,
-                           chat: bool, max_tokens: int) -> None:
+                           chat: bool, max_tokens: int, model: str = "spec_lm") -> None:
     """The same greedy request without speculation and with the model's default method."""
-    plain, plain_s = generate_http(http_url, "spec_lm", prompt, chat, max_tokens=max_tokens,
+    plain, plain_s = generate_http(http_url, model, prompt, chat, max_tokens=max_tokens,
                                    speculative={"method": "none"})
-    fast, fast_s = generate_http(http_url, "spec_lm", prompt, chat, max_tokens=max_tokens)
-    echo(f"spec_lm (SmolLM2-135M-Instruct) {label} over HTTP /generate, greedy, up to {max_tokens} "
+    fast, fast_s = generate_http(http_url, model, prompt, chat, max_tokens=max_tokens)
+    echo(f"{model} ({LLMS[model]}) {label} over HTTP /generate, greedy, up to {max_tokens} "
          f"tokens: plain {plain_s * 1e3:.0f} ms, speculative {fast_s * 1e3:.0f} ms, identical text: "
          f"{plain == fast}")
     echo("  " + fast.strip().replace("\n", "\n  "))
@@ -86,11 +90,13 @@ def run_samples(http_url: str, grpc_url: str, echo: Callable[[str], None] = prin
     for row in probabilities:
         echo(_describe(row))
     echo(f"chat question: {CHAT_QUESTION}")
-    _plain_and_speculative(http_url, echo, "chat", CHAT_QUESTION, True, 64)
+    for model in LLMS:
+        _plain_and_speculative(http_url, echo, "chat", CHAT_QUESTION, True, 64, model)
     echo("code completion: " + CODE_PROMPT.splitlines()[0])
     _plain_and_speculative(http_url, echo, "code completion", CODE_PROMPT, True, 96)
     if openai_url:
-        text, seconds = openai_chat(openai_url, "spec_lm", CHAT_QUESTION, 64)
-        echo(f"spec_lm chat over the OpenAI API ({openai_url}, openai SDK), greedy: {seconds * 1e3:.0f} ms")
-        echo("  " + text.strip().replace("\n", "\n  "))
-        echo("  try: " + openai_curl(openai_url, "spec_lm", CHAT_QUESTION))
+        for model in LLMS:
+            text, seconds = openai_chat(openai_url, model, CHAT_QUESTION, 64)
+            echo(f"{model} chat over the OpenAI API ({openai_url}, openai SDK), greedy: {seconds * 1e3:.0f} ms")
+            echo("  " + text.strip().replace("\n", "\n  "))
+        echo("  try: " + openai_curl(openai_url, "gemma_lm", CHAT_QUESTION))

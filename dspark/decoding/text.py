@@ -81,6 +81,11 @@ class TextGenerator:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
+    @property
+    def chat_stop(self) -> tuple[str, ...]:
+        """Stop strings every chat reply gets from the model's chat format (none for most)."""
+        return tuple(getattr(self.tokenizer, "chat_stop", ()))
+
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """The model's chat template over ``messages``, the assistant's turn opened."""
         if not self.has_chat_template:

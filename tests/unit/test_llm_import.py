@@ -96,7 +96,7 @@ def test_cli_imports_then_skips_unchanged(tmp_path):
     out = tmp_path / "m"
     first = CliRunner().invoke(cli, ["llm", "import", str(path), str(out)])
     assert first.exit_code == 0 and "imported" in first.output, first.output
-    assert {p.name for p in out.iterdir()} == {"model.onnx", "model.onnx.data", "tokenizer.json", "import.json"}
+    assert {p.name for p in out.iterdir()} == {"model.onnx", "model.onnx.data", "tokenizer.json", "tokenizer_meta.json", "import.json"}
     second = CliRunner().invoke(cli, ["llm", "import", str(path), str(out)])
     assert second.exit_code == 0 and "up to date" in second.output
     bad = CliRunner().invoke(cli, ["llm", "import", str(tmp_path / "missing.gguf"), str(out)])

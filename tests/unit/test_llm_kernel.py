@@ -112,6 +112,15 @@ def tiny(tiny_model):
 
 
 @pytest.fixture(scope="module")
+def gemma_tiny(tmp_path_factory):
+    """gemma3's pass (sliding window of 4 on five of six layers, NEOX RoPE, norms everywhere)."""
+    path = write_llama_gguf(tmp_path_factory.mktemp("gguf") / "gemma.gguf", "Q4_1", head_type="Q8_0",
+                            architecture="gemma3", n_layer=6, hidden=128, n_head=2, n_kv_head=1, ffn=192,
+                            vocab=270, head_dim=64, sliding_window=4)
+    return KernelRuntime(GGUFModel(path))
+
+
+@pytest.fixture(scope="module")
 def smol_gguf():
     return GGUFModel(installed_smollm2())
 
@@ -214,7 +223,7 @@ def test_simd_override_and_bad_isa(monkeypatch, tiny_model):
 
 # -- greedy identity: a row's logits do not depend on how it is computed ---------------------
 
-@pytest.mark.parametrize("fixture", ["tiny", "smol"])
+@pytest.mark.parametrize("fixture", ["tiny", "gemma_tiny", "smol"])
 def test_plain_chain_tree_and_batch_rows_are_bitwise_equal(fixture, request):
     rt = request.getfixturevalue(fixture)
     prefix = [1, 9, 33, 120, 7, 64, 2, 88, 31]
