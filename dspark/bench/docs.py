@@ -49,6 +49,10 @@ DOC_TABLES: tuple[DocTable, ...] = (
                                                   "--threads", "1", "--json", "{json}")),
     DocTable("spec", "docs/speculative.md", ("bench", "spec", "--json", "{json}")),
     DocTable("spec-greedy", "README.md", (), source="spec", where=(("run", "greedy, in process"),)),
+    DocTable("spec-gemma", "docs/llm.md", ("bench", "spec", "--model", "gemma_lm", "--no-server", "--no-sampled",
+                                           "--json", "{json}")),
+    DocTable("llm-quality", "docs/llm.md", ("bench", "llm-quality", "--json", "{json}")),
+    DocTable("openai", "docs/openai.md", ("bench", "openai", "--json", "{json}")),
 )
 
 

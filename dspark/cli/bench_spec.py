@@ -1,5 +1,6 @@
-"""`dspark bench spec`: thin command over dspark/bench/spec.py (speculative decoding on the served
-real model against plain decoding and llama.cpp on the same GGUF, in process and through Triton)."""
+"""`dspark bench spec` and `bench openai`: thin commands over dspark/bench/spec.py (speculative
+decoding on a served real model against plain decoding and llama.cpp on the same GGUF, in process
+and through Triton) and dspark/bench/openai_api.py (the OpenAI API's cost over Triton's generate)."""
 from __future__ import annotations
 
 import time
@@ -12,6 +13,8 @@ from dspark.cli.bench import bench, bench_errors, emit, progress_log
 
 
 @bench.command(name="spec")
+@click.option("--model", default="spec_lm", show_default=True,
+              help="The demo repository's LLM model to measure (spec_lm: SmolLM2, gemma_lm: Gemma 3 270M).")
 @click.option("--max-tokens", default=96, show_default=True)
 @click.option("--per-kind", default=4, show_default=True,
               help="Prompts per kind (chat, rewrite, code, continue; at most 4).")
@@ -34,9 +37,9 @@ from dspark.cli.bench import bench, bench_errors, emit, progress_log
 @click.option("--json", "--json-out", "json_path", type=click.Path(path_type=Path), default=None,
               help="The result's path  [default: bench-results/spec-<time>.json]")
 @bench_errors
-def spec(max_tokens: int, per_kind: int, repeats: int, threads: int, methods: str, server: bool,
+def spec(model: str, max_tokens: int, per_kind: int, repeats: int, threads: int, methods: str, server: bool,
          served_repeats: int, sampled: bool, peer: bool, llama_extra_buffers: bool, json_path: Optional[Path]) -> None:
-    """Plain decoding vs every speculative method of spec_lm (SmolLM2-135M-Instruct, 4-bit) on
+    """Plain decoding vs every speculative method of MODEL (default spec_lm, SmolLM2-135M-Instruct) on
     held-out prompts; llama.cpp's plain and prompt-lookup decoding of the same GGUF beside it.
     Exits non-zero when a greedy output differs from plain decoding."""
     from dspark.bench.spec import SpecBenchSettings, mismatched, run_spec_bench
@@ -45,9 +48,36 @@ def spec(max_tokens: int, per_kind: int, repeats: int, threads: int, methods: st
         max_tokens=max_tokens, per_kind=per_kind, repeats=repeats, threads=threads,
         methods=[m.strip() for m in methods.split(",") if m.strip()], server=server,
         served_repeats=served_repeats, sampled=sampled,
-        peer=peer, llama_extra_buffers=llama_extra_buffers)
+        peer=peer, llama_extra_buffers=llama_extra_buffers, model=model)
     result = run_spec_bench(settings, log=lambda text: progress_log(f"  {text}"))
     emit(result, json_path or Path("bench-results") / f"spec-{time.strftime('%Y%m%d-%H%M%S')}.json")
     different = mismatched(result.rows)
     if different:
         raise click.ClickException(f"greedy outputs differ from plain decoding for {different}")
+
+
+@bench.command("openai")
+@click.option("--model", default="spec_lm", show_default=True, help="The demo repository's LLM model.")
+@click.option("--pairs", default=100, show_default=True, help="Interleaved request pairs per case.")
+@click.option("--stream-tokens", default=64, show_default=True, help="Tokens of the streamed case.")
+@click.option("--json", "--json-out", "json_path", type=click.Path(path_type=Path), default=None)
+@bench_errors
+def openai(model: str, pairs: int, stream_tokens: int, json_path: Optional[Path]) -> None:
+    """What the OpenAI-compatible API adds over Triton's generate endpoint, per request and per
+    streamed token (one `dspark serve --openai-port`, interleaved pairs)."""
+    from dspark.bench.openai_api import OpenAIBenchSettings, run_openai_bench
+
+    result = run_openai_bench(OpenAIBenchSettings(model, pairs, stream_tokens), log=lambda t: progress_log(f"  {t}"))
+    emit(result, json_path or Path("bench-results") / f"openai-{time.strftime('%Y%m%d-%H%M%S')}.json")
+
+
+@bench.command("llm-quality")
+@click.option("--json", "--json-out", "json_path", type=click.Path(path_type=Path), default=None)
+@bench_errors
+def llm_quality(json_path: Optional[Path]) -> None:
+    """The demo repository's LLMs against llama.cpp's stored figures for the same GGUF
+    (tests/data/*_llama_cpp.json, `dspark llm reference`): tokens, perplexity, greedy agreement."""
+    from dspark.bench.spec import run_llm_quality
+
+    result = run_llm_quality()
+    emit(result, json_path or Path("bench-results") / f"llm-quality-{time.strftime('%Y%m%d-%H%M%S')}.json")
