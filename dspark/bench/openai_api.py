@@ -22,7 +22,12 @@ from dspark.bench.results import BenchResult, Metric
 from dspark.bench.table import Column
 from dspark.errors import UnavailableError
 
-PROMPT = "Write a long story about a lighthouse keeper and the sea."
+def _prompt() -> str:
+    """Held-out text the models continue for longer than the streamed case asks (an instruction
+    as a bare completion prompt gets EOS at once from an instruct model)."""
+    from dspark.llm.evaluate import heldout_text
+
+    return heldout_text(("for",))[:600]
 
 
 @dataclass
@@ -58,12 +63,13 @@ def _timed(call: Callable[[], int]) -> tuple[float, int]:
 def run_openai_bench(settings: OpenAIBenchSettings, log: Callable[[str], None] = lambda _: None) -> BenchResult:
     import requests
 
+    prompt = _prompt()
     process, triton, api = _serve(settings.model)
     http = requests.Session()
     model = settings.model
 
     def triton_call(tokens: int, stream: bool) -> int:
-        body = {"text_input": PROMPT, "exclude_input_in_output": True, "sampling_parameters": json.dumps(
+        body = {"text_input": prompt, "exclude_input_in_output": True, "sampling_parameters": json.dumps(
             {"max_tokens": tokens, "temperature": 0, "speculative": {"method": "none"}})}
         if not stream:
             reply = http.post(f"{triton}/v2/models/{model}/generate", json=body, timeout=120)
@@ -78,7 +84,7 @@ def run_openai_bench(settings: OpenAIBenchSettings, log: Callable[[str], None] =
         return usage
 
     def openai_call(tokens: int, stream: bool) -> int:
-        body = {"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0,
+        body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
                 "speculative": {"method": "none"}, "stream": stream}
         if stream:
             body["stream_options"] = {"include_usage": True}
@@ -108,6 +114,9 @@ def run_openai_bench(settings: OpenAIBenchSettings, log: Callable[[str], None] =
                 if timed["triton"][1] != timed["openai"][1]:
                     raise UnavailableError(f"the two endpoints generated {timed['triton'][1]} and "
                                            f"{timed['openai'][1]} tokens for the same greedy request")
+                if timed["triton"][1] < tokens:
+                    raise UnavailableError(f"the model stopped after {timed['triton'][1]} of {tokens} tokens; "
+                                           "the comparison needs the full count")
                 pairs.append((timed["triton"][0], timed["openai"][0], timed["triton"][1]))
             triton_s = statistics.median(p[0] for p in pairs)
             openai_s = statistics.median(p[1] for p in pairs)

