@@ -139,6 +139,9 @@ cdef int _isa_index(object name) except -1:
     return isa
 
 
+MAX_ROWS = 2**31 - 1
+
+
 cdef class PackedMatrix:
     """A matrix in the kernels' tile layout (see llama_kernels.h); keeps its bytes alive."""
     cdef llama_matrix mat
@@ -150,8 +153,11 @@ cdef class PackedMatrix:
             raise ConfigError("fmt", f"{fmt!r} is not one of {sorted(FORMATS)}")
         if n == 0 or n % 16 or k == 0 or k % 32:
             raise ConfigError("shape", f"{n} x {k}: need a positive multiple of 16 x 32")
+        if n > MAX_ROWS or k > MAX_ROWS:  # row and column indices are int32 in the kernels
+            raise ConfigError("shape", f"{n} x {k}: at most {MAX_ROWS} rows and columns")
         arr = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
-        expected = (n // 16) * (k // 32) * llama_block_bytes(FORMATS[fmt])
+        # in Python integers: a product of size_t would wrap for huge n and k
+        expected = (int(n) // 16) * (int(k) // 32) * int(llama_block_bytes(FORMATS[fmt]))
         if arr.shape[0] != expected:
             raise ConfigError("data", f"{arr.shape[0]} bytes for a {fmt} {n} x {k} matrix, "
                                       f"expected {expected}")
@@ -229,6 +235,8 @@ cdef class LlamaModel:
         self.config = dict(config)
         self.model.n_layer, self.model.hidden, self.model.ffn = n_layer, d, ffn
         self.model.n_head, self.model.n_kv, self.model.head_dim = nh, nkv, hd
+        if not 0 < config["vocab"] <= MAX_ROWS:
+            raise ConfigError("vocab", f"{config['vocab']}: expected 1..{MAX_ROWS} (token ids are int32)")
         self.model.vocab = config["vocab"]
         self.model.rms_eps, self.model.rope_base = config["rms_eps"], config["rope_base"]
         arch = {**ARCH_DEFAULTS, **{k: v for k, v in config.items() if k in ARCH_DEFAULTS}}

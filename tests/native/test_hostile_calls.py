@@ -230,3 +230,24 @@ def test_kernel_lm_refuses_a_cache_built_for_another_model(kernel_lm):
     strided.keys[0] = strided.keys[0][:, ::2]
     with pytest.raises(ValueError, match=r"^keys\[0\]: expected a writeable C-order float32"):
         kernel_lm.forward(strided, [1], [0])
+
+
+# --- dspark._ext.llama -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,k", [(2**63, 32), (16, 2**63), (2**40, 2**40), (2**32, 32)])
+def test_packed_matrix_refuses_sizes_whose_byte_count_would_wrap(n, k):
+    from dspark._ext import llama as ext_llama
+    from dspark.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="shape|data"):
+        ext_llama.PackedMatrix(np.zeros(0, np.uint8), "Q8_0", n, k)
+
+
+def test_llama_model_refuses_a_vocabulary_past_int32():
+    from dspark._ext import llama as ext_llama
+    from dspark.errors import ConfigError
+
+    config = {"n_layer": 1, "hidden": 64, "ffn": 64, "n_head": 1, "n_kv": 1, "head_dim": 64,
+              "vocab": 2**31, "rms_eps": 1e-5, "rope_base": 1e4}
+    with pytest.raises(ConfigError, match="vocab"):
+        ext_llama.LlamaModel(config, {}, 1)
