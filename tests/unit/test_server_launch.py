@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
+import re2
 from click.testing import CliRunner
 
 from dspark._ext import cpu_features
@@ -25,13 +26,15 @@ from dspark.triton.server import (
     ServerPorts,
     TritonServer,
     build_backend_directory,
+    KEY_MARKER,
     find_server,
     header_forward_args,
 )
 
 # A stand-in for tritonserver: listens where --http-address/--http-port say, answers the
-# readiness check, exits 0 on SIGTERM. FAKE_EXIT_AFTER_S=<s> makes it exit 3 after that long
-# without listening (a server that dies at start).
+# readiness check, refuses GET /v2/logging without the key its --http-restricted-api names (as
+# the preloaded guard library filled it in), exits 0 on SIGTERM. FAKE_EXIT_AFTER_S=<s> makes it
+# exit 3 after that long without listening (a server that dies at start).
 FAKE_TRITON = f"""#!{sys.executable}
 import os, signal, sys, time
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -59,9 +62,11 @@ def stop(*_):
         os.unlink("/dev/shm/" + region)
     sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
+key = args["http-restricted-api"].split("dspark-api-key=", 1)[1]
 class Ready(BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200)
+        allowed = self.path != "/v2/logging" or self.headers.get("dspark-api-key") == key
+        self.send_response(200 if allowed else 403)
         self.end_headers()
     def log_message(self, *a):
         pass
@@ -285,18 +290,41 @@ def test_a_failed_start_keeps_only_its_log_and_names_it(tmp_path, private_tmpdir
     assert str(folder / "tritonserver.log") in str(raised.value)
 
 
-def test_binds_loopback_by_default_and_guards_the_repository_api_unless_control_is_none(tmp_path):
+@pytest.mark.parametrize("control", ["none", "explicit", "poll"])
+def test_binds_loopback_and_restricts_the_same_apis_in_every_control_mode_with_the_key_off_the_command_line(
+        tmp_path, control):
     install = find_server()
-    plain = TritonServer(repositories=[tmp_path]).command(install, tmp_path)
-    assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"} <= set(plain)
-    assert not any("restricted" in arg for arg in plain)
-    explicit = TritonServer(repositories=[tmp_path], model_control="explicit")
-    key = explicit.api_key
-    assert len(key) >= 32 and key != TritonServer(repositories=[tmp_path], model_control="poll").api_key
-    args = explicit.command(install, tmp_path)
-    assert f"--http-restricted-api=model-repository:{API_KEY_HEADER}={key}" in args
-    assert f"--grpc-restricted-protocol=model-repository:{API_KEY_HEADER}={key}" in args
-    assert explicit.repository_headers == {API_KEY_HEADER: key, GRPC_API_KEY_HEADER: key}
+    server = TritonServer(repositories=[tmp_path], model_control=control)
+    args = server.command(install, tmp_path)
+    assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"} <= set(args)
+    key = server.api_key
+    assert len(key) >= 32 and key != TritonServer(repositories=[tmp_path], model_control=control).api_key
+    apis = "model-repository,shared-memory,logging,trace,statistics"
+    assert f"--http-restricted-api={apis}:{API_KEY_HEADER}={KEY_MARKER}" in args
+    assert f"--grpc-restricted-protocol={apis}:{API_KEY_HEADER}={KEY_MARKER}" in args
+    assert not any(key in arg for arg in args)
+    assert server.repository_headers == {API_KEY_HEADER: key, GRPC_API_KEY_HEADER: key}
+
+
+def test_the_key_stays_out_of_the_server_environment_and_the_guard_library_is_preloaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_API_KEY", "k" * 20)
+    monkeypatch.setenv("LD_PRELOAD", "/some/other.so")
+    env = TritonServer(repositories=[tmp_path]).environment(find_server())
+    assert "DSPARK_API_KEY" not in env and not any("k" * 20 in value for value in env.values())
+    guard, other = env["LD_PRELOAD"].split(" ")
+    assert guard.endswith("/libserverguard.so") and Path(guard).is_file() and other == "/some/other.so"
+
+
+def test_a_server_that_does_not_hold_the_key_is_stopped(tmp_path, monkeypatch):
+    """The fake ignores what the guard library filled in and wants the marker itself as its key:
+    the check after readiness sees the key refused, and start() stops it with one line."""
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON.replace('split("dspark-api-key=", 1)[1]', 'split("dspark-api-key=", 1)[1] and "'
+                                          + KEY_MARKER + '"'))
+    server = TritonServer(repositories=[tmp_path], server_path=str(binary))
+    with pytest.raises(ServerError, match="with 403 without the API key and 403 with it .* not serving"):
+        server.start(timeout_s=20)
+    assert not server.running
 
 
 @pytest.mark.parametrize("key", ["short", "has space in it......", "x" * 257, "comma,equals=aaaaaaaaaaa"])
@@ -347,7 +375,8 @@ def test_a_host_that_is_not_an_address_is_refused(tmp_path):
         TritonServer(repositories=[tmp_path], host="example.com")
 
 
-@pytest.mark.parametrize("pattern", ["dspark-.*", "api-key", "(?i)DSPARK-API", "protocol-dspark"])
+@pytest.mark.parametrize("pattern", ["dspark-.*", "api-key", "(?i)DSPARK-API", "protocol-dspark",
+                                     "^dspark-[[:lower:]-]+$", r"^dspark-\pL+-\pL+$", "^Dspark-Api-Key$"])
 def test_a_header_pattern_that_would_forward_the_api_key_is_refused(tmp_path, pattern):
     ports = ServerPorts.free()
     result = CliRunner().invoke(cli, ["serve", "-r", str(tmp_path), "--forward-headers", pattern,
@@ -358,8 +387,19 @@ def test_a_header_pattern_that_would_forward_the_api_key_is_refused(tmp_path, pa
     assert len(lines) == 1 and "would hand every model the API key" in lines[0], result.output
 
 
+@pytest.mark.parametrize("pattern", ["^dspark-(?=tier)", r"^dspark-(tier)\1$", "[a-"])
+def test_a_header_pattern_triton_cannot_compile_is_refused_in_one_line(tmp_path, pattern):
+    ports = ServerPorts.free()
+    result = CliRunner().invoke(cli, ["serve", "-r", str(tmp_path), "--forward-headers", pattern,
+                                      f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
+                                      f"--metrics-port={ports.metrics}"])
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "not a regular expression Triton (RE2) accepts" in lines[0], result.output
+
+
 def test_the_default_header_pattern_forwards_the_router_headers_and_not_the_key():
     http_flag = header_forward_args(DEFAULT_HEADER_PATTERN)[0]
     pattern = http_flag.split("=", 1)[1]
     assert [name for name in ("dspark-tier", "dspark-user-id", "dspark-tierx", API_KEY_HEADER, GRPC_API_KEY_HEADER)
-            if re.search(pattern, name)] == ["dspark-tier", "dspark-user-id"]
+            if re2.search(pattern, name)] == ["dspark-tier", "dspark-user-id"]
