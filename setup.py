@@ -145,6 +145,7 @@ setup(
         "onnx-ir>=1.0",
         "tritonclient[http,grpc]>=2.51",
         "protobuf>=4.24",
+        "google-re2>=1.1",
         "click>=8.1",
         "PyYAML>=6.0",
         "pydantic>=2.5",
