@@ -78,8 +78,13 @@ __attribute__((constructor)) static void guard_start(int argc, char **argv) {
     umask(process_umask);
     real_fchmod = (int (*)(int, mode_t))dlsym(RTLD_NEXT, "fchmod");
     const char *fd_text = getenv(KEY_FD_ENV);
-    if (fd_text == NULL)
+    if (fd_text == NULL) {
+        /* Else the server would take the marker, which anyone can read here, for its key. */
+        for (int i = 1; i < argc; i++)
+            if (strstr(argv[i], KEY_MARKER) != NULL)
+                fail("the command line holds " KEY_MARKER " but $" KEY_FD_ENV " names no pipe with the key");
         return;
+    }
     char *end;
     long fd = strtol(fd_text, &end, 10);
     if (*fd_text == '\0' || *end != '\0' || fd < 0 || fd > 1 << 20)

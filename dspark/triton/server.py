@@ -454,6 +454,16 @@ class TritonServer:
             env["LD_LIBRARY_PATH"] = os.pathsep.join(library_path)
         return env
 
+    def launch_environment(self, install: ServerInstall) -> tuple[dict[str, str], int]:
+        """environment() with KEY_FD_ENV naming the read end of a new pipe that holds the key, and
+        that descriptor: pass it to tritonserver (started with SERVER_UMASK), then close it."""
+        key_read, key_write = os.pipe()
+        try:
+            os.write(key_write, self.api_key.encode())  # at most 256 bytes: never fills the pipe
+        finally:
+            os.close(key_write)
+        return {**self.environment(install), KEY_FD_ENV: str(key_read)}, key_read
+
     def start(self, timeout_s: float = 120) -> None:
         install = find_server(self.server_path)
         self.ports.check_free(self.host)
@@ -466,13 +476,11 @@ class TritonServer:
             self.log_path = self._workdir / LOG_NAME
         self._log_file = open(self.log_path, "wb")
         self._stop_requested = False
-        key_read, key_write = os.pipe()  # holds the key (at most 256 bytes, under a pipe's buffer)
+        environment, key_read = self.launch_environment(install)
         try:
-            os.write(key_write, self.api_key.encode())
-            os.close(key_write)
             self._process = subprocess.Popen(
                 self.command(install, backend_directory),
-                env={**self.environment(install), KEY_FD_ENV: str(key_read)},
+                env=environment,
                 pass_fds=(key_read,),
                 umask=SERVER_UMASK,
                 stdout=self._log_file,

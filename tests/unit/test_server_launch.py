@@ -6,6 +6,7 @@ import re
 import secrets
 import socket
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -18,6 +19,7 @@ from click.testing import CliRunner
 
 from dspark._ext import cpu_features
 from dspark.cli.main import cli
+from dspark.paths import project_root
 from dspark.triton.server import (
     API_KEY_HEADER,
     DEFAULT_HEADER_PATTERN,
@@ -26,7 +28,9 @@ from dspark.triton.server import (
     ServerPorts,
     TritonServer,
     build_backend_directory,
+    KEY_FD_ENV,
     KEY_MARKER,
+    SERVER_UMASK,
     find_server,
     header_forward_args,
 )
@@ -403,3 +407,86 @@ def test_the_default_header_pattern_forwards_the_router_headers_and_not_the_key(
     pattern = http_flag.split("=", 1)[1]
     assert [name for name in ("dspark-tier", "dspark-user-id", "dspark-tierx", API_KEY_HEADER, GRPC_API_KEY_HEADER)
             if re2.search(pattern, name)] == ["dspark-tier", "dspark-user-id"]
+
+
+# Run under the guard library: prints the argument it got, the same argument as the process list
+# shows it, and whether $DSPARK_KEY_FD is still set.
+GUARD_PROBE = ("import os, sys; print(sys.argv[1]); print(open('/proc/self/cmdline').read().split(chr(0))[3]); "
+               "print(os.environ.get('DSPARK_KEY_FD'))")
+
+
+def _under_guard(environment: dict, key_fd=None, umask: int = 0o022, code: str = GUARD_PROBE):
+    return subprocess.run([sys.executable, "-c", code, f"--http-restricted-api=logging:dspark-api-key={KEY_MARKER}"],
+                          env=environment, pass_fds=() if key_fd is None else (key_fd,), umask=umask,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_guard_library_hands_the_key_to_the_program_but_not_to_the_process_list(tmp_path):
+    server = TritonServer(repositories=[tmp_path], api_key="k" * 24)
+    environment, key_fd = server.launch_environment(find_server())
+    try:
+        run = _under_guard(environment, key_fd)
+    finally:
+        os.close(key_fd)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["--http-restricted-api=logging:dspark-api-key=" + "k" * 24,
+                                       f"--http-restricted-api=logging:dspark-api-key={KEY_MARKER}", "None"]
+
+
+@pytest.mark.parametrize("case", ["no pipe", "short key"])
+def test_the_guard_library_stops_a_program_whose_key_did_not_come(tmp_path, case):
+    """Else the server would take the marker, which anyone reads in the process list, for its key."""
+    environment = TritonServer(repositories=[tmp_path]).environment(find_server())
+    key_fd = None
+    if case == "short key":
+        key_fd, key_write = os.pipe()
+        os.write(key_write, b"short")
+        os.close(key_write)
+        environment[KEY_FD_ENV] = str(key_fd)
+    try:
+        run = _under_guard(environment, key_fd)
+    finally:
+        if key_fd is not None:
+            os.close(key_fd)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.startswith("error: dspark server guard: ")
+    assert ("names no pipe with the key" if case == "no pipe" else "is not 16 to 256 characters") in run.stderr
+
+
+def test_the_guard_library_keeps_the_umask_on_shared_memory_that_boost_would_open_to_all(tmp_path):
+    """Boost.Interprocess creates a region, then fchmod()s it to 0644: under the guard and umask 077
+    the region stays 0600, while fchmod of a file elsewhere is left alone."""
+    region = Path(f"/dev/shm/dspark_test_{os.getpid()}_{secrets.token_hex(4)}")
+    other = tmp_path / "other"
+    code = ("import os, sys\nfor path in sys.argv[2:]:\n"
+            "    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)\n    os.fchmod(fd, 0o644)\n")
+    environment = TritonServer(repositories=[tmp_path]).environment(find_server())
+    try:
+        run = subprocess.run([sys.executable, "-c", code, "-", str(region), str(other)], env=environment,
+                             umask=SERVER_UMASK, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        assert stat.S_IMODE(region.stat().st_mode) == 0o600
+        assert stat.S_IMODE(other.stat().st_mode) == 0o644
+    finally:
+        region.unlink(missing_ok=True)
+
+
+def test_the_kubernetes_entrypoint_hands_the_key_through_the_pipe(tmp_path):
+    """deploy/k8s/entrypoint.py execs the server itself: the fake gets DSPARK_API_KEY's key in its
+    arguments (it prints them, then waits without listening), its command line holds only the marker."""
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    key = secrets.token_urlsafe(32)
+    environment = {**os.environ, "TRITONSERVER": str(binary), "DSPARK_API_KEY": key, "FAKE_EXIT_AFTER_S": "30",
+                   "LOCAL_REPOSITORY": str(tmp_path), "MODEL_REPOSITORY": str(tmp_path)}
+    entrypoint = subprocess.Popen([sys.executable, str(project_root() / "deploy/k8s/entrypoint.py")],
+                                  env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        arguments = entrypoint.stdout.readline()
+        assert f"--http-restricted-api=model-repository,shared-memory,logging,trace,statistics:" \
+               f"{API_KEY_HEADER}={key}" in arguments, arguments
+        command_line = Path(f"/proc/{entrypoint.pid}/cmdline").read_bytes()
+        assert KEY_MARKER.encode() in command_line and key.encode() not in command_line
+    finally:
+        entrypoint.kill()
+        entrypoint.wait(timeout=30)
