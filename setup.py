@@ -85,7 +85,8 @@ HCBLAS_LIBRARIES = [
 
 
 class BuildExtAndSharedLibrary(build_ext):
-    """build_ext, then libhcblas.so next to the extensions (in place for editable installs)."""
+    """build_ext, then libhcblas.so and libserverguard.so next to the extensions (in place for
+    editable installs)."""
 
     def run(self) -> None:
         super().run()
@@ -98,6 +99,11 @@ class BuildExtAndSharedLibrary(build_ext):
             libraries=[name for name, _ in HCBLAS_LIBRARIES] + [scipy_openblas32.get_library(), "m", "pthread"],
             library_dirs=[self.get_finalized_command("build_clib").build_clib, scipy_openblas32.get_lib_dir()],
             runtime_library_dirs=[scipy_openblas32.get_lib_dir()])
+        # Preloaded into tritonserver: the API key from a pipe, owner-only /dev/shm regions
+        # (cython_ext/server_guard.c, dspark/triton/server.py).
+        objects = self.compiler.compile(["cython_ext/server_guard.c"], output_dir=self.build_temp,
+                                        extra_postargs=["-O2", "-fPIC", "-Wall"])
+        self.compiler.link_shared_object(objects, str(target.parent / "libserverguard.so"), libraries=["dl"])
 
 
 EXTENSIONS = [
@@ -139,6 +145,7 @@ setup(
         "onnx-ir>=1.0",
         "tritonclient[http,grpc]>=2.51",
         "protobuf>=4.24",
+        "google-re2>=1.1",
         "click>=8.1",
         "PyYAML>=6.0",
         "pydantic>=2.5",

@@ -39,8 +39,10 @@ def server_options(function):
         click.option("--load-model", "load_models", multiple=True,
                      help="With --model-control explicit: a model to load at start (repeatable)."),
         click.option("--api-key", envvar=API_KEY_ENV, default=None, show_envvar=True,
-                     help=f"Key clients must send in the {API_KEY_HEADER} header to use the model-repository "
-                          "API (load/unload) when --model-control is not none. Default: a new random key, printed."),
+                     help=f"Key clients must send in the {API_KEY_HEADER} header to use Triton's model-repository "
+                          "(load/unload), shared-memory, logging, trace and statistics APIs. Prefer the "
+                          "environment variable: a command line is visible to every local user. "
+                          "Default: a new random key, printed."),
         click.option("--log-verbose", default=0, show_default=True, help="Triton's log verbosity."),
         click.option("--log-file", type=click.Path(path_type=Path), default=None,
                      help="Where the server log goes and stays (default: a temporary folder, removed when the "
@@ -77,6 +79,10 @@ def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_p
             host=host,
             api_key=api_key,
         )
+        context = click.get_current_context(silent=True)
+        if api_key and context and context.get_parameter_source("api_key") == click.core.ParameterSource.COMMANDLINE:
+            click.echo(f"dspark: warning: --api-key on the command line is visible to every local user in the "
+                       f"process list; set {API_KEY_ENV} instead", err=True)
         if not is_loopback(host):
             click.echo(f"dspark: warning: --host {host} makes the server reachable from other machines; "
                        "anyone who can reach it can run inference", err=True)
@@ -92,20 +98,19 @@ def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_p
     click.echo(f"  gRPC     {server.grpc_url}")
     click.echo(f"  metrics  {server.metrics_url}")
     click.echo(f"  log      {server.log_path}" + ("" if log_file else " (removed at a clean stop; --log-file keeps it)"))
-    if server.api_key:
-        shown = "from --api-key / " + API_KEY_ENV if api_key else server.api_key
-        click.echo(f"  API key  {shown} (send it as the {API_KEY_HEADER} header to load/unload models)")
+    shown = "from --api-key / " + API_KEY_ENV if api_key else server.api_key
+    click.echo(f"  API key  {shown} (send it as the {API_KEY_HEADER} header to load/unload models, "
+               "register shared memory, change logging or trace settings, read statistics)")
     api = start_openai(server, host, openai_port, explicit_key=api_key) if openai_port else None
     return server, api
 
 
 def start_openai(server: TritonServer, host: str, port: int, explicit_key):
     """The OpenAI-compatible API on a thread of this process. It needs a key when the user gave
-    one or when it listens beyond loopback (then the server's key, or a new one, printed)."""
+    one or when it listens beyond loopback (then the server's key, printed)."""
     from dspark.openai.server import OpenAIServer
-    from dspark.triton.server import new_api_key
 
-    key = explicit_key or (None if is_loopback(host) else server.api_key or new_api_key())
+    key = explicit_key or (None if is_loopback(host) else server.api_key)
     api = OpenAIServer(host, port, server.grpc_url, key, server.repository_headers)
     try:
         api.start()

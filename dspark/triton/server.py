@@ -5,6 +5,7 @@ Used by `dspark serve` and by the test fixture, so the two start the server the 
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import os
 import re
 import secrets
@@ -23,7 +24,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import psutil
+import re2
 
+from dspark import _ext
 from dspark.paths import backends_dir
 
 SERVER_ENV_VAR = "TRITONSERVER"
@@ -32,22 +35,36 @@ INSTALL_HINT = (
     f"set {SERVER_ENV_VAR}=/path/to/tritonserver, or pass --server /path/to/tritonserver"
 )
 # Headers Triton passes to models as request parameters (the router reads dspark-tier, dspark-user-id).
-# Triton forwards a header to models when the pattern matches anywhere in its name (RE2
-# PartialMatch), so the default names the router's headers exactly: "dspark-.*" would also hand
-# every model the repository API key.
+# Triton forwards a header to models when its RE2 pattern matches anywhere in the name
+# (PartialMatch), so the default names the router's headers exactly: "dspark-.*" would also hand
+# every model the API key.
 DEFAULT_HEADER_PATTERN = "^dspark-(tier|user-id)$"
 PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 STUB_NAME = "triton_python_backend_stub"
 LOG_NAME = "tritonserver.log"
 
 LOOPBACK = "127.0.0.1"
-# The model-repository API (load, unload, index) can load code: with model control other than
-# `none` it answers only requests carrying this header with the server's key.
+# Triton's APIs that answer only requests carrying this header with the server's key, in every
+# model-control mode: the model-repository API (load, unload, index) can load code; through
+# shared memory a client can have the server write into any region it names, a model stub's IPC
+# region included (which crashed the server); logging and trace change what the server writes
+# where; statistics tell who runs what, and no dspark client needs them. Health, metadata,
+# model-config and inference stay open.
+RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace", "statistics")
 API_KEY_HEADER = "dspark-api-key"
 # Triton's gRPC side looks for the key under this prefixed metadata name.
 GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"
 API_KEY_ENV = "DSPARK_API_KEY"
 API_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~-]{16,256}")
+# The key reaches tritonserver through a pipe: its command line holds KEY_MARKER, which the
+# preloaded guard library (cython_ext/server_guard.c) replaces with what it reads from the
+# descriptor named by KEY_FD_ENV, so the key is in no process list and no stub's environment.
+KEY_MARKER = "@DSPARK_API_KEY@"
+KEY_FD_ENV = "DSPARK_KEY_FD"
+GUARD_LIBRARY = "libserverguard.so"
+# Files the server and its stubs create are the user's alone; the guard library makes the
+# Python backend's /dev/shm IPC regions (which hold requests and responses) honour it too.
+SERVER_UMASK = 0o077
 
 
 class ServerError(RuntimeError):
@@ -55,7 +72,7 @@ class ServerError(RuntimeError):
 
 
 def new_api_key() -> str:
-    """A random key for the model-repository API (256 bits, URL-safe characters)."""
+    """A random key for the restricted APIs (256 bits, URL-safe characters)."""
     return secrets.token_urlsafe(32)
 
 
@@ -68,14 +85,24 @@ def check_api_key(key: str) -> str:
 
 
 def repository_headers(api_key: Optional[str]) -> dict[str, str]:
-    """Headers for model-repository calls (tritonclient's `headers=`), good for HTTP and gRPC clients."""
+    """Headers for calls to the restricted APIs (tritonclient's `headers=`), good for HTTP and gRPC clients."""
     return {API_KEY_HEADER: api_key, GRPC_API_KEY_HEADER: api_key} if api_key else {}
 
 
-def restricted_api_args(api_key: str) -> list[str]:
-    """Triton flags that refuse model-repository calls over HTTP and gRPC without the key."""
-    return [f"--http-restricted-api=model-repository:{API_KEY_HEADER}={api_key}",
-            f"--grpc-restricted-protocol=model-repository:{API_KEY_HEADER}={api_key}"]
+def restricted_api_args() -> list[str]:
+    """Triton flags that refuse calls to RESTRICTED_APIS over HTTP and gRPC without the key
+    (KEY_MARKER stands for it)."""
+    apis = ",".join(RESTRICTED_APIS)
+    return [f"--http-restricted-api={apis}:{API_KEY_HEADER}={KEY_MARKER}",
+            f"--grpc-restricted-protocol={apis}:{API_KEY_HEADER}={KEY_MARKER}"]
+
+
+def guard_library() -> Path:
+    """The library preloaded into tritonserver (cython_ext/server_guard.c); ServerError if not built."""
+    path = Path(_ext.__file__).parent / GUARD_LIBRARY
+    if not path.is_file():
+        raise ServerError(f"{path} is missing: build it with `make setup` (pip install -e .)")
+    return path
 
 
 def is_loopback(host: str) -> bool:
@@ -207,13 +234,25 @@ def build_backend_directory(install: ServerInstall, destination: Path, sources: 
     return names
 
 
+def _letter_cases(name: str) -> list[str]:
+    """`name` in every mix of lower and upper case letters, all lower case first."""
+    return ["".join(letters) for letters in itertools.product(*(dict.fromkeys((c.lower(), c.upper())) for c in name))]
+
+
 def header_forward_args(pattern: str) -> list[str]:
     """Triton flags that forward HTTP and gRPC headers matching `pattern` to models; ServerError
-    when the pattern would forward the API key header (HTTP or gRPC name)."""
+    when the pattern is not one Triton's RE2 takes, or would forward the API key header: its HTTP
+    name in any letter case (HTTP header names are case-insensitive), its gRPC name (gRPC
+    metadata names are lower case)."""
+    options = re2.Options()
+    options.log_errors = False  # the error goes into our one line
     try:
-        leaks = [name for name in (API_KEY_HEADER, GRPC_API_KEY_HEADER) if re.search(pattern, name)]
-    except re.error as error:
-        raise ServerError(f"--forward-headers {pattern!r}: not a regular expression ({error})") from None
+        regex = re2.compile(pattern, options)
+    except re2.error as error:
+        reason = error.args[0].decode(errors="replace") if error.args and isinstance(error.args[0], bytes) else error
+        raise ServerError(f"--forward-headers {pattern!r}: not a regular expression Triton (RE2) accepts "
+                          f"({reason})") from None
+    leaks = [name for name in (*_letter_cases(API_KEY_HEADER), GRPC_API_KEY_HEADER) if regex.search(name)]
     if leaks:
         raise ServerError(f"--forward-headers {pattern!r} matches {leaks[0]}, which would hand every model "
                           f"the API key; name the headers, e.g. {DEFAULT_HEADER_PATTERN!r}")
@@ -323,10 +362,10 @@ def _clean_up(started: dict) -> None:
 class TritonServer:
     """A tritonserver process serving `repositories` with dspark's backends.
 
-    It listens on `host` only (loopback unless the caller opts in). With model control other
-    than `none`, the model-repository API needs `api_key` in the `dspark-api-key` header; a key
-    is generated when none is given. Its temporary folder (backend directory, and the log unless
-    `log_path` is given) is removed when it stops; the log of a server that failed is kept.
+    It listens on `host` only (loopback unless the caller opts in). The RESTRICTED_APIS need
+    `api_key` in the `dspark-api-key` header; a key is generated when none is given. Its
+    temporary folder (backend directory, and the log unless `log_path` is given) is removed when
+    it stops; the log of a server that failed is kept.
     """
 
     repositories: Sequence[Path]
@@ -354,7 +393,7 @@ class TritonServer:
         check_host(self.host)
         if self.api_key:
             check_api_key(self.api_key)
-        elif self.model_control != "none":
+        else:
             self.api_key = new_api_key()
         self._process: Optional[subprocess.Popen] = None
         self._workdir: Optional[Path] = None
@@ -376,7 +415,7 @@ class TritonServer:
 
     @property
     def repository_headers(self) -> dict[str, str]:
-        """Headers for this server's model-repository API (load, unload, index)."""
+        """Headers for this server's restricted APIs (model repository, shared memory, ...)."""
         return repository_headers(self.api_key)
 
     def command(self, install: ServerInstall, backend_directory: Path) -> list[str]:
@@ -395,8 +434,7 @@ class TritonServer:
             f"--log-verbose={self.log_verbose}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
         ]
-        if self.api_key:
-            args += restricted_api_args(self.api_key)
+        args += restricted_api_args()
         if self.model_control == "poll":
             args.append("--repository-poll-secs=2")
         args += [f"--load-model={name}" for name in self.load_models]
@@ -404,15 +442,27 @@ class TritonServer:
         return args
 
     def environment(self, install: ServerInstall) -> dict[str, str]:
-        """The stub runs the first python3 on PATH: make it this interpreter, so it sees our packages."""
-        env = dict(os.environ)
+        """The stub runs the first python3 on PATH: make it this interpreter, so it sees our packages.
+        The guard library is preloaded; the key stays out (models run in the stubs)."""
+        env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        env["LD_PRELOAD"] = " ".join([str(guard_library()), *filter(None, [env.get("LD_PRELOAD")])])
         library_path = [str(d) for d in install.library_dirs]
         if env.get("LD_LIBRARY_PATH"):
             library_path.append(env["LD_LIBRARY_PATH"])
         if library_path:
             env["LD_LIBRARY_PATH"] = os.pathsep.join(library_path)
         return env
+
+    def launch_environment(self, install: ServerInstall) -> tuple[dict[str, str], int]:
+        """environment() with KEY_FD_ENV naming the read end of a new pipe that holds the key, and
+        that descriptor: pass it to tritonserver (started with SERVER_UMASK), then close it."""
+        key_read, key_write = os.pipe()
+        try:
+            os.write(key_write, self.api_key.encode())  # at most 256 bytes: never fills the pipe
+        finally:
+            os.close(key_write)
+        return {**self.environment(install), KEY_FD_ENV: str(key_read)}, key_read
 
     def start(self, timeout_s: float = 120) -> None:
         install = find_server(self.server_path)
@@ -426,14 +476,20 @@ class TritonServer:
             self.log_path = self._workdir / LOG_NAME
         self._log_file = open(self.log_path, "wb")
         self._stop_requested = False
-        self._process = subprocess.Popen(
-            self.command(install, backend_directory),
-            env=self.environment(install),
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # our signal handler decides when the server stops
-        )
+        environment, key_read = self.launch_environment(install)
+        try:
+            self._process = subprocess.Popen(
+                self.command(install, backend_directory),
+                env=environment,
+                pass_fds=(key_read,),
+                umask=SERVER_UMASK,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # our signal handler decides when the server stops
+            )
+        finally:
+            os.close(key_read)
         started["process"] = self._process
         try:
             self._wait_ready(timeout_s)
@@ -459,11 +515,28 @@ class TritonServer:
                 try:
                     with urllib.request.urlopen(url, timeout=1) as response:
                         if response.status == 200 and self.running:
+                            self._check_key_in_force()
                             return
                 except (urllib.error.URLError, ConnectionError, TimeoutError):
                     pass
             time.sleep(0.2)
         raise ServerError(f"tritonserver was not ready after {timeout_s:.0f} s: {self.first_error()} (log: {self.log_path})")
+
+    def _check_key_in_force(self) -> None:
+        """ServerError unless a restricted API refuses a call without the key and answers one with
+        it: else the guard library did not hand the server its key, and it must not serve."""
+        url = f"http://{self.http_url}/v2/logging"
+        answers = []
+        for headers in ({}, {API_KEY_HEADER: self.api_key}):
+            try:
+                with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as response:
+                    answers.append(response.status)
+            except urllib.error.HTTPError as error:
+                answers.append(error.code)
+        if answers != [403, 200]:
+            raise ServerError(f"tritonserver answered GET /v2/logging with {answers[0]} without the API key and "
+                              f"{answers[1]} with it (expected 403, 200): the key did not reach it through "
+                              f"{GUARD_LIBRARY}; not serving (log: {self.log_path})")
 
     def first_error(self) -> str:
         """The most telling line of the log: the first model or server error, not the CUDA noise."""

@@ -67,7 +67,8 @@ def provider_server(request, tmp_path_factory):
 
 
 def model_states_all(server) -> list[dict]:
-    return requests.post(f"http://{server.http_url}/v2/repository/index", json={}, timeout=10).json()
+    return requests.post(f"http://{server.http_url}/v2/repository/index", json={}, headers=server.repository_headers,
+                         timeout=10).json()
 
 
 def model_states(server) -> dict[str, dict]:

@@ -1,13 +1,19 @@
-"""A server with explicit model control: the model-repository API behind a key, loopback only,
-configuration errors that name their parameter, and onnx models loaded, reloaded and unloaded
-while requests are in flight."""
+"""A server with explicit model control: the model-repository, shared-memory, logging, trace and
+statistics APIs behind a key (in every control mode) that no other local user can read, owner-only
+IPC regions, loopback only, configuration errors that name their parameter, and onnx models
+loaded, reloaded and unloaded while requests are in flight."""
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shutil
 import socket
+import stat
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -15,10 +21,11 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as client_shm
 from tritonclient.utils import InferenceServerException
 
 from dspark.paths import project_root
-from dspark.triton.server import API_KEY_HEADER, GRPC_API_KEY_HEADER
+from dspark.triton.server import API_KEY_ENV, API_KEY_HEADER, GRPC_API_KEY_HEADER, shared_memory_regions
 from tests.conftest import serving
 
 pytestmark = pytest.mark.integration
@@ -54,9 +61,13 @@ def control_server(tmp_path_factory, request):
     (fused / "config.pbtxt").write_text((DEMO / "fused_transformer/config.pbtxt").read_text()
                                         .replace('name: "fused_transformer"', 'name: "bad_numa"')
                                         .replace('string_value: "0"', 'string_value: "x"'))
-    with serving(request, [repository], model_control="explicit",
-                 load_models=["classifier", "loose_classifier"]) as server:
-        yield server
+    # The key comes from the environment, as `dspark serve` and the Kubernetes entrypoint take it.
+    key = secrets.token_urlsafe(32)
+    with pytest.MonkeyPatch.context() as environment:
+        environment.setenv(API_KEY_ENV, key)
+        with serving(request, [repository], model_control="explicit", api_key=key,
+                     load_models=["classifier", "loose_classifier"]) as server:
+            yield server
 
 
 def _features(rows: int = 2, seed: int = 0) -> np.ndarray:
@@ -88,6 +99,108 @@ def test_the_repository_api_needs_the_key_over_http_and_grpc(control_server):
     index = {entry["name"]: entry for entry in http.get_model_repository_index(headers=headers)}
     assert index["classifier"]["state"] == "READY"
     assert _infer(control_server, "classifier", _features()).shape == (2, 4)
+
+
+HTTP_REFUSAL = "This API is restricted, expecting header 'dspark-api-key'"
+GRPC_REFUSAL = "This protocol is restricted, expecting header 'triton-grpc-protocol-dspark-api-key'"
+
+
+def _restricted_calls(stub_region: str) -> list[tuple[str, tuple, dict]]:
+    """(client method, arguments, keyword arguments) of every restricted call but the repository's;
+    the first is the crash recipe's first step: a model stub's IPC region as a client's region."""
+    return [
+        ("register_system_shared_memory", ("stolen", f"/{stub_region}", 4096), {}),
+        ("get_system_shared_memory_status", (), {}),
+        ("unregister_system_shared_memory", (), {}),
+        ("register_cuda_shared_memory", ("gpu", b"\0" * 64, 0, 4096), {}),
+        ("get_cuda_shared_memory_status", (), {}),
+        ("unregister_cuda_shared_memory", (), {}),
+        ("get_log_settings", (), {}),
+        ("update_log_settings", ({"log_verbose_level": 1},), {}),
+        ("get_trace_settings", (), {}),
+        ("update_trace_settings", (), {"settings": {"trace_level": ["TIMESTAMPS"]}}),
+        ("get_inference_statistics", (), {}),
+    ]
+
+
+def _open_calls(client, calls, headers: dict, refusal: str) -> list[str]:
+    """The calls that were not refused with `refusal`."""
+    open_calls = []
+    for name, args, kwargs in calls:
+        try:
+            getattr(client, name)(*args, headers=headers, **kwargs)
+            open_calls.append(name)
+        except InferenceServerException as error:
+            if refusal not in str(error):
+                open_calls.append(f"{name}: {error}")
+    return open_calls
+
+
+@pytest.mark.parametrize("fixture, model", [("triton_server", "mlp_classifier"), ("control_server", "classifier")])
+def test_shared_memory_logging_trace_and_statistics_need_the_key_in_every_control_mode(request, fixture, model):
+    """Without the key (or with a wrong one) every call is refused over HTTP and gRPC, registering
+    a stub's IPC region included (which crashed the server once another model's output was written
+    into it), and nothing is registered or changed; with the key a client's own region registers."""
+    server = request.getfixturevalue(fixture)
+    http = httpclient.InferenceServerClient(server.http_url)
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    calls = _restricted_calls(sorted(shared_memory_regions(server._process.pid))[0].name)
+    wrong = {API_KEY_HEADER: "not-the-key-000000000", GRPC_API_KEY_HEADER: "not-the-key-000000000"}
+    for headers in ({}, wrong):
+        assert _open_calls(http, calls, headers, HTTP_REFUSAL) == []
+        assert _open_calls(grpc, calls, headers, GRPC_REFUSAL) == []
+    key = server.repository_headers
+    assert http.get_system_shared_memory_status(headers=key) == []
+    assert http.get_log_settings(headers=key)["log_verbose_level"] == 0
+    assert http.get_trace_settings(headers=key)["trace_level"] == ["OFF"]
+    assert model in {m["name"] for m in http.get_inference_statistics(headers=key)["model_stats"]}
+    assert "log_info" in grpc.get_log_settings(headers=key, as_json=True)["settings"]
+    regions = {name: (f"/dspark-test-{secrets.token_hex(6)}", client) for name, client in
+               (("client_http", http), ("client_grpc", grpc))}
+    handles = [client_shm.create_shared_memory_region(name, shm_key, 64) for name, (shm_key, _) in regions.items()]
+    try:
+        for name, (shm_key, client) in regions.items():
+            client.register_system_shared_memory(name, shm_key, 64, headers=key)
+        assert {r["name"] for r in http.get_system_shared_memory_status(headers=key)} == set(regions)
+        http.unregister_system_shared_memory(headers=key)
+        assert http.get_system_shared_memory_status(headers=key) == []
+    finally:
+        for handle in handles:
+            client_shm.destroy_shared_memory_region(handle)
+    assert http.is_model_ready(model)
+
+
+def _read_as_another_user(path: str) -> bytes:
+    """The file as an unprivileged user reads it (nobody, when the tests run as root)."""
+    if os.geteuid() != 0:
+        return Path(path).read_bytes()
+    return subprocess.run(["cat", path], user="nobody", capture_output=True, check=True).stdout
+
+
+def test_the_key_is_in_no_process_list_no_environment_and_no_log(control_server):
+    key = control_server.api_key.encode()
+    server_pid = control_server._process.pid
+    command_line = _read_as_another_user(f"/proc/{server_pid}/cmdline")  # what `ps` shows every user
+    assert b"--http-restricted-api=" in command_line and key not in command_line
+    stubs = _stub_processes(control_server)
+    assert len(stubs) >= 2  # classifier, loose_classifier
+    for pid in (server_pid, *(stub.pid for stub in stubs)):
+        environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert [v for v in environment if key in v or v.startswith(API_KEY_ENV.encode() + b"=")] == [], pid
+    assert key.decode() not in control_server.log_text()
+    http = httpclient.InferenceServerClient(control_server.http_url)
+    assert http.get_log_settings(headers=control_server.repository_headers)  # the server does hold it
+
+
+def test_the_model_stubs_ipc_regions_are_owner_only(control_server):
+    """They carry every request and response of a model: no other local user may read them."""
+    regions = shared_memory_regions(control_server._process.pid)
+    assert len(regions) >= 2
+    modes = {region.name: oct(stat.S_IMODE(region.stat().st_mode)) for region in regions}
+    assert set(modes.values()) == {"0o600"}, modes
+    if os.geteuid() == 0:
+        read = subprocess.run(["cat", str(min(regions))], user="nobody", capture_output=True)
+        assert read.returncode == 1 and b"Permission denied" in read.stderr
 
 
 def _non_loopback_addresses() -> list[str]:

@@ -26,7 +26,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def api(triton_server):
-    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.grpc_url)
+    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.grpc_url,
+                          repository_headers=triton_server.repository_headers)
     server.start()
     yield server
     server.stop()
@@ -157,7 +158,8 @@ def test_unknown_model_is_404(client):
 
 
 def test_a_keyed_endpoint_needs_the_bearer_key(triton_server):
-    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.grpc_url, api_key=KEY)
+    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.grpc_url, api_key=KEY,
+                          repository_headers=triton_server.repository_headers)
     server.start()
     try:
         with pytest.raises(openai.AuthenticationError) as denied:

@@ -6,6 +6,7 @@ import re
 import secrets
 import socket
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -13,10 +14,12 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
+import re2
 from click.testing import CliRunner
 
 from dspark._ext import cpu_features
 from dspark.cli.main import cli
+from dspark.paths import project_root
 from dspark.triton.server import (
     API_KEY_HEADER,
     DEFAULT_HEADER_PATTERN,
@@ -25,13 +28,17 @@ from dspark.triton.server import (
     ServerPorts,
     TritonServer,
     build_backend_directory,
+    KEY_FD_ENV,
+    KEY_MARKER,
+    SERVER_UMASK,
     find_server,
     header_forward_args,
 )
 
 # A stand-in for tritonserver: listens where --http-address/--http-port say, answers the
-# readiness check, exits 0 on SIGTERM. FAKE_EXIT_AFTER_S=<s> makes it exit 3 after that long
-# without listening (a server that dies at start).
+# readiness check, refuses GET /v2/logging without the key its --http-restricted-api names (as
+# the preloaded guard library filled it in), exits 0 on SIGTERM. FAKE_EXIT_AFTER_S=<s> makes it
+# exit 3 after that long without listening (a server that dies at start).
 FAKE_TRITON = f"""#!{sys.executable}
 import os, signal, sys, time
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -59,9 +66,11 @@ def stop(*_):
         os.unlink("/dev/shm/" + region)
     sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
+key = args["http-restricted-api"].split("dspark-api-key=", 1)[1]
 class Ready(BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200)
+        allowed = self.path != "/v2/logging" or self.headers.get("dspark-api-key") == key
+        self.send_response(200 if allowed else 403)
         self.end_headers()
     def log_message(self, *a):
         pass
@@ -285,18 +294,41 @@ def test_a_failed_start_keeps_only_its_log_and_names_it(tmp_path, private_tmpdir
     assert str(folder / "tritonserver.log") in str(raised.value)
 
 
-def test_binds_loopback_by_default_and_guards_the_repository_api_unless_control_is_none(tmp_path):
+@pytest.mark.parametrize("control", ["none", "explicit", "poll"])
+def test_binds_loopback_and_restricts_the_same_apis_in_every_control_mode_with_the_key_off_the_command_line(
+        tmp_path, control):
     install = find_server()
-    plain = TritonServer(repositories=[tmp_path]).command(install, tmp_path)
-    assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"} <= set(plain)
-    assert not any("restricted" in arg for arg in plain)
-    explicit = TritonServer(repositories=[tmp_path], model_control="explicit")
-    key = explicit.api_key
-    assert len(key) >= 32 and key != TritonServer(repositories=[tmp_path], model_control="poll").api_key
-    args = explicit.command(install, tmp_path)
-    assert f"--http-restricted-api=model-repository:{API_KEY_HEADER}={key}" in args
-    assert f"--grpc-restricted-protocol=model-repository:{API_KEY_HEADER}={key}" in args
-    assert explicit.repository_headers == {API_KEY_HEADER: key, GRPC_API_KEY_HEADER: key}
+    server = TritonServer(repositories=[tmp_path], model_control=control)
+    args = server.command(install, tmp_path)
+    assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"} <= set(args)
+    key = server.api_key
+    assert len(key) >= 32 and key != TritonServer(repositories=[tmp_path], model_control=control).api_key
+    apis = "model-repository,shared-memory,logging,trace,statistics"
+    assert f"--http-restricted-api={apis}:{API_KEY_HEADER}={KEY_MARKER}" in args
+    assert f"--grpc-restricted-protocol={apis}:{API_KEY_HEADER}={KEY_MARKER}" in args
+    assert not any(key in arg for arg in args)
+    assert server.repository_headers == {API_KEY_HEADER: key, GRPC_API_KEY_HEADER: key}
+
+
+def test_the_key_stays_out_of_the_server_environment_and_the_guard_library_is_preloaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_API_KEY", "k" * 20)
+    monkeypatch.setenv("LD_PRELOAD", "/some/other.so")
+    env = TritonServer(repositories=[tmp_path]).environment(find_server())
+    assert "DSPARK_API_KEY" not in env and not any("k" * 20 in value for value in env.values())
+    guard, other = env["LD_PRELOAD"].split(" ")
+    assert guard.endswith("/libserverguard.so") and Path(guard).is_file() and other == "/some/other.so"
+
+
+def test_a_server_that_does_not_hold_the_key_is_stopped(tmp_path, monkeypatch):
+    """The fake ignores what the guard library filled in and wants the marker itself as its key:
+    the check after readiness sees the key refused, and start() stops it with one line."""
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON.replace('split("dspark-api-key=", 1)[1]', 'split("dspark-api-key=", 1)[1] and "'
+                                          + KEY_MARKER + '"'))
+    server = TritonServer(repositories=[tmp_path], server_path=str(binary))
+    with pytest.raises(ServerError, match="with 403 without the API key and 403 with it .* not serving"):
+        server.start(timeout_s=20)
+    assert not server.running
 
 
 @pytest.mark.parametrize("key", ["short", "has space in it......", "x" * 257, "comma,equals=aaaaaaaaaaa"])
@@ -347,7 +379,8 @@ def test_a_host_that_is_not_an_address_is_refused(tmp_path):
         TritonServer(repositories=[tmp_path], host="example.com")
 
 
-@pytest.mark.parametrize("pattern", ["dspark-.*", "api-key", "(?i)DSPARK-API", "protocol-dspark"])
+@pytest.mark.parametrize("pattern", ["dspark-.*", "api-key", "(?i)DSPARK-API", "protocol-dspark",
+                                     "^dspark-[[:lower:]-]+$", r"^dspark-\pL+-\pL+$", "^Dspark-Api-Key$"])
 def test_a_header_pattern_that_would_forward_the_api_key_is_refused(tmp_path, pattern):
     ports = ServerPorts.free()
     result = CliRunner().invoke(cli, ["serve", "-r", str(tmp_path), "--forward-headers", pattern,
@@ -358,8 +391,102 @@ def test_a_header_pattern_that_would_forward_the_api_key_is_refused(tmp_path, pa
     assert len(lines) == 1 and "would hand every model the API key" in lines[0], result.output
 
 
+@pytest.mark.parametrize("pattern", ["^dspark-(?=tier)", r"^dspark-(tier)\1$", "[a-"])
+def test_a_header_pattern_triton_cannot_compile_is_refused_in_one_line(tmp_path, pattern):
+    ports = ServerPorts.free()
+    result = CliRunner().invoke(cli, ["serve", "-r", str(tmp_path), "--forward-headers", pattern,
+                                      f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
+                                      f"--metrics-port={ports.metrics}"])
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "not a regular expression Triton (RE2) accepts" in lines[0], result.output
+
+
 def test_the_default_header_pattern_forwards_the_router_headers_and_not_the_key():
     http_flag = header_forward_args(DEFAULT_HEADER_PATTERN)[0]
     pattern = http_flag.split("=", 1)[1]
     assert [name for name in ("dspark-tier", "dspark-user-id", "dspark-tierx", API_KEY_HEADER, GRPC_API_KEY_HEADER)
-            if re.search(pattern, name)] == ["dspark-tier", "dspark-user-id"]
+            if re2.search(pattern, name)] == ["dspark-tier", "dspark-user-id"]
+
+
+# Run under the guard library: prints the argument it got, the same argument as the process list
+# shows it, and whether $DSPARK_KEY_FD is still set.
+GUARD_PROBE = ("import os, sys; print(sys.argv[1]); print(open('/proc/self/cmdline').read().split(chr(0))[3]); "
+               "print(os.environ.get('DSPARK_KEY_FD'))")
+
+
+def _under_guard(environment: dict, key_fd=None, umask: int = 0o022, code: str = GUARD_PROBE):
+    return subprocess.run([sys.executable, "-c", code, f"--http-restricted-api=logging:dspark-api-key={KEY_MARKER}"],
+                          env=environment, pass_fds=() if key_fd is None else (key_fd,), umask=umask,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_guard_library_hands_the_key_to_the_program_but_not_to_the_process_list(tmp_path):
+    server = TritonServer(repositories=[tmp_path], api_key="k" * 24)
+    environment, key_fd = server.launch_environment(find_server())
+    try:
+        run = _under_guard(environment, key_fd)
+    finally:
+        os.close(key_fd)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["--http-restricted-api=logging:dspark-api-key=" + "k" * 24,
+                                       f"--http-restricted-api=logging:dspark-api-key={KEY_MARKER}", "None"]
+
+
+@pytest.mark.parametrize("case", ["no pipe", "short key"])
+def test_the_guard_library_stops_a_program_whose_key_did_not_come(tmp_path, case):
+    """Else the server would take the marker, which anyone reads in the process list, for its key."""
+    environment = TritonServer(repositories=[tmp_path]).environment(find_server())
+    key_fd = None
+    if case == "short key":
+        key_fd, key_write = os.pipe()
+        os.write(key_write, b"short")
+        os.close(key_write)
+        environment[KEY_FD_ENV] = str(key_fd)
+    try:
+        run = _under_guard(environment, key_fd)
+    finally:
+        if key_fd is not None:
+            os.close(key_fd)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.startswith("error: dspark server guard: ")
+    assert ("names no pipe with the key" if case == "no pipe" else "is not 16 to 256 characters") in run.stderr
+
+
+def test_the_guard_library_keeps_the_umask_on_shared_memory_that_boost_would_open_to_all(tmp_path):
+    """Boost.Interprocess creates a region, then fchmod()s it to 0644: under the guard and umask 077
+    the region stays 0600, while fchmod of a file elsewhere is left alone."""
+    region = Path(f"/dev/shm/dspark_test_{os.getpid()}_{secrets.token_hex(4)}")
+    other = tmp_path / "other"
+    code = ("import os, sys\nfor path in sys.argv[2:]:\n"
+            "    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)\n    os.fchmod(fd, 0o644)\n")
+    environment = TritonServer(repositories=[tmp_path]).environment(find_server())
+    try:
+        run = subprocess.run([sys.executable, "-c", code, "-", str(region), str(other)], env=environment,
+                             umask=SERVER_UMASK, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        assert stat.S_IMODE(region.stat().st_mode) == 0o600
+        assert stat.S_IMODE(other.stat().st_mode) == 0o644
+    finally:
+        region.unlink(missing_ok=True)
+
+
+def test_the_kubernetes_entrypoint_hands_the_key_through_the_pipe(tmp_path):
+    """deploy/k8s/entrypoint.py execs the server itself: the fake gets DSPARK_API_KEY's key in its
+    arguments (it prints them, then waits without listening), its command line holds only the marker."""
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    key = secrets.token_urlsafe(32)
+    environment = {**os.environ, "TRITONSERVER": str(binary), "DSPARK_API_KEY": key, "FAKE_EXIT_AFTER_S": "30",
+                   "LOCAL_REPOSITORY": str(tmp_path), "MODEL_REPOSITORY": str(tmp_path)}
+    entrypoint = subprocess.Popen([sys.executable, str(project_root() / "deploy/k8s/entrypoint.py")],
+                                  env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        arguments = entrypoint.stdout.readline()
+        assert f"--http-restricted-api=model-repository,shared-memory,logging,trace,statistics:" \
+               f"{API_KEY_HEADER}={key}" in arguments, arguments
+        command_line = Path(f"/proc/{entrypoint.pid}/cmdline").read_bytes()
+        assert KEY_MARKER.encode() in command_line and key.encode() not in command_line
+    finally:
+        entrypoint.kill()
+        entrypoint.wait(timeout=30)
