@@ -132,8 +132,6 @@ def random_k_blocks(rng, kind: str, shape: tuple[int, ...], scale: float = 1.0) 
 
 def _override(writer, key: str, value) -> None:
     """Write ``key`` with the type its Python value has (a later value wins when read)."""
-    import gguf
-
     if isinstance(value, bool):
         writer.add_bool(key, value)
     elif isinstance(value, int):
@@ -143,4 +141,4 @@ def _override(writer, key: str, value) -> None:
     elif isinstance(value, str):
         writer.add_string(key, value)
     else:
-        writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY)
+        writer.add_array(key, value)

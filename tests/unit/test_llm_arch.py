@@ -204,3 +204,15 @@ def test_huge_counts_are_refused_before_any_loop(tmp_path):
     with pytest.raises(ConfigError, match="2\\*\\*40|1099511627776 strings run past the end"):
         GGUFModel(path)
     assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize("merges,found", [(["Ġ zzz"], "not usable with tokenizer.ggml.tokens"),
+                                          (["nospace"], "not two tokens separated by one space")])
+def test_bad_merges_are_refused_naming_the_field(tmp_path, merges, found):
+    from dspark.llm.importer import import_gguf
+
+    path = write_llama_gguf(tmp_path / "m.gguf", **WIDE, metadata={"tokenizer.ggml.merges": merges})
+    with pytest.raises(ConfigError) as error:
+        import_gguf(path, tmp_path / "out")
+    assert "tokenizer.ggml.merges" in str(error.value) and found in str(error.value), str(error.value)
+    assert not (tmp_path / "out").exists()
