@@ -1,4 +1,4 @@
-"""Training prompts for the DSpark drafter, in the benchmark's four kinds (issue 10 item 8).
+"""Training prompts for the DSpark drafter, in the benchmark's four kinds.
 
 The drafter learns to predict what the TARGET says, so training sequences are these prompts
 followed by the target's own answers (self-distillation, tools/train_dspark.py gather). Text

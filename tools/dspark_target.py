@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-TAP_LAYERS = (3, 15, 27)  # = dspark.llm.taps.TAP_LAYERS (contract C1); checked in train_dspark.py
+TAP_LAYERS = (3, 15, 27)  # = dspark.llm.taps.TAP_LAYERS; checked in train_dspark.py
 
 
 def smollm2_gguf_path() -> Path:

@@ -5,7 +5,7 @@ it has, so the rows of several requests' rounds verified together cost little mo
 request's. ``RoundBatcher`` runs the rounds of all active generations in lockstep on one
 thread: each plans (proposes), the target's ``forward_batch`` scores all their rows, each
 commits. Greedy output stays identical to plain decoding as long as the runtime's batched rows
-equal its single rows bit for bit (contract C1).
+equal its single rows bit for bit.
 
 Prompts: where the runtime can leave a call's prompt rows without logits (``skips_logits``),
 a new request's prompt is read in the same calls, one chunk of at most ``PREFILL_CHUNK`` rows a

@@ -5,8 +5,8 @@ rejection sampler keeps the longest accepted path and adds the target's own next
 What is guessed comes from a ``Proposer`` (``dspark.decoding.proposers``), selected per request
 by ``speculative.method``; how guesses are accepted from ``dspark.decoding.rejection``. Greedy
 acceptance follows the target's argmax, so the output equals plain decoding token for token: the
-target's rows are bit-identical however they are batched (see ``onnx_lm``, and contract C1 for
-the real-LLM runtimes). Sampled acceptance is lossless speculative sampling.
+target's rows are bit-identical however they are batched (see ``onnx_lm`` and
+``dspark.llm.kernel_runtime``). Sampled acceptance is lossless speculative sampling.
 
 A ``Generation`` is one request's loop, split into ``plan`` (propose; the rows to verify) and
 ``commit`` (accept, update the caches and the drafter) so that ``dspark.decoding.batching`` can

@@ -130,8 +130,8 @@ class OnnxLM:
 
     def forward_batch(self, items) -> list[np.ndarray]:
         """Several requests' rows: ``items`` of (cache, tokens, positions, tree_mask). This graph
-        has no batch dimension, so it runs them one after another (the interface of contract
-        C1; the real-LLM runtimes share one pass)."""
+        has no batch dimension, so it runs them one after another (the target-runtime
+        interface; the real-LLM runtimes share one pass)."""
         return [self.forward(cache, tokens, positions, tree_mask) for cache, tokens, positions, tree_mask in items]
 
 

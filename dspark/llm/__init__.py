@@ -1,1 +1,1 @@
-"""The real-LLM runtime (issue 10): GGUF reader, tokenizer, target runtimes."""
+"""LLMs from GGUF files: reader, tokenizers, target runtimes, reference and evaluation."""

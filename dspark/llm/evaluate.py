@@ -42,7 +42,7 @@ def perplexity(logits_of: Callable[[Sequence[int]], np.ndarray], tokens: Sequenc
 
 
 def runtime_logits(runtime) -> Callable[[Sequence[int]], np.ndarray]:
-    """``logits_of`` for a C1 runtime: one pass over the window in a fresh cache."""
+    """``logits_of`` for a target runtime: one pass over the window in a fresh cache."""
     def logits_of(tokens: Sequence[int]) -> np.ndarray:
         cache = runtime.new_cache(len(tokens))
         return runtime.forward(cache, tokens, np.arange(len(tokens)))

@@ -1,4 +1,4 @@
-"""The target LLM on dspark's own C kernels (contract C1): a llama-architecture GGUF run
+"""The target LLM on dspark's own C kernels: a GGUF of the llama family run
 straight from its 4/8-bit blocks by ``dspark._ext.llama`` (cython_ext/llama_*.c).
 
 Why it exists: speculative decoding on a CPU pays off only if verifying n draft rows costs
@@ -226,7 +226,7 @@ def default_threads() -> int:
 
 
 class KernelRuntime:
-    """A llama GGUF on dspark's C kernels, with the C1 interface (config, new_cache, forward,
+    """A llama GGUF on dspark's C kernels, with the target-runtime interface (config, new_cache, forward,
     want_taps, logit_rows, forward_batch) plus ``project`` through the head or a vocabulary
     subset of it (``head_subset``)."""
     exact_trees = True  # a tree row's logits are bitwise a chain's (docs/llm_kernels.md)

@@ -12,7 +12,7 @@ the verification of a chain or a tree of draft tokens alike:
   itself. ``present_*`` outputs are bound to the same buffers (ORT's GroupQueryAttention then
   writes the T new rows in place at ``seqlens_k + 1 - T``), so no cache is copied per call;
 * outputs ``logits`` ``[R, vocab]`` and ``taps`` ``[B*T, len(tap_layers) * hidden]``: the
-  residual stream after each tapped block (contract C1's TAP_LAYERS; see
+  residual stream after each tapped block (TAP_LAYERS; see
   :func:`default_tap_layers` for shallower models), for the DSpark drafter.
 
 Per block: RMSNorm (fused with the residual add: ``SkipSimplifiedLayerNormalization``), the

@@ -1,4 +1,4 @@
-"""The target runtime of contract C1 on ONNX Runtime: a graph from :mod:`dspark.llm.onnx_graph`.
+"""The target runtime (the interface KernelRuntime also has) on ONNX Runtime: a graph from :mod:`dspark.llm.onnx_graph`.
 
 ``OnnxLlama(path)`` serves one imported model. Its KV caches live in a pool of ``max_batch``
 slots per layer (``[slots, kv_heads, rows, head_dim]``, float32: ORT's CPU attention casts a float16
@@ -131,7 +131,7 @@ def graph_metadata(session: ort.InferenceSession, path) -> tuple[LlamaConfig, st
 
 
 class OnnxLlama:
-    """Contract C1's target runtime on ONNX Runtime (see module docstring).
+    """The target runtime on ONNX Runtime (see module docstring).
 
     ``max_context`` bounds a cache (``config.ctx`` reports it); ``max_batch`` is the number of
     pooled caches that can share one call (further caches get a pool of their own).

@@ -1,3 +1,3 @@
-"""Which target layers the DSpark drafter reads (contract C1, fixed by the lead)."""
+"""Which target layers the DSpark drafter reads (its training and the runtimes agree on them)."""
 
 TAP_LAYERS = (3, 15, 27)

@@ -162,7 +162,7 @@ DATATYPES = {np.dtype(np.int64): "INT64", np.dtype(np.bool_): "BOOL", np.dtype(n
       "inconsistent with each other (sizes T=3, S=7, P=2)", "broadcast"]),
 ], ids=["named-dim", "undeclared-relation"])
 def test_inputs_inconsistent_with_each_other_get_invalid_arg_naming_them(triton_server, shapes, words):
-    """Each tensor passes Triton's own check; together they do not fit the graph (issue 9, item 8)."""
+    """Each tensor passes Triton's own check; together they do not fit the graph."""
     arrays = spec_target_inputs(triton_server, **shapes)
     datatypes = {name: DATATYPES[array.dtype] for name, array in arrays.items()}
     with pytest.raises(InferenceServerException) as raised:

@@ -1,5 +1,5 @@
 """Hostile calls to every public entry point of dspark's compiled code: each raises a Python
-exception naming the argument, instead of crashing or corrupting memory (issue 9 item 13).
+exception naming the argument, instead of crashing or corrupting memory.
 
 `make sanitize` runs this file, with the kernel unit tests, against an ASan + UBSan build of
 cython_ext/, where an unchecked call would be reported even when it happens not to crash."""
