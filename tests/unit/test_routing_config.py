@@ -40,15 +40,25 @@ def test_load_and_round_trip(tmp_path):
     ("tiers: {gold: {weight: 0, deadline_ms: 5}}\ndefault_tier: gold", "tiers.gold.weight"),
     ("tiers: {gold: {weight: 1, deadline_ms: 5, colour: 3}}", "tiers.gold.colour: unknown field"),
     ("default_tier: platinum", "default_tier: 'platinum' is not one of the tiers"),
-    ("max_inflight: -1", "max_inflight: must be 'auto' (the target's instance count) or a whole number >= 1, got -1"),
+    ("max_inflight: -1", "max_inflight: must be 'auto' (the target's instance count) or a whole number from 1 to 256, got -1"),
     ("max_inflight: many", "max_inflight: must be 'auto'"),
-    ("max_inflight: 2.7", "max_inflight: must be 'auto' (the target's instance count) or a whole number >= 1, got 2.7"),
+    ("max_inflight: 2.7", "max_inflight: must be 'auto' (the target's instance count) or a whole number from 1 to 256, got 2.7"),
     ("tiers: {gold: {weight: .inf, deadline_ms: 5}}\ndefault_tier: gold", "tiers.gold.weight: Input should be a finite number"),
     ("tiers: {gold: {weight: .nan, deadline_ms: 5}}\ndefault_tier: gold", "tiers.gold.weight: Input should be a finite number"),
     ("tiers: {gold: {weight: -2, deadline_ms: 5}}\ndefault_tier: gold", "tiers.gold.weight: Input should be greater than 0"),
     ("tiers: {gold: {weight: true, deadline_ms: 5}}\ndefault_tier: gold", "tiers.gold.weight: Input should be a valid number"),
     ("tiers: {gold: {weight: 1, deadline_ms: 5, max_queue: 2.5}}\ndefault_tier: gold", "tiers.gold.max_queue: Input should be a valid integer"),
     ("tiers: {gold: {weight: 1, deadline_ms: 5, timeout_ms: 0}}\ndefault_tier: gold", "tiers.gold.timeout_ms: Input should be greater than 0"),
+    ("tiers: {gold: {weight: 1, deadline_ms: 5, timeout_ms: 1.0e+308}}\ndefault_tier: gold",
+     "tiers.gold.timeout_ms: Input should be less than or equal to 86400000"),
+    ("tiers: {gold: {weight: 1, deadline_ms: 1.0e+308}}\ndefault_tier: gold",
+     "tiers.gold.deadline_ms: Input should be less than or equal to 86400000"),
+    ("tiers: {gold: {weight: 1.0e+308, deadline_ms: 5}}\ndefault_tier: gold",
+     "tiers.gold.weight: Input should be less than or equal to 1000000"),
+    ("fluctuation: {max: 1.0e+308}", "fluctuation.max: Input should be less than or equal to 100"),
+    ("max_inflight: 99999999999", "max_inflight: must be 'auto' (the target's instance count) or a whole number from 1 to 256, got 99999999999"),
+    ("top_tier_headroom: 1000", "top_tier_headroom: Input should be less than or equal to 256"),
+    ("cancel_check_ms: 1.0e+308", "cancel_check_ms: Input should be less than or equal to 86400000"),
     ("top_tier_headroom: 0.5", "top_tier_headroom: Input should be a valid integer"),
     ("inline_max_ms: -1", "inline_max_ms: Input should be greater than or equal to 0"),
     ("shares: {1: .nan}", r"shares[1]: Input should be a finite number"),
@@ -152,6 +162,26 @@ def test_route_set_changes_the_fast_path_threshold(tmp_path):
     assert RoutingConfig.load(tmp_path / "router_demo" / "routing.yaml").inline_max_ms == 0
     shown = CliRunner().invoke(route, ["show", "-r", str(tmp_path), "-m", "router_demo"])
     assert "fast path while the target answers within 0 ms" in shown.output
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--max-inflight", "99999999999", "max_inflight: must be 'auto' (the target's instance count) or a whole number from 1 to 256"),
+    ("--weight", "gold=1e308", "tiers.gold.weight: Input should be less than or equal to 1000000"),
+    ("--deadline-ms", "gold=1e308", "tiers.gold.deadline_ms: Input should be less than or equal to 86400000"),
+])
+def test_route_set_refuses_a_huge_value_naming_the_field(tmp_path, option, value, message):
+    import shutil
+
+    from click.testing import CliRunner
+
+    from dspark.cli.route import route
+    from dspark.paths import project_root
+
+    shutil.copytree(project_root() / "model_repository" / "router_demo", tmp_path / "router_demo")
+    before = (tmp_path / "router_demo" / "routing.yaml").read_text()
+    result = CliRunner().invoke(route, ["set", "-r", str(tmp_path), "-m", "router_demo", option, value])
+    assert result.exit_code == 1 and message in result.output
+    assert (tmp_path / "router_demo" / "routing.yaml").read_text() == before
 
 
 @pytest.mark.parametrize("raw, tier, user", [
