@@ -34,8 +34,8 @@ INSTALL_HINT = (
 # Headers Triton passes to models as request parameters (the router reads dspark-tier, dspark-user-id).
 # Triton forwards a header to models when the pattern matches anywhere in its name (RE2
 # PartialMatch), so the default names the router's headers exactly: "dspark-.*" would also hand
-# every model the repository API key.
-DEFAULT_HEADER_PATTERN = "^dspark-(tier|user-id)$"
+# every model the repository API key. Header names are case-insensitive; RE2 matches them as sent.
+DEFAULT_HEADER_PATTERN = "(?i)^dspark-(tier|user-id)$"
 PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 STUB_NAME = "triton_python_backend_stub"
 LOG_NAME = "tritonserver.log"

@@ -191,6 +191,8 @@ def test_route_set_refuses_a_huge_value_naming_the_field(tmp_path, option, value
     ('{"dspark-tier": "diamond", "dspark-user-id": 42}', "diamond", "42"),
     ('{"tier": "gold", "dspark-tier": "diamond"}', "gold", None),  # a parameter wins over a header
     ('{"tier": "", "dspark-tier": "diamond", "other": [1, 2]}', "diamond", None),
+    ('{"Dspark-Tier": "diamond", "DSPARK-USER-ID": "bob"}', "diamond", "bob"),  # header names: any case
+    ('{"Tier": "gold"}', None, None),  # a parameter's name is the client's own: exact
 ])
 def test_request_parameters(raw, tier, user):
     from dspark.routing.request import parse_parameters
