@@ -2,8 +2,9 @@
 
 It lives in a YAML file next to the router model (``routing.yaml``) so that it can change
 while the server runs: the router re-reads the file when its modification time or size
-changes, and keeps the last valid configuration if the new file is invalid (any file: not
-UTF-8, not YAML, a list or a scalar, keys of mixed types, a bad value).
+changes, and keeps the last valid configuration if the new file is invalid (any file: empty or
+only comments, over 64 KiB, not UTF-8, not YAML, a list or a scalar, keys of mixed types, a bad
+value). A missing file means the defaults.
 
 Parsing is pydantic's: the dataclasses below carry their constraints as type annotations and
 ``parse_routing`` validates a mapping against them, so every error names its field path
@@ -43,6 +44,7 @@ MAX_S = 86_400.0
 MAX_WEIGHT = 1_000_000.0
 MAX_FACTOR = 100.0  # fluctuation.max: base x (1 + f) stays finite for any weight
 MAX_INFLIGHT = 256  # lane threads: up to 2 x max_inflight + headroom of them
+MAX_ROUTING_BYTES = 64 * 1024
 
 # YAML gives numbers their own types: strict types keep `2.7` from becoming 2 and `true` from 1.0
 Positive = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
@@ -229,10 +231,8 @@ def _known_fields(loc: tuple) -> str:
 
 
 def parse_routing(data: Any) -> RoutingConfig:
-    """A mapping (parsed YAML) as a RoutingConfig, field by field; an empty file means the
-    defaults. Raises ConfigError naming the field path."""
-    if data is None:
-        data = {}
+    """A mapping (parsed YAML) as a RoutingConfig, field by field. Raises ConfigError naming the
+    field path."""
     if not isinstance(data, Mapping):
         raise ConfigError("", f"the routing file must be a mapping of fields ({_known_fields(())}), "
                               f"got {type(data).__name__} {data!r:.60}")
@@ -256,9 +256,13 @@ def load_routing(path: Path, allowed_versions: set[int] | None = None) -> Routin
     """Read and validate a routing file; ConfigError names the file and the field."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_ROUTING_BYTES + 1)
     except OSError as exc:
         raise ConfigError("", f"cannot read: {exc.strerror or exc}", path) from None
+    if len(raw) > MAX_ROUTING_BYTES:
+        raise ConfigError("", f"larger than {MAX_ROUTING_BYTES // 1024} KiB, the most a routing file may be "
+                              "(it is parsed on the router's clock thread, which enforces the deadlines)", path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -268,6 +272,10 @@ def load_routing(path: Path, allowed_versions: set[int] | None = None) -> Routin
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError("", f"not valid YAML: {exc}", path) from None
+    if data is None:
+        raise ConfigError("", "has no fields (empty, only comments, or cut short while being written): write "
+                              "the whole file (`dspark route set` replaces it in one rename), or delete it "
+                              "for the defaults", path)
     try:
         return parse_routing(data).validate(allowed_versions)
     except ConfigError as exc:

@@ -1,6 +1,8 @@
 """Routing config: file format, validation messages naming the field, watching for changes."""
 
 import os
+import time
+from pathlib import Path
 
 import pytest
 
@@ -125,6 +127,30 @@ def test_watcher_survives_any_file_and_applies_the_next_valid_one(tmp_path, garb
     assert watcher.config.version == 3, "the last good config stays"
     RoutingConfig(shares={2: 100.0}, version=9).save(path)
     assert watcher.poll().version == 9 and watcher.config.shares == {2: 100.0}
+
+
+DEMO_ROUTING = (Path(__file__).parents[2] / "model_repository" / "router_demo" / "routing.yaml").read_bytes()
+
+
+@pytest.mark.parametrize("text, why", [
+    (b"", "has no fields (empty, only comments, or cut short while being written)"),
+    (b"\n  \n", "has no fields"),
+    (DEMO_ROUTING[:40], "has no fields"),  # the demo's file cut inside its first (comment) line
+    (b"version: 1\n" + b"# padding\n" * 1_100_000, "larger than 64 KiB, the most a routing file may be"),
+])
+def test_an_empty_truncated_or_huge_routing_file_is_rejected_and_the_last_good_config_stays(tmp_path, text, why):
+    path = tmp_path / "routing.yaml"
+    path.write_text(EXAMPLE)
+    watcher = ConfigWatcher(path, {1, 2})
+    path.write_bytes(text)
+    os.utime(path, ns=(10**9, 10**9))
+    started = time.monotonic()
+    assert watcher.poll() is None and why in watcher.last_error
+    assert time.monotonic() - started < 0.5, "a huge file is refused without parsing it"
+    assert watcher.config.version == 3, "the last good config stays"
+    with pytest.raises(ConfigError) as info:
+        RoutingConfig.load(path)
+    assert str(info.value).startswith(f"{path}: {why}")
 
 
 def test_update_routing_bumps_the_version_and_validates(tmp_path):
