@@ -49,6 +49,9 @@ def server_options(function):
                      help="Path of a tritonserver binary (default: $TRITONSERVER, the nvidia-pytriton wheel, PATH)."),
         click.option("--forward-headers", default=DEFAULT_HEADER_PATTERN, show_default=True,
                      help="Regex of HTTP/gRPC headers Triton forwards to models as request parameters."),
+        click.option("--exit-on-error/--keep-serving", default=True, show_default=True,
+                     help="Whether a model that fails to load stops the server (Triton's default), or the "
+                          "server serves the other models and prints why that one failed."),
         click.option("--openai-port", type=click.IntRange(1, 65535), default=None,
                      help="Also serve the OpenAI-compatible API (/v1/chat/completions, ...) on this port, on "
                           "--host. Off by default. Beyond loopback it needs the API key as a Bearer token."),
@@ -60,7 +63,7 @@ def server_options(function):
 
 def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_port: int, metrics_port: int,
                  model_control: str, load_models: Sequence[str], api_key, log_verbose: int, log_file, server_path,
-                 forward_headers: str, openai_port=None) -> tuple[TritonServer, object]:
+                 forward_headers: str, exit_on_error: bool = True, openai_port=None) -> tuple[TritonServer, object]:
     """Start the server (and the OpenAI API when ``openai_port``: the second item, else None), or
     exit with one line saying why it could not."""
     try:
@@ -76,6 +79,7 @@ def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_p
             extra_args=extra,
             host=host,
             api_key=api_key,
+            exit_on_error=exit_on_error,
         )
         if not is_loopback(host):
             click.echo(f"dspark: warning: --host {host} makes the server reachable from other machines; "
@@ -87,6 +91,8 @@ def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_p
     except KeyboardInterrupt:  # start() has stopped the server already
         click.echo("dspark: interrupted while the server was starting; stopped it", err=True)
         sys.exit(130)
+    for failure in server.load_failures():
+        click.echo(f"dspark: warning: {failure} (serving the other models: --keep-serving)", err=True)
     click.echo(f"dspark: serving {', '.join(str(r) for r in server.repositories)}")
     click.echo(f"  HTTP     http://{server.http_url}")
     click.echo(f"  gRPC     {server.grpc_url}")

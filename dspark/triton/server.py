@@ -40,6 +40,10 @@ PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 STUB_NAME = "triton_python_backend_stub"
 LOG_NAME = "tritonserver.log"
 
+# A model's load failure in Triton's log, with its reason: E1203 05:43:40.558571 23046
+# model_lifecycle.cc:642] "failed to load 'bad' version 1: Invalid argument: ..."
+_LOAD_FAILURE = re.compile(r'^E\d{4} [^\]]*\] "(?P<message>failed to load \'[^\']*\' version \d+: .*?)"?$', re.M)
+
 LOOPBACK = "127.0.0.1"
 # The model-repository API (load, unload, index) can load code: with model control other than
 # `none` it answers only requests carrying this header with the server's key.
@@ -341,6 +345,9 @@ class TritonServer:
     # How long Triton waits on SIGTERM for in-flight requests and open client connections.
     exit_timeout_s: int = 30
     api_key: Optional[str] = None
+    # False: a model that fails to load does not stop the server, which serves the others and
+    # says ready (Triton's --exit-on-error=false --strict-readiness=false)
+    exit_on_error: bool = True
     # After stop(): the shared-memory regions the server left behind (stop removed them).
     left_shm_regions: list[str] = field(default_factory=list, init=False)
     _regions: set[Path] = field(default_factory=set, init=False, repr=False)
@@ -400,6 +407,8 @@ class TritonServer:
         if self.model_control == "poll":
             args.append("--repository-poll-secs=2")
         args += [f"--load-model={name}" for name in self.load_models]
+        if not self.exit_on_error:
+            args += ["--exit-on-error=false", "--strict-readiness=false"]
         args += list(self.extra_args)
         return args
 
@@ -465,8 +474,17 @@ class TritonServer:
             time.sleep(0.2)
         raise ServerError(f"tritonserver was not ready after {timeout_s:.0f} s: {self.first_error()} (log: {self.log_path})")
 
+    def load_failures(self) -> list[str]:
+        """Each model's load failure with its reason (`failed to load 'x' version 1: ...`), as
+        Triton logged it, whatever the reason mentions (CUDA and GPU included)."""
+        return [match["message"] for match in _LOAD_FAILURE.finditer(self.log_text())]
+
     def first_error(self) -> str:
-        """The most telling line of the log: the first model or server error, not the CUDA noise."""
+        """The most telling line of the log: the first model's load failure, else the first
+        server error that is not the CUDA noise of a start on a machine without a GPU."""
+        failures = self.load_failures()
+        if failures:
+            return failures[0] + (f" (and {len(failures) - 1} more models)" if len(failures) > 1 else "")
         noise = ("CUDA", "NVML", "DCGM", "CudaDriverHelper", "pinned memory", "GPU")
         lines = self.log_text().splitlines()
         for marker in ("failed to load", "error:", "Error", "E1", "E0"):
