@@ -19,6 +19,7 @@ from dspark.triton.server import (
     TritonServer,
     header_forward_args,
     is_loopback,
+    is_remote_repository,
 )
 
 
@@ -27,8 +28,9 @@ DEMO_OPENAI_PORT = 8003
 
 def server_options(function):
     options = [
-        click.option("--repository", "-r", "repositories", multiple=True, type=click.Path(path_type=Path),
-                     help="Model repository (repeatable). Default: the demo model_repository/ and ensembles/."),
+        click.option("--repository", "-r", "repositories", multiple=True,
+                     help="Model repository (repeatable): a folder, or s3://[host:port/]bucket/path (also gs://, "
+                          "as://). Default: the demo model_repository/ and ensembles/."),
         click.option("--host", default=LOOPBACK, show_default=True,
                      help="Address to listen on. Loopback by default; 0.0.0.0 exposes the server to the network."),
         click.option("--http-port", default=8000, show_default=True),
@@ -69,7 +71,7 @@ def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_p
     try:
         extra = header_forward_args(forward_headers) if forward_headers else []
         server = TritonServer(
-            repositories=list(repositories) or demo_repositories(),
+            repositories=[r if is_remote_repository(r) else Path(r) for r in repositories] or demo_repositories(),
             ports=ServerPorts(http=http_port, grpc=grpc_port, metrics=metrics_port),
             model_control=model_control,
             load_models=load_models,

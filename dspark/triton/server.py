@@ -20,7 +20,7 @@ import urllib.request
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import psutil
 
@@ -43,6 +43,9 @@ LOG_NAME = "tritonserver.log"
 # A model's load failure in Triton's log, with its reason: E1203 05:43:40.558571 23046
 # model_lifecycle.cc:642] "failed to load 'bad' version 1: Invalid argument: ..."
 _LOAD_FAILURE = re.compile(r'^E\d{4} [^\]]*\] "(?P<message>failed to load \'[^\']*\' version \d+: .*?)"?$', re.M)
+
+# Repositories Triton reads itself (its cloud storage); a local folder is every other string.
+REMOTE_REPOSITORY_PREFIXES = ("s3://", "gs://", "as://")
 
 LOOPBACK = "127.0.0.1"
 # The model-repository API (load, unload, index) can load code: with model control other than
@@ -69,6 +72,12 @@ def check_api_key(key: str) -> str:
         raise ServerError(f"--api-key / {API_KEY_ENV}: must be 16 to 256 characters from A-Z a-z 0-9 . _ ~ - "
                           f"(got {len(key)} characters); leave it unset to have one generated")
     return key
+
+
+def is_remote_repository(repository: Union[Path, str]) -> bool:
+    """Whether ``repository`` is a cloud storage URL that Triton reads (kept as given: a Path
+    would turn s3://host into s3:/host)."""
+    return isinstance(repository, str) and repository.startswith(REMOTE_REPOSITORY_PREFIXES)
 
 
 def repository_headers(api_key: Optional[str]) -> dict[str, str]:
@@ -333,7 +342,7 @@ class TritonServer:
     `log_path` is given) is removed when it stops; the log of a server that failed is kept.
     """
 
-    repositories: Sequence[Path]
+    repositories: Sequence[Union[Path, str]]  # folders, or URLs such as s3://host:port/bucket/path
     ports: ServerPorts = field(default_factory=ServerPorts.free)
     model_control: str = "none"
     load_models: Sequence[str] = ()
@@ -356,7 +365,7 @@ class TritonServer:
         if self.model_control not in ("none", "explicit", "poll"):
             raise ValueError(f"model_control must be none, explicit or poll, not {self.model_control!r}")
         for repository in self.repositories:
-            if not Path(repository).is_dir():
+            if not is_remote_repository(repository) and not Path(repository).is_dir():
                 raise ServerError(f"model repository {repository} does not exist")
         check_host(self.host)
         if self.api_key:
@@ -389,7 +398,8 @@ class TritonServer:
     def command(self, install: ServerInstall, backend_directory: Path) -> list[str]:
         args = [str(install.binary)]
         for repository in self.repositories:
-            args.append(f"--model-repository={Path(repository).resolve()}")
+            where = repository if is_remote_repository(repository) else Path(repository).resolve()
+            args.append(f"--model-repository={where}")
         args += [
             f"--backend-directory={backend_directory}",
             f"--http-address={self.host}",
