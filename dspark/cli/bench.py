@@ -96,7 +96,8 @@ def load_options(command):
         click.option("--max-windows", default=10, show_default=True, help="Give up on stability after this many."),
         click.option("--timeout", "timeout_s", default=60.0, show_default=True, help="Client timeout per request (s)."),
         click.option("--metrics-url", default=None,
-                     help="Triton's metrics endpoint  [default: http://HOST:8002/metrics; 'none' to skip]"),
+                     help="Triton's metrics endpoint  [default: on --url's host, its port + 2 (HTTP) or + 1 "
+                          "(gRPC), as `dspark serve` lays them out; 'none' to skip]"),
         click.option("--server-pid", type=int, default=None,
                      help="The server's pid for CPU/memory sampling  [default: the process listening on --url]"),
         click.option("--parameter", "parameters", multiple=True, metavar="KEY=VALUE",
@@ -137,7 +138,7 @@ def _run_load(kind: str, models, url, protocol, concurrency, request_rate, arriv
     from dspark.bench.model import LoadBenchSettings, parse_levels, run_load_bench
     from dspark.bench.plots import plot_result
     from dspark.bench.progress import Progress
-    from dspark.bench.resources import split_url
+    from dspark.bench.resources import default_metrics_url
 
     if concurrency and request_rate:
         raise click.UsageError("give --concurrency or --request-rate, not both")
@@ -147,7 +148,7 @@ def _run_load(kind: str, models, url, protocol, concurrency, request_rate, arriv
         raise click.UsageError("--concurrency levels are whole numbers")
     url = url or ("127.0.0.1:8000" if protocol == "http" else "127.0.0.1:8001")
     if metrics_url is None:
-        metrics_url = f"http://{split_url(url)[0]}:8002/metrics"
+        metrics_url = default_metrics_url(url, protocol)
     api_key = api_key or os.environ.get(API_KEY_ENV)
     settings = LoadBenchSettings(
         models=list(models), url=url, protocol=protocol, mode=mode, levels=levels, batch=batch,
