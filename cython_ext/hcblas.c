@@ -216,6 +216,17 @@ static void epilogue(void *ctx_, size_t r0, size_t s0, size_t rows, size_t cols,
     }
 }
 
+/* alpha == 0: C = beta * C without reading A or B (BLAS's rule, so NaN or Inf there stays out of
+ * C in every type); the epilogue over a zero accumulator does exactly that. */
+static int scale_c(epilogue_ctx *e) {
+    int32_t *zeros = calloc(e->S ? e->S : 1, sizeof(int32_t)); /* 0 as int32 and as float */
+    if (!zeros) return fail(ST_ALLOC_FAILED, "out of memory");
+    e->acc_int = e->ctype == T_32I;
+    epilogue(e, 0, 0, e->R, e->S, zeros, 0);
+    free(zeros);
+    return ST_SUCCESS;
+}
+
 /* --- checks -------------------------------------------------------------------------------- */
 static const char *type_name(int type) {
     switch (type) {
@@ -360,6 +371,7 @@ static int gemm_ex(const void *handle, int transa, int transb, int m, int n, int
         e.alpha = *(const float *)alpha;
         e.beta = *(const float *)beta;
     }
+    if (e.alpha == 0.0f) return scale_c(&e);
     const hcblas_kernels *kernels = path_kernels(path);
     const int bf16_kernel = kernels && (Atype == T_16BF || (Atype == T_32F && computeType == C_32F_FAST_16BF));
     if (Atype == T_32F && !bf16_kernel) { /* fp32: OpenBLAS directly */
@@ -454,12 +466,13 @@ aclError aclblasGemmEx(aclTransType transA, aclTransType transB, aclTransType tr
     if (ldb < (b_cols > 1 ? b_cols : 1))
         return fail(ACL_ERROR_INVALID_PARAM, "ldb=%d: must be -1 or >= %d", ldb, b_cols);
     if (ldc < (n > 1 ? n : 1)) return fail(ACL_ERROR_INVALID_PARAM, "ldc=%d: must be -1 or >= n=%d", ldc, n);
-    /* alpha and beta have C's type: widen a half to the float COMPUTE_32F takes. */
+    /* alpha and beta have C's type: widen a half or a bf16 (two bytes) to the float COMPUTE_32F takes. */
     float alpha_f, beta_f;
     int compute = ct == T_32I ? C_32I : C_32F;
-    if (ct == T_16F) {
-        alpha_f = alpha ? half_to_float(*(const uint16_t *)alpha) : 0.0f;
-        beta_f = beta ? half_to_float(*(const uint16_t *)beta) : 0.0f;
+    if (ct == T_16F || ct == T_16BF) {
+        float (*widen_scalar)(uint16_t) = ct == T_16F ? half_to_float : hcblas_bf16_to_f32;
+        alpha_f = alpha ? widen_scalar(*(const uint16_t *)alpha) : 0.0f;
+        beta_f = beta ? widen_scalar(*(const uint16_t *)beta) : 0.0f;
         alpha = alpha ? (const void *)&alpha_f : NULL;
         beta = beta ? (const void *)&beta_f : NULL;
     }

@@ -77,7 +77,7 @@ cublasStatus_t cublasDestroy_v2(cublasHandle_t handle);
 /* Huawei CANN (Ascend): row-major, no handle, a transC flag and the stream last. lda/ldb/ldc
  * of -1 mean dense rows (CANN's documented value); others are checked as leading dimensions.
  * Supported (A, B, C): (16F, 16F, 16F), (16F, 16F, 32F), (8I, 8I, 32F), (8I, 8I, 32I), plus
- * (32F, 32F, 32F) and bf16 inputs; alpha/beta have C's type. */
+ * (32F, 32F, 32F) and bf16 inputs; alpha/beta have C's type (two bytes for 16F and BF16). */
 typedef int aclError;
 typedef void *aclrtStream;
 typedef enum { ACL_TRANS_N = 0, ACL_TRANS_T = 1, ACL_TRANS_NZ = 2, ACL_TRANS_NZ_T = 3 } aclTransType;

@@ -1,6 +1,6 @@
 """Check the whole GPU path of the accelerator layer in one run of a few minutes.
 
-    python tools/gpu_check.py [--repository model_repository] [--size 4096] [--json-out FILE]
+    python tools/gpu_check.py --strict [--repository model_repository] [--size 4096] [--json-out FILE]
 
 1. the machine: GPU, CuPy, ONNX Runtime and its providers, TensorRT;
 2. ONNX Runtime's CUDA and TensorRT execution providers through the provider registry, on the
@@ -12,8 +12,10 @@
    running its ONNX twin on the CPU;
 6. a TensorRT engine built from that ONNX file, cached (a second open is a cache hit), run.
 
-Each check prints one line (ok / skip / FAIL and what it measured); the exit status is 1 if any
-check failed. Without an NVIDIA GPU the script prints one line and exits 0.
+Each check prints one line (ok / skip / FAIL and what it measured), then one line counts them;
+the exit status is 1 if any check failed, or with --strict (the way to run it on a GPU machine)
+if any was skipped: a skipped check has not shown that its path works. Without an NVIDIA GPU the
+script prints one line and exits 0 (1 with --strict).
 """
 from __future__ import annotations
 
@@ -68,12 +70,13 @@ def main() -> int:
     parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
     parser.add_argument("--size", type=int, default=4096, help="M = N = K of the throughput products")
     parser.add_argument("--json-out", type=Path, default=None)
+    parser.add_argument("--strict", action="store_true", help="fail when a check is skipped (or there is no GPU)")
     args = parser.parse_args()
 
     gpu = devices.nvidia_gpus()
     if not gpu.present:
-        print(f"gpu_check: skipped, no NVIDIA GPU here ({gpu.detail})")
-        return 0
+        print(f"gpu_check: {'FAIL (--strict)' if args.strict else 'skipped'}, no NVIDIA GPU here ({gpu.detail})")
+        return 1 if args.strict else 0
 
     import onnxruntime as ort
 
@@ -277,12 +280,20 @@ def main() -> int:
         assert error < 1e-2, f"engine output differs from ONNX Runtime by {error:.2e}"
         return f"{first.describe()}; then {second.describe()}; max |delta| vs ONNX Runtime {error:.1e}"
 
-    failed = [r for r in RESULTS if r["status"] == "FAIL"]
-    print(f"gpu_check: {len(RESULTS) - len(failed)} of {len(RESULTS)} checks passed or skipped, {len(failed)} failed")
+    line, status = summary(RESULTS, args.strict)
+    print(line)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps({"gpu": gpu.detail, "results": RESULTS}, indent=2))
-    return 1 if failed else 0
+        args.json_out.write_text(json.dumps({"gpu": gpu.detail, "strict": args.strict, "results": RESULTS}, indent=2))
+    return status
+
+
+def summary(results: list[dict], strict: bool) -> tuple[str, int]:
+    """The closing line and the exit status: 1 when a check failed, or (strict) was skipped."""
+    counts = {status: sum(r["status"] == status for r in results) for status in ("ok", "skip", "FAIL")}
+    skipped = f"{counts['skip']} skipped" + (" (failures with --strict)" if strict and counts["skip"] else "")
+    line = f"gpu_check: {counts['ok']} of {len(results)} checks passed, {skipped}, {counts['FAIL']} failed"
+    return line, 1 if counts["FAIL"] or (strict and counts["skip"]) else 0
 
 
 if __name__ == "__main__":

@@ -306,7 +306,7 @@ def acl_gemm_ex(trans_a: int, trans_b: int, m: int, n: int, k: int, alpha: Any, 
                 c_type: int, compute: int = 0) -> None:
     """CANN's aclblasGemmEx (row-major, no handle, stream last) on host arrays; acl data types
     (ACL_FLOAT 0, ACL_FLOAT16 1, ACL_INT8 2, ACL_INT32 3, ACL_BF16 27); alpha/beta have C's type."""
-    scale = {0: np.float32, 1: np.float16, 3: np.int32, 27: np.float32}.get(c_type, np.float32)
+    scale = {0: np.float32, 1: np.float16, 3: np.int32, 27: BFLOAT16}.get(c_type, np.float32)
     alpha_v, beta_v = np.array([alpha], scale), np.array([beta], scale)
     lib = library()
     status = lib.aclblasGemmEx(trans_a, trans_b, 0, m, n, k, alpha_v.ctypes.data, A.ctypes.data, lda, a_type,

@@ -5,6 +5,9 @@ For each metric the result declares (and both rows have), the ratio NEW/BASE is 
 noise band: the root-sum-square of the two rows' relative bands (the spread of the windows or
 rounds of each run, and, when BASE or NEW is a folder of repeated runs, the spread across those
 runs), at least ``min_band``. A change beyond the band in the bad direction is a regression.
+With one run on each side and no ``min_band`` given, the band is only the spread inside each
+run, which says nothing of how far two runs differ (two runs of one model differed 2.95x at p99
+on a busy machine, with bands of ±4 %): a change beyond it is ``unsure``, not a regression.
 A target must be met: a change the ratio must reach (``qps=+20%``, ``p99=-10%``), a bound on
 the ratio (``p99<=2x``, ``goodput>=0.97x``: NEW may be up to that much worse), or a bound on
 NEW's own value (``within_deadline>=0.995``, ``added_p50_ms<1``). Either failing makes the
@@ -27,6 +30,7 @@ from dspark.errors import ConfigError
 CHANGE = re.compile(r"^\s*([A-Za-z0-9_.]+)\s*=\s*([+-]?\d+(?:\.\d+)?)\s*%\s*$")
 BOUND = re.compile(r"^\s*([A-Za-z0-9_.]+)\s*(<=|>=|<|>)\s*(\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*(x?)\s*$")
 ABSOLUTE_ZERO_TOLERANCE = 1e-3  # a metric whose base is 0 (error rate) regresses beyond this
+DEFAULT_MIN_BAND = 0.02
 OPERATORS = {">=": float.__ge__, "<=": float.__le__, ">": float.__gt__, "<": float.__lt__}
 
 
@@ -121,7 +125,7 @@ class Check:
     ratio: float
     band: float
     target: str | None
-    verdict: str  # ok, improved, regression, missed, met
+    verdict: str  # ok, improved, regression, unsure (beyond a band from one run a side), missed, met
 
     @property
     def failed(self) -> bool:
@@ -170,8 +174,13 @@ def _describe(result: BenchResult, row: dict, ignore: Sequence[str]) -> str:
     return ", ".join(f"{k}={row[k]}" for k in result.key_fields if k not in ignore and row.get(k) is not None) or "all"
 
 
-def compare(base: BenchResult, new: BenchResult, targets: Sequence[Target] = (), min_band: float = 0.02,
+def compare(base: BenchResult, new: BenchResult, targets: Sequence[Target] = (), min_band: float | None = None,
             ignore_keys: Sequence[str] = (), metrics: Sequence[str] = ()) -> list[Check]:
+    """One check per matched row and metric. ``min_band`` None: the floor is DEFAULT_MIN_BAND, and
+    a change beyond the band of two single runs is ``unsure``; given, it is the noise the caller
+    knows, and such a change is judged."""
+    judge_single_runs = min_band is not None
+    min_band = DEFAULT_MIN_BAND if min_band is None else min_band
     if base.benchmark != new.benchmark:
         raise ConfigError("benchmark", f"BASE is {base.benchmark!r} but NEW is {new.benchmark!r}: compare like with like")
     keys = [k for k in base.key_fields if k not in ignore_keys]
@@ -203,6 +212,9 @@ def compare(base: BenchResult, new: BenchResult, targets: Sequence[Target] = (),
                 worse = ratio > 1 + band if metric.better == "lower" else ratio < 1 - band
                 better = ratio < 1 - band if metric.better == "lower" else ratio > 1 + band
             verdict = "regression" if worse else "improved" if better else "ok"
+            single_runs = base_row.get("runs", 1) < 2 and row.get("runs", 1) < 2
+            if verdict != "ok" and b != 0 and single_runs and not judge_single_runs:
+                verdict = "unsure"
             if target is not None:
                 met = target.met(ratio, float(n)) and not (worse and target.is_change)
                 verdict = "met" if met else "missed"

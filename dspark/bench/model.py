@@ -149,6 +149,7 @@ async def _run(settings: LoadBenchSettings, progress: Progress) -> tuple[list[di
         sampler = ResourceSampler(pid, settings.sample_interval_s).start() if pid else None
         rows: list[dict] = []
         spans: list[dict] = []
+        metrics_notes: set[str] = set()
         try:
             for level in settings.levels:
                 before = scrape(settings.metrics_url) if settings.metrics_url else None
@@ -162,8 +163,17 @@ async def _run(settings: LoadBenchSettings, progress: Progress) -> tuple[list[di
                     mine = [r for r in point.records if r.target == target.name]
                     row = _row(target, settings, point, mine,
                                point.windows if len(targets) == 1 else point.windows_of(target.name))
-                    if before is not None and after is not None:
-                        row["server"] = model_counters(before, after, target.model)
+                    counters = (model_counters(before, after, target.model)
+                                if before is not None and after is not None else None)
+                    if settings.metrics_url and counters is None:
+                        metrics_notes.add(f"Triton's metrics at {settings.metrics_url} did not answer: no server "
+                                          "columns (pass --metrics-url)")
+                    elif counters is not None and mine and not counters["success"] + counters["failure"]:
+                        metrics_notes.add(f"Triton's metrics at {settings.metrics_url} counted none of "
+                                          f"{target.model}'s requests (another server's?): no server columns "
+                                          "(pass --metrics-url)")
+                    elif counters is not None:
+                        row["server"] = counters
                         for key, short in (("server_queue_us_per_request", "server_queue_ms"),
                                            ("server_compute_us_per_request", "server_compute_ms")):
                             if key in row["server"]:
@@ -179,7 +189,8 @@ async def _run(settings: LoadBenchSettings, progress: Progress) -> tuple[list[di
             resources = {"pid": pid, "process": sampler.server_name if sampler else None,
                          "interval_s": settings.sample_interval_s,
                          "samples": sampler.stop() if sampler else [], "points": spans}
-        return rows, {"resources": resources, "models": {k: asdict(v) for k, v in infos.items()}}
+        return rows, {"resources": resources, "models": {k: asdict(v) for k, v in infos.items()},
+                      "metrics_notes": sorted(metrics_notes)}
     finally:
         await transport.close()
 
@@ -197,6 +208,7 @@ def run_load_bench(settings: LoadBenchSettings, progress: Progress | None = None
              f"batch {settings.batch}; windows of {settings.load.window_s:g} s until {settings.load.stable_windows} "
              f"agree within {settings.load.stability:.0%} (at most {settings.load.max_windows}), "
              f"after {settings.load.warmup_s:g} s warm-up"]
+    notes += series.pop("metrics_notes")
     if not series["resources"]["samples"]:
         notes.append("resource use not sampled: the server's process was not found on this machine (--server-pid)")
     unstable = [f"{r['model']}@{r['level']:g}" for r in rows if not r["stable"]]

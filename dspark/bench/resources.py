@@ -23,6 +23,14 @@ def split_url(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def default_metrics_url(url: str, protocol: str) -> str:
+    """Triton's metrics endpoint next to ``url`` in `dspark serve`'s (and Triton's default) port
+    layout: HTTP port + 2, gRPC port + 1."""
+    host, port = split_url(url)
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{port + (2 if protocol == 'http' else 1)}/metrics"
+
+
 def server_pid(url: str) -> int | None:
     """The pid listening on the url's port on this machine, or None (remote, or not visible)."""
     import psutil

@@ -63,6 +63,12 @@ def print_checks(checks, title: str) -> list:
             for c in failed))
     else:
         click.echo(f"PASS: {len(checks)} checks within their bands and targets")
+    unsure = [c for c in checks if c.verdict == "unsure"]
+    if unsure:
+        click.echo(f"NOTE: BASE and NEW are one run each: their bands are the spread of windows inside each run, "
+                   f"not between runs, so {len(unsure)} changes beyond them are 'unsure', not regressions; "
+                   "compare folders of repeated runs (or pass --min-band with the noise you know between runs) "
+                   "to judge them")
     return failed
 
 
@@ -90,7 +96,8 @@ def load_options(command):
         click.option("--max-windows", default=10, show_default=True, help="Give up on stability after this many."),
         click.option("--timeout", "timeout_s", default=60.0, show_default=True, help="Client timeout per request (s)."),
         click.option("--metrics-url", default=None,
-                     help="Triton's metrics endpoint  [default: http://HOST:8002/metrics; 'none' to skip]"),
+                     help="Triton's metrics endpoint  [default: on --url's host, its port + 2 (HTTP) or + 1 "
+                          "(gRPC), as `dspark serve` lays them out; 'none' to skip]"),
         click.option("--server-pid", type=int, default=None,
                      help="The server's pid for CPU/memory sampling  [default: the process listening on --url]"),
         click.option("--parameter", "parameters", multiple=True, metavar="KEY=VALUE",
@@ -131,7 +138,7 @@ def _run_load(kind: str, models, url, protocol, concurrency, request_rate, arriv
     from dspark.bench.model import LoadBenchSettings, parse_levels, run_load_bench
     from dspark.bench.plots import plot_result
     from dspark.bench.progress import Progress
-    from dspark.bench.resources import split_url
+    from dspark.bench.resources import default_metrics_url
 
     if concurrency and request_rate:
         raise click.UsageError("give --concurrency or --request-rate, not both")
@@ -141,7 +148,7 @@ def _run_load(kind: str, models, url, protocol, concurrency, request_rate, arriv
         raise click.UsageError("--concurrency levels are whole numbers")
     url = url or ("127.0.0.1:8000" if protocol == "http" else "127.0.0.1:8001")
     if metrics_url is None:
-        metrics_url = f"http://{split_url(url)[0]}:8002/metrics"
+        metrics_url = default_metrics_url(url, protocol)
     api_key = api_key or os.environ.get(API_KEY_ENV)
     settings = LoadBenchSettings(
         models=list(models), url=url, protocol=protocol, mode=mode, levels=levels, batch=batch,
@@ -194,7 +201,9 @@ def system(models: tuple[str, ...], **options) -> None:
               help="What NEW must reach (repeatable): a change (qps=+20%, p99=-10%), a bound on NEW/BASE "
                    "(p99<=2x, goodput>=0.97x) or on NEW's own value (within_deadline>=0.995).")
 @click.option("--metric", "metrics", multiple=True, help="Only check these metrics (repeatable)  [default: all]")
-@click.option("--min-band", default=2.0, show_default=True, help="Smallest noise band, percent.")
+@click.option("--min-band", type=float, default=None,
+              help="Smallest noise band, percent  [default: 2; with one run on each side a change beyond the "
+                   "band is then 'unsure'; given, it is judged]")
 @click.option("--ignore-key", "ignore_keys", multiple=True,
               help="Match rows without this field, e.g. model, to compare two models at the same settings.")
 @click.option("--base-where", multiple=True, metavar="FIELD=VALUE",
@@ -214,7 +223,8 @@ def compare(base: Path, new: Path, targets, metrics, min_band: float, ignore_key
         base_result = cmp.select(base_result, cmp.parse_where(base_where))
     if new_where:
         new_result = cmp.select(new_result, cmp.parse_where(new_where))
-    checks = cmp.compare(base_result, new_result, cmp.parse_targets(targets), min_band / 100, ignore_keys, metrics)
+    checks = cmp.compare(base_result, new_result, cmp.parse_targets(targets),
+                         None if min_band is None else min_band / 100, ignore_keys, metrics)
     failed = print_checks(checks, f"{new_result.benchmark}: {new} against {base}")
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ from dspark.triton.server import (
     TritonServer,
     header_forward_args,
     is_loopback,
+    is_remote_repository,
 )
 
 
@@ -27,8 +28,9 @@ DEMO_OPENAI_PORT = 8003
 
 def server_options(function):
     options = [
-        click.option("--repository", "-r", "repositories", multiple=True, type=click.Path(path_type=Path),
-                     help="Model repository (repeatable). Default: the demo model_repository/ and ensembles/."),
+        click.option("--repository", "-r", "repositories", multiple=True,
+                     help="Model repository (repeatable): a folder, or s3://[host:port/]bucket/path (also gs://, "
+                          "as://). Default: the demo model_repository/ and ensembles/."),
         click.option("--host", default=LOOPBACK, show_default=True,
                      help="Address to listen on. Loopback by default; 0.0.0.0 exposes the server to the network."),
         click.option("--http-port", default=8000, show_default=True),
@@ -51,6 +53,9 @@ def server_options(function):
                      help="Path of a tritonserver binary (default: $TRITONSERVER, the nvidia-pytriton wheel, PATH)."),
         click.option("--forward-headers", default=DEFAULT_HEADER_PATTERN, show_default=True,
                      help="Regex of HTTP/gRPC headers Triton forwards to models as request parameters."),
+        click.option("--exit-on-error/--keep-serving", default=True, show_default=True,
+                     help="Whether a model that fails to load stops the server (Triton's default), or the "
+                          "server serves the other models and prints why that one failed."),
         click.option("--openai-port", type=click.IntRange(1, 65535), default=None,
                      help="Also serve the OpenAI-compatible API (/v1/chat/completions, ...) on this port, on "
                           "--host. Off by default. Beyond loopback it needs the API key as a Bearer token."),
@@ -62,13 +67,13 @@ def server_options(function):
 
 def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_port: int, metrics_port: int,
                  model_control: str, load_models: Sequence[str], api_key, log_verbose: int, log_file, server_path,
-                 forward_headers: str, openai_port=None) -> tuple[TritonServer, object]:
+                 forward_headers: str, exit_on_error: bool = True, openai_port=None) -> tuple[TritonServer, object]:
     """Start the server (and the OpenAI API when ``openai_port``: the second item, else None), or
     exit with one line saying why it could not."""
     try:
         extra = header_forward_args(forward_headers) if forward_headers else []
         server = TritonServer(
-            repositories=list(repositories) or demo_repositories(),
+            repositories=[r if is_remote_repository(r) else Path(r) for r in repositories] or demo_repositories(),
             ports=ServerPorts(http=http_port, grpc=grpc_port, metrics=metrics_port),
             model_control=model_control,
             load_models=load_models,
@@ -78,6 +83,7 @@ def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_p
             extra_args=extra,
             host=host,
             api_key=api_key,
+            exit_on_error=exit_on_error,
         )
         context = click.get_current_context(silent=True)
         if api_key and context and context.get_parameter_source("api_key") == click.core.ParameterSource.COMMANDLINE:
@@ -93,6 +99,8 @@ def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_p
     except KeyboardInterrupt:  # start() has stopped the server already
         click.echo("dspark: interrupted while the server was starting; stopped it", err=True)
         sys.exit(130)
+    for failure in server.load_failures():
+        click.echo(f"dspark: warning: {failure} (serving the other models: --keep-serving)", err=True)
     click.echo(f"dspark: serving {', '.join(str(r) for r in server.repositories)}")
     click.echo(f"  HTTP     http://{server.http_url}")
     click.echo(f"  gRPC     {server.grpc_url}")

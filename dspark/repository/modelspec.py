@@ -397,9 +397,9 @@ def read_text(path: Path) -> str:
                             "save it as UTF-8", path) from None
 
 
-def check_model_name(name: str) -> str:
-    """The name, or SpecError saying which characters a model name may use."""
+def check_model_name(name: str, field: str = "name") -> str:
+    """The name, or SpecError (naming ``field``) saying which characters a model name may use."""
     if not re.fullmatch(MODEL_NAME_PATTERN, name):
-        raise SpecError("name", f"{name!r} is not a valid model name: use letters, digits, '_', '-' and '.', "
+        raise SpecError(field, f"{name!r} is not a valid model name: use letters, digits, '_', '-' and '.', "
                                 "not starting with '.', no '/' (at most 128 characters)")
     return name

@@ -117,6 +117,10 @@ def add_version(repository: Path, name: str, artifact: Path, semver: str,
         raise SpecError("artifact", f"{artifact} does not exist")
     semver_key(semver)
     directory = Path(repository) / name
+    target = directory.resolve()
+    if not target.is_relative_to(Path(repository).resolve()):
+        raise SpecError("", f"is a link to {target}, outside the repository: replace it with the model's "
+                            "folder", directory)
     spec_path = directory / SPEC_FILENAME
     if spec_path.exists():
         spec = ModelSpec.load(spec_path)

@@ -25,7 +25,7 @@ import yaml
 
 from dspark.errors import ConfigError, DsparkError, UnavailableError
 from dspark.repository.modelspec import (
-    CONFIG_FILENAME, SPEC_FILENAME, ModelSpec, SpecError, VersionRecord, semver_key)
+    CONFIG_FILENAME, SPEC_FILENAME, ModelSpec, SpecError, VersionRecord, check_model_name, semver_key)
 from dspark.rollout.analysis import judge
 from dspark.rollout.fleet import Endpoint, Server, connect
 from dspark.rollout.metrics import PrometheusSource, ScrapeSource, delta, read
@@ -50,6 +50,9 @@ class Deployment:
     prometheus: Optional[str] = None
 
     def __post_init__(self) -> None:
+        check_model_name(self.model, "model")  # it names the lock file and the repository folder
+        if self.router:
+            check_model_name(self.router, "router")
         if self.router and not self.routing_file:
             if str(self.repository).startswith("s3://"):
                 raise ConfigError("routing-file", "with an S3 repository, say where the routers read their routing: "

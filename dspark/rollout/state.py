@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from dspark.errors import UnavailableError
+from dspark.repository.modelspec import check_model_name
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
@@ -196,7 +197,7 @@ class ModelLock:
     """An exclusive lock per (state file, model), held for the controller's lifetime."""
 
     def __init__(self, state_path: Path, model: str):
-        self.path = Path(f"{state_path}.{model}.lock")
+        self.path = Path(f"{state_path}.{check_model_name(model, 'model')}.lock")
         self._fd: Optional[int] = None
 
     def acquire(self) -> None:

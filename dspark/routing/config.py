@@ -2,8 +2,9 @@
 
 It lives in a YAML file next to the router model (``routing.yaml``) so that it can change
 while the server runs: the router re-reads the file when its modification time or size
-changes, and keeps the last valid configuration if the new file is invalid (any file: not
-UTF-8, not YAML, a list or a scalar, keys of mixed types, a bad value).
+changes, and keeps the last valid configuration if the new file is invalid (any file: empty or
+only comments, over 64 KiB, not UTF-8, not YAML, a list or a scalar, keys of mixed types, a bad
+value). A missing file means the defaults.
 
 Parsing is pydantic's: the dataclasses below carry their constraints as type annotations and
 ``parse_routing`` validates a mapping against them, so every error names its field path
@@ -35,19 +36,34 @@ from pydantic import ConfigDict, Field, PlainValidator, Strict, TypeAdapter, Val
 
 from dspark.errors import ConfigError, field_path, from_validation_error
 
+# Upper bounds: a finite but huge value would overflow a timestamp (a target call's timeout in
+# microseconds, a condition wait), turn the round-robin's credits into inf - inf = NaN, or start
+# a thread per slot.
+MAX_MS = 86_400_000.0  # one day, for every duration in milliseconds
+MAX_S = 86_400.0
+MAX_WEIGHT = 1_000_000.0
+MAX_FACTOR = 100.0  # fluctuation.max: base x (1 + f) stays finite for any weight
+MAX_INFLIGHT = 256  # lane threads: up to 2 x max_inflight + headroom of them
+MAX_ROUTING_BYTES = 64 * 1024
+
 # YAML gives numbers their own types: strict types keep `2.7` from becoming 2 and `true` from 1.0
 Positive = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
 NonNegative = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
+Weight = Annotated[float, Strict(), Field(gt=0, le=MAX_WEIGHT, allow_inf_nan=False)]
+Milliseconds = Annotated[float, Strict(), Field(gt=0, le=MAX_MS, allow_inf_nan=False)]
+NonNegativeMs = Annotated[float, Strict(), Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
+Seconds = Annotated[float, Strict(), Field(gt=0, le=MAX_S, allow_inf_nan=False)]
 Percent = Annotated[float, Strict(), Field(ge=0, le=100, allow_inf_nan=False)]
 Count = Annotated[int, Strict(), Field(gt=0)]
 NonNegativeInt = Annotated[int, Strict(), Field(ge=0)]
+SlotCount = Annotated[int, Strict(), Field(ge=0, le=MAX_INFLIGHT)]
 _FIELDS = ConfigDict(extra="forbid")
 
 
 def _auto_or_count(value: Any) -> Union[str, int]:
-    if value == "auto" or (type(value) is int and value > 0):
+    if value == "auto" or (type(value) is int and 0 < value <= MAX_INFLIGHT):
         return value
-    raise ValueError("must be 'auto' (the target's instance count) or a whole number >= 1")
+    raise ValueError(f"must be 'auto' (the target's instance count) or a whole number from 1 to {MAX_INFLIGHT}")
 
 
 MaxInflight = Annotated[Union[Literal["auto"], int], PlainValidator(_auto_or_count)]
@@ -72,11 +88,11 @@ def router_parameters(params: Mapping[str, str], model_dir: Path) -> tuple[Path,
 @dataclass(frozen=True)
 class TierPolicy:
     __pydantic_config__ = _FIELDS
-    weight: Positive
-    deadline_ms: Positive  # the longest a request waits in the router's queue
+    weight: Weight
+    deadline_ms: Milliseconds  # the longest a request waits in the router's queue
     max_queue: Count = 1000
     # the longest a target call may take before the client gets UNAVAILABLE (default deadline_ms)
-    timeout_ms: Optional[Positive] = None
+    timeout_ms: Optional[Milliseconds] = None
 
     @property
     def call_timeout_s(self) -> float:
@@ -88,10 +104,10 @@ class FluctuationPolicy:
     """Parameters of the QPS fluctuation factor f (see docs/router.md)."""
 
     __pydantic_config__ = _FIELDS
-    window_s: Positive = 10.0
-    short_window_s: Positive = 1.0
+    window_s: Seconds = 10.0
+    short_window_s: Seconds = 1.0
     min: Annotated[float, Strict(), Field(gt=-1, le=0)] = -0.5  # > -1 so weights stay positive
-    max: NonNegative = 1.0
+    max: Annotated[float, Strict(), Field(ge=0, le=MAX_FACTOR, allow_inf_nan=False)] = 1.0
     min_qps: Positive = 1.0
 
 
@@ -124,22 +140,22 @@ class RoutingConfig:
     max_inflight: MaxInflight = "auto"
     # further calls in flight that only the top tier (highest weight) may use: a top-tier
     # request never waits behind lower-tier calls already queued at the target
-    top_tier_headroom: NonNegativeInt = 1
+    top_tier_headroom: SlotCount = 1
     # a further call may go out this long before a running call is expected to end (its average
     # latency), so the instance gets its next request without waiting for the router's hand-off
     # (~0.5-1 ms per call); 0 = never (the default: on a quiet machine the headroom alone kept
     # the target busy, and the lead cost the top tier's p99 at 2x overload; docs/router.md)
-    handoff_lead_ms: NonNegative = 0.0
+    handoff_lead_ms: NonNegativeMs = 0.0
     fluctuation: FluctuationPolicy = field(default_factory=FluctuationPolicy)
     shares: dict[Annotated[int, Strict()], Percent] = field(default_factory=lambda: {1: 100.0})
     shadow: ShadowPolicy = field(default_factory=ShadowPolicy)
     version: NonNegativeInt = 0  # bumped by `dspark route set`; exported as a metric to confirm a reload
     # fast path: when nothing is queued and a slot is free, execute calls the target itself,
     # but only while the target's recent latency (EWMA) is at most this; 0 turns it off
-    inline_max_ms: NonNegative = 5.0
+    inline_max_ms: NonNegativeMs = 5.0
     # a request that waited at least this long in the queue is asked whether its client is still
     # there before it is sent (an IPC round trip of ~0.2 ms, paid while the target waits for work)
-    cancel_check_ms: NonNegative = 1000.0
+    cancel_check_ms: NonNegativeMs = 1000.0
 
     def slots(self, target_instances: int | None) -> int:
         """Calls in flight that any tier may use (``max_inflight``, "auto" = the target's
@@ -215,10 +231,8 @@ def _known_fields(loc: tuple) -> str:
 
 
 def parse_routing(data: Any) -> RoutingConfig:
-    """A mapping (parsed YAML) as a RoutingConfig, field by field; an empty file means the
-    defaults. Raises ConfigError naming the field path."""
-    if data is None:
-        data = {}
+    """A mapping (parsed YAML) as a RoutingConfig, field by field. Raises ConfigError naming the
+    field path."""
     if not isinstance(data, Mapping):
         raise ConfigError("", f"the routing file must be a mapping of fields ({_known_fields(())}), "
                               f"got {type(data).__name__} {data!r:.60}")
@@ -242,9 +256,13 @@ def load_routing(path: Path, allowed_versions: set[int] | None = None) -> Routin
     """Read and validate a routing file; ConfigError names the file and the field."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_ROUTING_BYTES + 1)
     except OSError as exc:
         raise ConfigError("", f"cannot read: {exc.strerror or exc}", path) from None
+    if len(raw) > MAX_ROUTING_BYTES:
+        raise ConfigError("", f"larger than {MAX_ROUTING_BYTES // 1024} KiB, the most a routing file may be "
+                              "(it is parsed on the router's clock thread, which enforces the deadlines)", path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -254,6 +272,10 @@ def load_routing(path: Path, allowed_versions: set[int] | None = None) -> Routin
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError("", f"not valid YAML: {exc}", path) from None
+    if data is None:
+        raise ConfigError("", "has no fields (empty, only comments, or cut short while being written): write "
+                              "the whole file (`dspark route set` replaces it in one rename), or delete it "
+                              "for the defaults", path)
     try:
         return parse_routing(data).validate(allowed_versions)
     except ConfigError as exc:

@@ -1,8 +1,9 @@
 """What a client request tells the router: its tier and user id, from the request's parameters.
 
 Triton hands a model the request's parameters as JSON: the client's own (``tier``, ``user_id``)
-and the forwarded headers (``dspark-tier``, ``dspark-user-id``, see docs/router.md). A parameter
-wins over a header; an empty value counts as absent. Parsed by pydantic, so a bad value is a
+and the forwarded headers (``dspark-tier``, ``dspark-user-id``, see docs/router.md), named as the
+client spelled them: header names are matched in any case (``Dspark-Tier``). A parameter wins over
+a header; an empty value counts as absent. Parsed by pydantic, so a bad value is a
 ``RequestError`` naming it (``parameters.tier: Input should be a valid string (got 5)``).
 """
 
@@ -36,6 +37,9 @@ class RouterParameters(BaseModel):
     user_header: Optional[UserId] = Field(None, alias="dspark-user-id")
 
 
+HEADERS = ("dspark-tier", "dspark-user-id")
+
+
 @dataclass(frozen=True)
 class RouteFields:
     tier: Optional[str]
@@ -50,6 +54,9 @@ def parse_parameters(raw: Union[str, dict, None]) -> RouteFields:
         raise RequestError("parameters", f"not valid JSON: {exc}") from None
     if not data:
         return RouteFields(None, None)
+    if isinstance(data, dict):
+        data = {key.lower() if isinstance(key, str) and key.lower() in HEADERS else key: value
+                for key, value in data.items()}
     try:
         parsed = RouterParameters.model_validate(data)
     except ValidationError as exc:

@@ -179,7 +179,8 @@ class RouterCore:
     """One router: its queues, version split and shadow, served by lane threads.
 
     ``IDLE_LANE_S``: an idle lane looks at the queues at least this often (a safety net; lanes
-    are woken when work arrives).
+    are woken when work arrives); a lane idle that long ends while more lanes than
+    ``max_inflight`` remain.
 
     ``target_instances`` (from the target's config) sizes ``max_inflight: auto``.
     """
@@ -295,8 +296,7 @@ class RouterCore:
             self.config = config
             self.scheduler.reconfigure(config)
             self.splitter = VersionSplitter(config.shares)
-            if self.scheduler.has_queued():
-                self._wake_lanes(self.scheduler.most_inflight)
+            self._wake_lanes(self.scheduler.dispatchable())
         self.metrics.config_version(config.version)
         log.info("%s: routing config version %d applied (shares %s, shadow %s %.3g%%, %d calls in flight "
                  "+ %d for %s)", self.name, config.version, dict(config.shares), config.shadow.version,
@@ -346,11 +346,16 @@ class RouterCore:
         while True:
             if pending is None:
                 with self._lock:
+                    idle = False
                     while (pending := None if self._stopped else self._pop(self.clock())) is None:
                         if self._stopped:
                             return
+                        if idle and self._lanes > self.scheduler.limit:
+                            self._lanes -= 1  # left over from a burst or a higher limit: end the thread
+                            return
                         self._idle_lanes += 1
-                        if not self._work.wait(self.IDLE_LANE_S):  # timed out: nobody woke this lane
+                        idle = not self._work.wait(self.IDLE_LANE_S)
+                        if idle:  # timed out: nobody woke this lane
                             self._idle_lanes -= 1
                 previous_end = None
             try:

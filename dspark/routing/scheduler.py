@@ -185,6 +185,12 @@ class TierScheduler(Generic[T]):
         shared = self.limit + self.early
         return self.inflight < (shared + self.headroom if tier == self.top else shared)
 
+    def dispatchable(self) -> int:
+        """How many queued requests the limits let go out now (at most: beyond ``limit + early``
+        only the top tier's): the lanes worth waking."""
+        free = self.limit + self.early + self.headroom - self.inflight
+        return max(0, min(free, sum(len(s.queue) for s in self._tiers.values())))
+
     def pop_next(self, now: float) -> Pending[T] | None:
         """Next request by smooth weighted round-robin over non-empty tiers, if a slot is free
         (beyond ``limit + early`` only the top tier's)."""

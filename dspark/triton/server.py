@@ -21,7 +21,7 @@ import urllib.request
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import psutil
 import re2
@@ -37,11 +37,18 @@ INSTALL_HINT = (
 # Headers Triton passes to models as request parameters (the router reads dspark-tier, dspark-user-id).
 # Triton forwards a header to models when its RE2 pattern matches anywhere in the name
 # (PartialMatch), so the default names the router's headers exactly: "dspark-.*" would also hand
-# every model the API key.
-DEFAULT_HEADER_PATTERN = "^dspark-(tier|user-id)$"
+# every model the API key. Header names are case-insensitive; RE2 matches them as sent.
+DEFAULT_HEADER_PATTERN = "(?i)^dspark-(tier|user-id)$"
 PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 STUB_NAME = "triton_python_backend_stub"
 LOG_NAME = "tritonserver.log"
+
+# A model's load failure in Triton's log, with its reason: E1203 05:43:40.558571 23046
+# model_lifecycle.cc:642] "failed to load 'bad' version 1: Invalid argument: ..."
+_LOAD_FAILURE = re.compile(r'^E\d{4} [^\]]*\] "(?P<message>failed to load \'[^\']*\' version \d+: .*?)"?$', re.M)
+
+# Repositories Triton reads itself (its cloud storage); a local folder is every other string.
+REMOTE_REPOSITORY_PREFIXES = ("s3://", "gs://", "as://")
 
 LOOPBACK = "127.0.0.1"
 # Triton's APIs that answer only requests carrying this header with the server's key, in every
@@ -82,6 +89,12 @@ def check_api_key(key: str) -> str:
         raise ServerError(f"--api-key / {API_KEY_ENV}: must be 16 to 256 characters from A-Z a-z 0-9 . _ ~ - "
                           f"(got {len(key)} characters); leave it unset to have one generated")
     return key
+
+
+def is_remote_repository(repository: Union[Path, str]) -> bool:
+    """Whether ``repository`` is a cloud storage URL that Triton reads (kept as given: a Path
+    would turn s3://host into s3:/host)."""
+    return isinstance(repository, str) and repository.startswith(REMOTE_REPOSITORY_PREFIXES)
 
 
 def repository_headers(api_key: Optional[str]) -> dict[str, str]:
@@ -368,7 +381,7 @@ class TritonServer:
     it stops; the log of a server that failed is kept.
     """
 
-    repositories: Sequence[Path]
+    repositories: Sequence[Union[Path, str]]  # folders, or URLs such as s3://host:port/bucket/path
     ports: ServerPorts = field(default_factory=ServerPorts.free)
     model_control: str = "none"
     load_models: Sequence[str] = ()
@@ -380,6 +393,9 @@ class TritonServer:
     # How long Triton waits on SIGTERM for in-flight requests and open client connections.
     exit_timeout_s: int = 30
     api_key: Optional[str] = None
+    # False: a model that fails to load does not stop the server, which serves the others and
+    # says ready (Triton's --exit-on-error=false --strict-readiness=false)
+    exit_on_error: bool = True
     # After stop(): the shared-memory regions the server left behind (stop removed them).
     left_shm_regions: list[str] = field(default_factory=list, init=False)
     _regions: set[Path] = field(default_factory=set, init=False, repr=False)
@@ -388,7 +404,7 @@ class TritonServer:
         if self.model_control not in ("none", "explicit", "poll"):
             raise ValueError(f"model_control must be none, explicit or poll, not {self.model_control!r}")
         for repository in self.repositories:
-            if not Path(repository).is_dir():
+            if not is_remote_repository(repository) and not Path(repository).is_dir():
                 raise ServerError(f"model repository {repository} does not exist")
         check_host(self.host)
         if self.api_key:
@@ -421,7 +437,8 @@ class TritonServer:
     def command(self, install: ServerInstall, backend_directory: Path) -> list[str]:
         args = [str(install.binary)]
         for repository in self.repositories:
-            args.append(f"--model-repository={Path(repository).resolve()}")
+            where = repository if is_remote_repository(repository) else Path(repository).resolve()
+            args.append(f"--model-repository={where}")
         args += [
             f"--backend-directory={backend_directory}",
             f"--http-address={self.host}",
@@ -438,6 +455,8 @@ class TritonServer:
         if self.model_control == "poll":
             args.append("--repository-poll-secs=2")
         args += [f"--load-model={name}" for name in self.load_models]
+        if not self.exit_on_error:
+            args += ["--exit-on-error=false", "--strict-readiness=false"]
         args += list(self.extra_args)
         return args
 
@@ -538,8 +557,17 @@ class TritonServer:
                               f"{answers[1]} with it (expected 403, 200): the key did not reach it through "
                               f"{GUARD_LIBRARY}; not serving (log: {self.log_path})")
 
+    def load_failures(self) -> list[str]:
+        """Each model's load failure with its reason (`failed to load 'x' version 1: ...`), as
+        Triton logged it, whatever the reason mentions (CUDA and GPU included)."""
+        return [match["message"] for match in _LOAD_FAILURE.finditer(self.log_text())]
+
     def first_error(self) -> str:
-        """The most telling line of the log: the first model or server error, not the CUDA noise."""
+        """The most telling line of the log: the first model's load failure, else the first
+        server error that is not the CUDA noise of a start on a machine without a GPU."""
+        failures = self.load_failures()
+        if failures:
+            return failures[0] + (f" (and {len(failures) - 1} more models)" if len(failures) > 1 else "")
         noise = ("CUDA", "NVML", "DCGM", "CudaDriverHelper", "pinned memory", "GPU")
         lines = self.log_text().splitlines()
         for marker in ("failed to load", "error:", "Error", "E1", "E0"):

@@ -21,6 +21,8 @@ from dspark.bench.inputs import ModelInfo
 from dspark.bench.load import LoadSettings
 from dspark.bench.model import LoadBenchSettings, ModelSpec, run_load_bench
 from dspark.cli.main import cli
+from dspark.paths import project_root
+from dspark.triton.server import ServerError, ServerPorts
 from tests.conftest import serving
 
 STEADY_MS, SLOWED_MS, STREAM_GAP_MS, STREAM_RESPONSES = 10, 60, 15, 4
@@ -106,6 +108,36 @@ def test_model_bench_on_the_demo_classifier(triton_server, tmp_path, protocol):
         pngs = sorted(p.name for p in tmp_path.glob("*.png"))
         assert pngs == ["model_latency_vs_throughput.png", "model_percentiles.png", "model_resources.png"]
         assert all((tmp_path / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def consecutive_ports() -> ServerPorts:
+    """Free ports laid out as `dspark serve`'s defaults are: HTTP, gRPC = HTTP + 1, metrics = HTTP + 2."""
+    for _ in range(50):
+        first = ServerPorts.free().http
+        ports = ServerPorts(http=first, grpc=first + 1, metrics=first + 2)
+        try:
+            ports.check_free("127.0.0.1")
+            return ports
+        except ServerError:
+            continue
+    raise AssertionError("no three consecutive free ports")
+
+
+def test_metrics_come_from_the_benchmarked_server_or_the_result_says_they_do_not(request, triton_server, tmp_path):
+    with serving(request, [project_root() / "model_repository"], ports=consecutive_ports()) as server:
+        for protocol, url in (("http", server.http_url), ("grpc", server.grpc_url)):
+            bench("model", "mlp_classifier", "--url", url, "--protocol", protocol, "--out", str(tmp_path / protocol),
+                  "--no-plots", *QUICK)
+            row = json.loads((tmp_path / protocol / "result.json").read_text())["rows"][0]
+            assert row["server"]["success"] >= row["ok"] > 0, "Triton's counters of this server, on its port + 2"
+        # another server's metrics (it serves mlp_classifier too, and gets none of these requests)
+        out = bench("model", "mlp_classifier", "--url", server.http_url, "--metrics-url", triton_server.metrics_url,
+                    "--out", str(tmp_path / "other"), "--no-plots", *QUICK).output
+    data = json.loads((tmp_path / "other" / "result.json").read_text())
+    assert "server" not in data["rows"][0] and data["rows"][0]["ok"] > 0
+    note = (f"Triton's metrics at {triton_server.metrics_url} counted none of mlp_classifier's requests "
+            "(another server's?): no server columns (pass --metrics-url)")
+    assert note in data["notes"] and note in out
 
 
 def test_streaming_reports_time_to_first_token_and_inter_token_latency(bench_server, tmp_path):

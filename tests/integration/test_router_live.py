@@ -281,7 +281,13 @@ def rejected_lines(server):
 
 
 @pytest.mark.parametrize("garbage", [b"- 1\n- 2\n", b"just text\n", b"{1: 2, version: 3}\n", b"\xff\xfe\x00 binary",
-                                     b"tiers: {gold: {weight: .inf, deadline_ms: 5}}\n"])
+                                     b"tiers: {gold: {weight: .inf, deadline_ms: 5}}\n", b"",
+                                     b"# Routing of router_demo (re-read on ch",  # cut short while written
+                                     b"tiers: {standard: {weight: 1, deadline_ms: 5000, timeout_ms: 1.0e+308}}\n",
+                                     b"tiers: {standard: {weight: 1.0e+308, deadline_ms: 5000}}\n",
+                                     b"version: 1\n" + b"# padding\n" * 1_000_000],
+                         ids=["list", "scalar", "mixed-keys", "binary", "inf", "empty", "truncated", "huge-timeout",
+                              "huge-weight", "10MB"])
 def test_a_garbage_routing_file_is_ignored_and_route_set_still_works(live, garbage):
     good = apply(live, shares={1: 100}, shadow=ShadowPolicy(), tiers=RoutingConfig().tiers, max_inflight="auto")
     path = live.repo / "router_demo" / "routing.yaml"

@@ -80,3 +80,18 @@ def test_same_user_same_version_across_protocols(triton_server):
                     int(grpc_call(triton_server, "router_demo", headers={"dspark-user-id": user}).as_numpy("version")[0]),
                     int(http_call(triton_server, "router_demo", headers={"dspark-user-id": user}).as_numpy("version")[0])}
         assert len(versions) == 1, f"user {user} saw versions {versions}"
+
+
+def test_tier_and_user_headers_are_matched_whatever_their_case(triton_server):
+    """Over HTTP/1.1 a header name keeps the client's case (gRPC metadata names are lower case)."""
+    call = http_call
+    before = dispatched(triton_server, "diamond")
+    call(triton_server, "router_demo", headers={"Dspark-Tier": "diamond"})
+    call(triton_server, "router_demo", headers={"DSPARK-TIER": "diamond"})
+    assert dispatched(triton_server, "diamond") == before + 2
+    with pytest.raises(InferenceServerException, match="parameter 'tier': unknown tier 'platinum'"):
+        call(triton_server, "router_demo", headers={"Dspark-Tier": "platinum"})
+    for user in ("alice", "bob", "carol", "dave"):
+        versions = {int(call(triton_server, "router_demo", headers={name: user}).as_numpy("version")[0])
+                    for name in ("dspark-user-id", "Dspark-User-Id", "DSPARK-USER-ID")}
+        assert len(versions) == 1, f"user {user} saw versions {versions}"

@@ -201,6 +201,49 @@ def test_cann_adapter_is_row_major_with_the_stream_last(kernel_path, trans_a, tr
     np.testing.assert_allclose(c.astype(np.float64), 2 * op_a @ op_b + 1, rtol=1e-3)
 
 
+def test_cann_alpha_and_beta_have_cs_type_for_bf16():
+    """Two bytes each, as CANN's header says: what follows them in memory is not read."""
+    import ctypes
+
+    rng = np.random.default_rng(3)
+    a = rng.integers(-4, 5, (3, 5)).astype(BFLOAT16)
+    b = rng.integers(-4, 5, (5, 4)).astype(BFLOAT16)
+    c = np.ones((3, 4), BFLOAT16)
+    alpha = np.array([np.array(2, BFLOAT16).view(np.uint16), 0xFFFF], np.uint16)  # 2.0, then NaN bits
+    beta = np.array([np.array(1, BFLOAT16).view(np.uint16), 0xFFFF], np.uint16)  # 1.0, then NaN bits
+    lib = gemm.library()
+    assert lib.aclblasGemmEx(0, 0, 0, 3, 4, 5, alpha.ctypes.data, a.ctypes.data, -1, 27, b.ctypes.data, -1, 27,
+                             beta.ctypes.data, c.ctypes.data, -1, 27, 0, None) == 0, lib.hcblasLastError()
+    expected = 2 * a.astype(np.float64) @ b.astype(np.float64) + 1
+    np.testing.assert_allclose(c.astype(np.float64), expected, rtol=8e-3)
+    ctypes.memset(c.ctypes.data, 0, c.nbytes)
+    acl_gemm_ex(0, 0, 3, 4, 5, 2, a, -1, 27, b, -1, 27, 0, c, -1, 27)  # the binding passes C's type too
+    np.testing.assert_allclose(c.astype(np.float64), expected - 1, rtol=8e-3)
+
+
+@pytest.mark.parametrize("in_type, out_type, compute", [c[:3] for c in COMBINATIONS if c[0] != R.R_8I])
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_alpha_zero_leaves_beta_c_whatever_a_and_b_hold(kernel_path, in_type, out_type, compute, beta):
+    """BLAS's rule, for every type: alpha == 0 reads neither A nor B (NaN there stays out of C)."""
+    m, n, k = 5, 6, 7
+    A = np.full(m * k, np.nan, DTYPES[in_type])
+    B = np.full(k * n, np.inf, DTYPES[in_type])
+    C = np.arange(m * n).astype(DTYPES[out_type])
+    expected = beta * C.astype(np.float64)
+    Gemm("hcblas", "cpu").gemm_ex(Operation.N, Operation.N, m, n, k, 0.0, A, in_type, m, B, in_type, k, beta, C,
+                                  out_type, m, compute)
+    np.testing.assert_array_equal(C.astype(np.float64), expected)
+
+
+@pytest.mark.parametrize("a_type, c_type", [(1, 1), (1, 0), (27, 27), (0, 0)])
+def test_cann_alpha_zero_leaves_beta_c(kernel_path, a_type, c_type):
+    dtype = {0: np.float32, 1: np.float16, 27: BFLOAT16}
+    a, b = np.full((3, 5), np.nan, dtype[a_type]), np.full((5, 4), np.nan, dtype[a_type])
+    c = np.full((3, 4), 4, dtype[c_type])
+    acl_gemm_ex(0, 0, 3, 4, 5, 0, a, -1, a_type, b, -1, a_type, 0.5, c, -1, c_type)
+    np.testing.assert_array_equal(c.astype(np.float64), np.full((3, 4), 2.0))
+
+
 def test_cann_adapter_refuses_what_cann_refuses():
     lib = gemm.library()
     assert lib.aclblasGemmEx(0, 0, 1, 2, 2, 2, None, None, -1, 0, None, -1, 0, None, None, -1, 0, 0, None) == 100000

@@ -217,6 +217,36 @@ def test_the_gpu_check_skips_with_one_line_without_a_gpu():
     assert run.stdout.count("\n") == 1 and run.stdout.startswith("gpu_check: skipped, no NVIDIA GPU here (")
 
 
+def _gpu_check_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", project_root() / "tools/gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_check_counts_a_skip_as_a_skip_and_strict_fails_on_it():
+    tool = _gpu_check_tool()
+    results = [{"status": "ok"}] * 4 + [{"status": "skip"}] * 3  # the H200 run: no CUDA/TensorRT provider, no TensorRT
+    assert tool.summary(results, strict=False) == ("gpu_check: 4 of 7 checks passed, 3 skipped, 0 failed", 0)
+    assert tool.summary(results, strict=True) == (
+        "gpu_check: 4 of 7 checks passed, 3 skipped (failures with --strict), 0 failed", 1)
+    assert tool.summary([{"status": "ok"}, {"status": "FAIL"}], strict=False)[1] == 1
+    assert tool.summary([{"status": "ok"}] * 7, strict=True) == ("gpu_check: 7 of 7 checks passed, 0 skipped, 0 failed", 0)
+
+
+def test_the_strict_gpu_check_fails_without_a_gpu():
+    import subprocess
+    import sys
+
+    if devices.nvidia_gpus().present:
+        pytest.skip("a GPU is here: tools/gpu_check.py runs its checks instead")
+    run = subprocess.run([sys.executable, str(project_root() / "tools/gpu_check.py"), "--strict"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and run.stdout.startswith("gpu_check: FAIL (--strict), no NVIDIA GPU here (")
+
+
 def test_info_names_each_models_choice_with_its_tensorrt_engine_and_config_errors(tmp_path):
     from dspark.cli.accel import model_provider_choices
 

@@ -28,7 +28,7 @@ def verdicts(checks):
 def test_changes_inside_the_band_pass_and_outside_fail_in_the_bad_direction_only():
     base = result([row(1), row(4, qps=300, p99=20)])
     new = result([row(1, qps=104, p99=10.4), row(4, qps=240, p99=14)])  # level 4: 20% fewer req/s, p99 30% lower
-    v = verdicts(compare(base, new))
+    v = verdicts(compare(base, new, min_band=0.02))
     assert v[("model=m, level=1", "qps")] == "ok" and v[("model=m, level=1", "p99_ms")] == "ok"
     assert v[("model=m, level=4", "qps")] == "regression"
     assert v[("model=m, level=4", "p99_ms")] == "improved"
@@ -71,7 +71,7 @@ def test_bad_targets_and_unknown_metrics_are_named():
 def test_rows_match_on_the_key_fields_or_the_comparison_refuses():
     with pytest.raises(ConfigError, match="no row of NEW matches"):
         compare(result([row(model="a")]), result([row(model="b")]))
-    checks = compare(result([row(model="a")]), result([row(model="b", p99=30)]), ignore_keys=["model"])
+    checks = compare(result([row(model="a")]), result([row(model="b", p99=30)]), ignore_keys=["model"], min_band=0.02)
     assert verdicts(checks)[("level=1", "p99_ms")] == "regression"
     with pytest.raises(ConfigError, match="compare like with like"):
         compare(result([row()]), result([row()], benchmark="system"))
@@ -147,3 +147,18 @@ def test_rows_of_one_result_compare_with_each_other(tmp_path):
     assert out.exit_code == 0 and "met" in out.output, out.output
     out = CliRunner().invoke(cli, args[:-1] + ["p99<=0.2x"])
     assert out.exit_code == 1 and "p99_ms missed (0.300x" in out.output, out.output
+
+
+def test_two_single_runs_are_unsure_beyond_their_windows_band_unless_a_band_is_given(tmp_path):
+    """Two runs of one model on a busy machine: windows agreed within 4 %, the runs' p99 2.95x apart."""
+    base = result([row(p99=10.0, band=0.04)]).save(tmp_path / "base.json")
+    again = result([row(p99=29.5, band=0.04)]).save(tmp_path / "again.json")
+    default = CliRunner().invoke(cli, ["bench", "compare", str(base), str(again)])
+    assert default.exit_code == 0, default.output
+    assert "p99_ms" in default.output and "unsure" in default.output
+    assert "NOTE: BASE and NEW are one run each: their bands are the spread of windows inside each run" in default.output
+    judged = CliRunner().invoke(cli, ["bench", "compare", str(base), str(again), "--min-band", "50"])
+    assert judged.exit_code == 1 and "p99_ms regression" in judged.output
+    errors = result([row(error_rate=0.02, band=0.04)]).save(tmp_path / "errors.json")
+    failing = CliRunner().invoke(cli, ["bench", "compare", str(base), str(errors)])
+    assert failing.exit_code == 1 and "error_rate regression" in failing.output  # errors need no band

@@ -104,6 +104,17 @@ def test_add_refuses_a_model_name_that_is_not_a_folder_name_and_writes_nothing(t
                                                                             repository.relative_to(tmp_path)]
 
 
+def test_add_refuses_a_model_folder_that_links_out_of_the_repository(tmp_path):
+    repository, outside = tmp_path / "models", tmp_path / "outside"
+    repository.mkdir()
+    outside.mkdir()
+    (repository / "clf").symlink_to(outside)
+    result = CliRunner().invoke(cli, ["repo", "add", "clf", str(DEMO_ONNX), "--version", "1.0.0", "-r", str(repository)])
+    assert result.exit_code == 1
+    assert f"{repository / 'clf'}: is a link to {outside}, outside the repository" in result.output
+    assert list(outside.iterdir()) == []
+
+
 @pytest.mark.parametrize("filename", ["modelspec.yaml", "config.pbtxt"])
 def test_validate_names_a_file_that_is_not_utf8(repository, filename):
     repo.add_version(repository, "clf", DEMO_ONNX, "1.0.0")

@@ -232,3 +232,26 @@ def test_endpoints_from_flags_and_files(tmp_path):
         read_endpoints()
     with pytest.raises(ConfigError, match="not an HTTP endpoint"):
         read_endpoints(["ftp://x"])
+
+
+@pytest.mark.parametrize("option, name", [("model", "x/../../../escape"), ("model", "../escape"),
+                                          ("--router", "../escape")])
+def test_rollout_refuses_a_model_or_router_name_that_is_not_a_folder_name(tmp_path, option, name):
+    from click.testing import CliRunner
+
+    from dspark.cli.main import cli
+
+    state = tmp_path / "state" / "rollout.sqlite"
+    (tmp_path / "state" / "rollout.sqlite.x").mkdir(parents=True)  # lets 'x/../..' resolve
+    (tmp_path / "repo").mkdir()
+    artifact = tmp_path / "model.onnx"
+    artifact.write_bytes(b"onnx")
+    model, router = (name, []) if option == "model" else ("m", ["--router", name])
+    before = sorted(tmp_path.rglob("*"))
+    result = CliRunner().invoke(cli, ["rollout", "run", model, str(artifact), "--version", "1.0.0",
+                                      "-r", str(tmp_path / "repo"), "-s", "http://127.0.0.1:1",
+                                      "--state", str(state), *router])
+    assert result.exit_code == 1
+    field = "model" if option == "model" else "router"
+    assert f"{field}: {name!r} is not a valid model name: use letters, digits" in result.output
+    assert sorted(tmp_path.rglob("*")) == before  # no lock file, no state file, nothing elsewhere

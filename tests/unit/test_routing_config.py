@@ -1,6 +1,8 @@
 """Routing config: file format, validation messages naming the field, watching for changes."""
 
 import os
+import time
+from pathlib import Path
 
 import pytest
 
@@ -40,15 +42,25 @@ def test_load_and_round_trip(tmp_path):
     ("tiers: {gold: {weight: 0, deadline_ms: 5}}\ndefault_tier: gold", "tiers.gold.weight"),
     ("tiers: {gold: {weight: 1, deadline_ms: 5, colour: 3}}", "tiers.gold.colour: unknown field"),
     ("default_tier: platinum", "default_tier: 'platinum' is not one of the tiers"),
-    ("max_inflight: -1", "max_inflight: must be 'auto' (the target's instance count) or a whole number >= 1, got -1"),
+    ("max_inflight: -1", "max_inflight: must be 'auto' (the target's instance count) or a whole number from 1 to 256, got -1"),
     ("max_inflight: many", "max_inflight: must be 'auto'"),
-    ("max_inflight: 2.7", "max_inflight: must be 'auto' (the target's instance count) or a whole number >= 1, got 2.7"),
+    ("max_inflight: 2.7", "max_inflight: must be 'auto' (the target's instance count) or a whole number from 1 to 256, got 2.7"),
     ("tiers: {gold: {weight: .inf, deadline_ms: 5}}\ndefault_tier: gold", "tiers.gold.weight: Input should be a finite number"),
     ("tiers: {gold: {weight: .nan, deadline_ms: 5}}\ndefault_tier: gold", "tiers.gold.weight: Input should be a finite number"),
     ("tiers: {gold: {weight: -2, deadline_ms: 5}}\ndefault_tier: gold", "tiers.gold.weight: Input should be greater than 0"),
     ("tiers: {gold: {weight: true, deadline_ms: 5}}\ndefault_tier: gold", "tiers.gold.weight: Input should be a valid number"),
     ("tiers: {gold: {weight: 1, deadline_ms: 5, max_queue: 2.5}}\ndefault_tier: gold", "tiers.gold.max_queue: Input should be a valid integer"),
     ("tiers: {gold: {weight: 1, deadline_ms: 5, timeout_ms: 0}}\ndefault_tier: gold", "tiers.gold.timeout_ms: Input should be greater than 0"),
+    ("tiers: {gold: {weight: 1, deadline_ms: 5, timeout_ms: 1.0e+308}}\ndefault_tier: gold",
+     "tiers.gold.timeout_ms: Input should be less than or equal to 86400000"),
+    ("tiers: {gold: {weight: 1, deadline_ms: 1.0e+308}}\ndefault_tier: gold",
+     "tiers.gold.deadline_ms: Input should be less than or equal to 86400000"),
+    ("tiers: {gold: {weight: 1.0e+308, deadline_ms: 5}}\ndefault_tier: gold",
+     "tiers.gold.weight: Input should be less than or equal to 1000000"),
+    ("fluctuation: {max: 1.0e+308}", "fluctuation.max: Input should be less than or equal to 100"),
+    ("max_inflight: 99999999999", "max_inflight: must be 'auto' (the target's instance count) or a whole number from 1 to 256, got 99999999999"),
+    ("top_tier_headroom: 1000", "top_tier_headroom: Input should be less than or equal to 256"),
+    ("cancel_check_ms: 1.0e+308", "cancel_check_ms: Input should be less than or equal to 86400000"),
     ("top_tier_headroom: 0.5", "top_tier_headroom: Input should be a valid integer"),
     ("inline_max_ms: -1", "inline_max_ms: Input should be greater than or equal to 0"),
     ("shares: {1: .nan}", r"shares[1]: Input should be a finite number"),
@@ -117,6 +129,30 @@ def test_watcher_survives_any_file_and_applies_the_next_valid_one(tmp_path, garb
     assert watcher.poll().version == 9 and watcher.config.shares == {2: 100.0}
 
 
+DEMO_ROUTING = (Path(__file__).parents[2] / "model_repository" / "router_demo" / "routing.yaml").read_bytes()
+
+
+@pytest.mark.parametrize("text, why", [
+    (b"", "has no fields (empty, only comments, or cut short while being written)"),
+    (b"\n  \n", "has no fields"),
+    (DEMO_ROUTING[:40], "has no fields"),  # the demo's file cut inside its first (comment) line
+    (b"version: 1\n" + b"# padding\n" * 1_100_000, "larger than 64 KiB, the most a routing file may be"),
+])
+def test_an_empty_truncated_or_huge_routing_file_is_rejected_and_the_last_good_config_stays(tmp_path, text, why):
+    path = tmp_path / "routing.yaml"
+    path.write_text(EXAMPLE)
+    watcher = ConfigWatcher(path, {1, 2})
+    path.write_bytes(text)
+    os.utime(path, ns=(10**9, 10**9))
+    started = time.monotonic()
+    assert watcher.poll() is None and why in watcher.last_error
+    assert time.monotonic() - started < 0.5, "a huge file is refused without parsing it"
+    assert watcher.config.version == 3, "the last good config stays"
+    with pytest.raises(ConfigError) as info:
+        RoutingConfig.load(path)
+    assert str(info.value).startswith(f"{path}: {why}")
+
+
 def test_update_routing_bumps_the_version_and_validates(tmp_path):
     from dspark.routing.config import ShadowPolicy, load_routing, update_routing
 
@@ -154,6 +190,26 @@ def test_route_set_changes_the_fast_path_threshold(tmp_path):
     assert "fast path while the target answers within 0 ms" in shown.output
 
 
+@pytest.mark.parametrize("option, value, message", [
+    ("--max-inflight", "99999999999", "max_inflight: must be 'auto' (the target's instance count) or a whole number from 1 to 256"),
+    ("--weight", "gold=1e308", "tiers.gold.weight: Input should be less than or equal to 1000000"),
+    ("--deadline-ms", "gold=1e308", "tiers.gold.deadline_ms: Input should be less than or equal to 86400000"),
+])
+def test_route_set_refuses_a_huge_value_naming_the_field(tmp_path, option, value, message):
+    import shutil
+
+    from click.testing import CliRunner
+
+    from dspark.cli.route import route
+    from dspark.paths import project_root
+
+    shutil.copytree(project_root() / "model_repository" / "router_demo", tmp_path / "router_demo")
+    before = (tmp_path / "router_demo" / "routing.yaml").read_text()
+    result = CliRunner().invoke(route, ["set", "-r", str(tmp_path), "-m", "router_demo", option, value])
+    assert result.exit_code == 1 and message in result.output
+    assert (tmp_path / "router_demo" / "routing.yaml").read_text() == before
+
+
 @pytest.mark.parametrize("raw, tier, user", [
     (None, None, None),
     ("", None, None),
@@ -161,6 +217,8 @@ def test_route_set_changes_the_fast_path_threshold(tmp_path):
     ('{"dspark-tier": "diamond", "dspark-user-id": 42}', "diamond", "42"),
     ('{"tier": "gold", "dspark-tier": "diamond"}', "gold", None),  # a parameter wins over a header
     ('{"tier": "", "dspark-tier": "diamond", "other": [1, 2]}', "diamond", None),
+    ('{"Dspark-Tier": "diamond", "DSPARK-USER-ID": "bob"}', "diamond", "bob"),  # header names: any case
+    ('{"Tier": "gold"}', None, None),  # a parameter's name is the client's own: exact
 ])
 def test_request_parameters(raw, tier, user):
     from dspark.routing.request import parse_parameters

@@ -491,9 +491,29 @@ def test_fast_path_shadow_runs_after_the_answer_and_errors_count(run_core):
 def test_lanes_start_on_demand(run_core):
     """A large max_inflight costs no threads until calls need them."""
     before = threading.active_count()
-    core = run_core(config(max_inflight=500, inline_max_ms=0), FakeTarget(service_s=0.05))
+    core = run_core(config(max_inflight=256, inline_max_ms=0), FakeTarget(service_s=0.05))
     client = Client()
     for i in range(6):
         core.submit(client.job(f"r{i}"))
     client.wait()
     assert threading.active_count() - before < 20
+
+
+def test_a_higher_limit_applied_with_requests_queued_wakes_one_lane_per_request_and_lanes_end_later(run_core):
+    release = threading.Event()
+    target = FakeTarget(behaviour={1: lambda payload: release.wait(10) and {"y": payload["x"] * 2}})
+    before = threading.active_count()
+    core = run_core(config(max_inflight=1, inline_max_ms=0), target)
+    core.IDLE_LANE_S = 0.1
+    client = Client()
+    for i in range(12):
+        core.submit(client.job(f"r{i}"))
+    assert eventually(lambda: target.running == 1)
+    core.apply(config(max_inflight=256, inline_max_ms=0))
+    assert eventually(lambda: target.running == 12)
+    assert threading.active_count() - before < 25, "a lane per queued request, not one per slot"
+    release.set()
+    client.wait()
+    assert all(client.error(n) is None for n in client.answers)
+    core.apply(config(max_inflight=1, inline_max_ms=0))
+    assert eventually(lambda: threading.active_count() - before < 8), "idle lanes above the limit end"

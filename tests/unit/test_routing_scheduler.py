@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from dspark.routing.config import FluctuationPolicy, RoutingConfig, TierPolicy
+from dspark.routing.config import MAX_INFLIGHT, FluctuationPolicy, RoutingConfig, TierPolicy
 from dspark.errors import RequestError, UnavailableError
 from dspark.routing.scheduler import FluctuationMeter, TierScheduler
 
@@ -16,7 +16,7 @@ def make_config(**kw) -> RoutingConfig:
         "gold": TierPolicy(weight=3, deadline_ms=1000, max_queue=10_000),
         "standard": TierPolicy(weight=1, deadline_ms=1000, max_queue=10_000),
     })
-    return RoutingConfig(tiers=tiers, max_inflight=kw.pop("max_inflight", 1_000_000), **kw).validate()
+    return RoutingConfig(tiers=tiers, max_inflight=kw.pop("max_inflight", MAX_INFLIGHT), **kw).validate()
 
 
 def steady_meter(policy: FluctuationPolicy, qps: float, seconds: float, start: float = 0.0) -> float:
