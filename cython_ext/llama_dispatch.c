@@ -1,5 +1,6 @@
 /* Run-time choice of the llama kernels' instruction set: CPUID + XGETBV (cpu_features.h),
- * overridable by DSPARK_SIMD (the same names as the fused kernel's). */
+ * overridable by DSPARK_SIMD and narrowed by DSPARK_SIMD_HIDE (the same names and rules as the
+ * fused kernel's dispatch). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +19,7 @@ int llama_isa_compiled(int isa) {
 }
 
 int llama_isa_supported(int isa) {
+    if (isa != LLAMA_ISA_SCALAR && isa >= 0 && isa < LLAMA_ISA_COUNT && dspark_isa_hidden(isa_names[isa])) return 0;
     dspark_cpu_features f = dspark_detect_cpu_features();
     switch (isa) {
     case LLAMA_ISA_SCALAR: return 1;

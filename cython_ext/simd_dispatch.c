@@ -18,24 +18,11 @@ int dspark_isa_compiled(int isa) {
     return DSPARK_HAVE_X86_TUS && (isa == DSPARK_ISA_AVX2 || isa == DSPARK_ISA_AVX512);
 }
 
-/* isa is listed in DSPARK_SIMD_HIDE */
-static int hidden(int isa) {
-    const char *p = getenv("DSPARK_SIMD_HIDE");
-    const size_t len = strlen(isa_names[isa]);
-    while (p && *p) {
-        const char *end = strchr(p, ',');
-        const size_t n = end ? (size_t)(end - p) : strlen(p);
-        if (n == len && strncmp(p, isa_names[isa], len) == 0) return 1;
-        p = end ? end + 1 : NULL;
-    }
-    return 0;
-}
-
 #if DSPARK_HAVE_X86_TUS
 #include "cpu_features.h"
 
 int dspark_isa_supported(int isa) {
-    if (isa != DSPARK_ISA_SCALAR && isa >= 0 && isa < DSPARK_ISA_COUNT && hidden(isa)) return 0;
+    if (isa != DSPARK_ISA_SCALAR && isa >= 0 && isa < DSPARK_ISA_COUNT && dspark_isa_hidden(isa_names[isa])) return 0;
     switch (isa) {
     case DSPARK_ISA_SCALAR: return 1;
     case DSPARK_ISA_AVX2: return dspark_cpu_runs_avx2();

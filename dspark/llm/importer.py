@@ -60,28 +60,28 @@ def _stamp(gguf: Path, cache_dtype: str, accuracy_level: int) -> dict:
 
 def import_gguf(gguf: str | Path, out_dir: str | Path, cache_dtype: str = "float32",
                 accuracy_level: int = 4, force: bool = False, onnx: bool | None = None) -> ImportResult:
-    """Write the tokenizer of ``gguf`` (and with ``onnx``, default for ``llama`` models, its
-    decoder graph) into ``out_dir``; skip when the folder already holds an import of the same
-    file by the same code with the same settings."""
+    """Write the tokenizer of ``gguf`` (and with ``onnx``, by default where the graph can be built:
+    plain llama in the legacy types, its decoder graph) into ``out_dir``; skip when the folder
+    already holds an import of the same file by the same code with the same settings."""
     from dspark.llm.gguf_model import GGUFModel
-    from dspark.llm.onnx_graph import build_llama_onnx
+    from dspark.llm.onnx_graph import build_llama_onnx, onnx_unsupported
     from dspark.llm.tokenizer import LlamaTokenizer
 
     start = time.perf_counter()
     gguf, out_dir = Path(gguf), Path(out_dir)
-    stamp = _stamp(gguf, cache_dtype, accuracy_level) if gguf.is_file() else None
+    stamp = {**_stamp(gguf, cache_dtype, accuracy_level), "onnx": onnx} if gguf.is_file() else None
     stamp_path = out_dir / STAMP_FILE
-    files = (MODEL_FILE, WEIGHTS_FILE, TOKENIZER_FILE, META_FILE) if onnx is not False else (TOKENIZER_FILE, META_FILE)
-    if not force and stamp and stamp_path.is_file() and all((out_dir / f).is_file() for f in files):
+    if not force and stamp and stamp_path.is_file():
         try:
-            if json.loads(stamp_path.read_text()) == stamp:
+            done = json.loads(stamp_path.read_text())
+            wrote = done.pop("files", [])
+            if done == stamp and all((out_dir / f).is_file() for f in wrote):
                 return ImportResult(out_dir, True, time.perf_counter() - start)
-        except ValueError:
+        except (ValueError, AttributeError):
             pass
     model = GGUFModel(gguf)  # refuses what it cannot import, before anything is written
-    if onnx is None:
-        onnx = model.config.architecture == "llama"
-    graph = build_llama_onnx(model, cache_dtype=cache_dtype, accuracy_level=accuracy_level) if onnx else None
+    build = onnx_unsupported(model) is None if onnx is None else onnx
+    graph = build_llama_onnx(model, cache_dtype=cache_dtype, accuracy_level=accuracy_level) if build else None
     tokenizer = LlamaTokenizer.from_gguf(model)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp_path.unlink(missing_ok=True)  # a half-written import is never taken for a good one
@@ -95,7 +95,8 @@ def import_gguf(gguf: str | Path, out_dir: str | Path, cache_dtype: str = "float
         onnx_lib.save(graph, str(out_dir / MODEL_FILE), save_as_external_data=True, location=WEIGHTS_FILE,
                       size_threshold=4096)
     tokenizer.save(out_dir / TOKENIZER_FILE)
-    stamp_path.write_text(json.dumps(stamp, indent=1) + "\n")
+    files = [TOKENIZER_FILE, META_FILE] + ([MODEL_FILE, WEIGHTS_FILE] if graph is not None else [])
+    stamp_path.write_text(json.dumps({**stamp, "files": files}, indent=1) + "\n")
     return ImportResult(out_dir, False, time.perf_counter() - start)
 
 

@@ -164,12 +164,31 @@ def _attention_ops(g: _Graph, cfg: LlamaConfig, i: int, qkv: str) -> str:
     return g.op("Transpose", out, perm=[0, 3, 1, 2, 4])  # [B, T, kvh, group, dh]
 
 
+ONNX_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+
+
+def onnx_unsupported(model: GGUFModel) -> str | None:
+    """Why the graph cannot be built for ``model`` (None: it can): it covers plain llama with the
+    weight types of :mod:`dspark.llm.quant`."""
+    cfg = model.config
+    if cfg.architecture != "llama" or model.has("rope_freqs.weight") or cfg.hidden != cfg.n_head * cfg.head_dim:
+        return f"the graph is built for plain llama models, this is {cfg.architecture}"
+    types = sorted({t for kinds in cfg.weight_types.values() for t in kinds.split("/")} - set(ONNX_TYPES))
+    return f"weight type {types[0]} has no ONNX form here" if types else None
+
+
 def build_llama_onnx(model: GGUFModel, cache_dtype: str = "float32", accuracy_level: int = 4,
                      max_positions: int | None = None, attention: str = "gqa") -> onnx.ModelProto:
     """The decoder graph of ``model`` (see module docstring). ``max_positions`` bounds the RoPE
     tables (default: the model's context length); ``attention="ops"`` builds the plain-ops
     variant that only the benchmark runs (:func:`_attention_ops`)."""
     cfg = model.config
+    reason = onnx_unsupported(model)
+    if reason:
+        from dspark.errors import ConfigError
+
+        raise ConfigError("llm_runtime", f"no ONNX graph: {reason}; serve it on the kernels (llm_runtime: kernel, "
+                          "the default)", model.path)
     tap_layers = default_tap_layers(cfg.n_layer)
     g = _Graph()
     w = _Weights(model, g, accuracy_level)

@@ -131,3 +131,16 @@ def test_import_with_name_adds_a_servable_model(tmp_path):
     assert bad.exit_code != 0 and "no-such-package" in bad.output and "pip install" in bad.output
     both = CliRunner().invoke(cli, ["llm", "import", str(gguf), str(tmp_path / "out"), "--name", "x"])
     assert both.exit_code != 0 and "either OUT_DIR or --name" in both.output
+
+
+def test_a_k_quant_or_gemma_file_imports_for_the_kernels_only(tmp_path):
+    """No ONNX graph where it cannot be built (K-quants, other architectures); the import is
+    complete without it, skipped the second time, and asking for the graph names the reason."""
+    for name, kwargs in (("kq", dict(weight_type="Q4_K")), ("gemma", dict(architecture="gemma3", head_dim=64))):
+        path = write_llama_gguf(tmp_path / f"{name}.gguf", hidden=256, ffn=512, **kwargs)
+        out = tmp_path / name
+        assert not import_gguf(path, out).skipped
+        assert {p.name for p in out.iterdir()} == {"tokenizer.json", "tokenizer_meta.json", "import.json"}
+        assert import_gguf(path, out).skipped
+        with pytest.raises(ConfigError, match="llm_runtime: no ONNX graph: .*serve it on the kernels"):
+            import_gguf(path, out, onnx=True)

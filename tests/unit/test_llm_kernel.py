@@ -221,6 +221,16 @@ def test_simd_override_and_bad_isa(monkeypatch, tiny_model):
         KernelRuntime(tiny_model, isa="sse9")
 
 
+def test_hidden_isas_are_not_chosen_nor_forced(monkeypatch, tiny_model):
+    """DSPARK_SIMD_HIDE narrows the llama kernels' choice as it does the fused kernel's."""
+    monkeypatch.delenv("DSPARK_SIMD", raising=False)
+    monkeypatch.setenv("DSPARK_SIMD_HIDE", "avx512,avx2")
+    assert KernelRuntime(tiny_model, threads=1).isa == "scalar"
+    assert ext.isa_info()["supported"] == ["scalar"]
+    with pytest.raises(ConfigError, match="avx2: this CPU or OS cannot run the avx2 llama kernels"):
+        KernelRuntime(tiny_model, isa="avx2")
+
+
 # -- greedy identity: a row's logits do not depend on how it is computed ---------------------
 
 @pytest.mark.parametrize("fixture", ["tiny", "gemma_tiny", "smol"])
