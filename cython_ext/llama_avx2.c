@@ -54,6 +54,23 @@ AI void half_kernel(const uint8_t *w0, size_t kb, const int fmt, int half, const
                     isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones));
                 }
             }
+        } else if (fmt == LLAMA_Q5_0) {
+            /* 5-bit quants: a pair of products reaches 2 x 31 x 127, so each group's two goes
+             * to 32 bits at once (8 groups in 16 bits would overflow) */
+            const __m256i plane = _mm256_loadu_si256((const __m256i *)(blk + 256)), bit4 = _mm256_set1_epi8(0x10);
+            for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+            for (int l = 0; l < 4; l++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * l));
+                const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, nib),
+                                                   _mm256_and_si256(_mm256_slli_epi16(plane, 4 - l), bit4));
+                const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib),
+                                                   _mm256_and_si256(_mm256_srli_epi16(plane, l), bit4));
+                for (int r = 0; r < R; r++) {
+                    const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(aq[r] + 4 * l)),
+                                                          _mm256_maddubs_epi16(hi, bcast4(aq[r] + 16 + 4 * l)));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pair, ones));
+                }
+            }
         } else {
             __m256i i16[4];
             for (int r = 0; r < R; r++) i16[r] = _mm256_setzero_si256();
@@ -71,7 +88,8 @@ AI void half_kernel(const uint8_t *w0, size_t kb, const int fmt, int half, const
         const __m256 dw = load_half8(blk - 32 * half + so + 16 * half);
         for (int r = 0; r < R; r++) {
             const size_t ab = (r0 + r) * a->kb + b;
-            if (fmt == LLAMA_Q4_0) isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(8 * a->sum[ab]));
+            if (fmt == LLAMA_Q4_0 || fmt == LLAMA_Q5_0)
+                isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(llama_zero_point(fmt) * a->sum[ab]));
             const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[ab]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
             if (fmt == LLAMA_Q4_1)
@@ -95,12 +113,13 @@ AI void half_kernel(const uint8_t *w0, size_t kb, const int fmt, int half, const
 DEFINE_RUN(LLAMA_Q4_0, run_q4_0)
 DEFINE_RUN(LLAMA_Q4_1, run_q4_1)
 DEFINE_RUN(LLAMA_Q8_0, run_q8_0)
+DEFINE_RUN(LLAMA_Q5_0, run_q5_0)
 
 static void matmul(const llama_matrix *w, size_t tile0, size_t tile1, const llama_qact *a,
                    size_t rows, float *out, size_t ldo) {
     const size_t kb = w->k / LLAMA_QK, tb = llama_tile_bytes(w);
     void (*run)(const uint8_t *, size_t, int, const llama_qact *, size_t, int, float *, size_t) =
-        w->fmt == LLAMA_Q8_0 ? run_q8_0 : w->fmt == LLAMA_Q4_1 ? run_q4_1 : run_q4_0;
+        w->fmt == LLAMA_Q8_0 ? run_q8_0 : w->fmt == LLAMA_Q4_1 ? run_q4_1 : w->fmt == LLAMA_Q5_0 ? run_q5_0 : run_q4_0;
     for (size_t t = tile0; t < tile1; t += 4) {  /* 4 tiles stay in cache across row groups */
         const size_t chunk = tile1 - t < 4 ? tile1 - t : 4;
         for (size_t r0 = 0; r0 < rows; r0 += 4) {

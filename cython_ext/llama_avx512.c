@@ -57,10 +57,16 @@ AI void tile_kernel(const uint8_t *w0, size_t kb, const int fmt, const llama_qac
                 }
             }
         } else {
+            const __m512i plane = fmt == LLAMA_Q5_0 ? _mm512_loadu_si512(blk + 256) : _mm512_setzero_si512();
+            const __m512i bit4 = _mm512_set1_epi8(0x10);
             for (int l = 0; l < 4; l++) {
                 const __m512i v = _mm512_loadu_si512(blk + 64 * l);
-                const __m512i lo = _mm512_and_si512(v, nib);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                __m512i lo = _mm512_and_si512(v, nib);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                if (fmt == LLAMA_Q5_0) {  /* the fifth bits: bit l (low nibbles) and 4 + l (high) to bit 4 */
+                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(plane, 4 - l), bit4));
+                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(plane, l), bit4));
+                }
                 for (int r = 0; r < R; r++) {
                     i0[r] = _mm512_dpbusd_epi32(i0[r], lo, bcast4(aq[r] + 4 * l));
                     if (split)
@@ -99,12 +105,13 @@ AI void tile_kernel(const uint8_t *w0, size_t kb, const int fmt, const llama_qac
 DEFINE_RUN(LLAMA_Q4_0, run_q4_0)
 DEFINE_RUN(LLAMA_Q4_1, run_q4_1)
 DEFINE_RUN(LLAMA_Q8_0, run_q8_0)
+DEFINE_RUN(LLAMA_Q5_0, run_q5_0)
 
 static void matmul(const llama_matrix *w, size_t tile0, size_t tile1, const llama_qact *a,
                    size_t rows, float *out, size_t ldo) {
     const size_t kb = w->k / LLAMA_QK, tb = llama_tile_bytes(w);
     void (*run)(const uint8_t *, size_t, const llama_qact *, size_t, int, float *, size_t) =
-        w->fmt == LLAMA_Q8_0 ? run_q8_0 : w->fmt == LLAMA_Q4_1 ? run_q4_1 : run_q4_0;
+        w->fmt == LLAMA_Q8_0 ? run_q8_0 : w->fmt == LLAMA_Q4_1 ? run_q4_1 : w->fmt == LLAMA_Q5_0 ? run_q5_0 : run_q4_0;
     for (size_t t = tile0; t < tile1; t += 4) {  /* 4 tiles stay in cache across row groups */
         const size_t chunk = tile1 - t < 4 ? tile1 - t : 4;
         for (size_t r0 = 0; r0 < rows; r0 += 8) {

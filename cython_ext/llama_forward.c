@@ -225,17 +225,8 @@ static void embed_dequant(const llama_matrix *w, size_t col, float *x) {
             memcpy(&h, blk + so + 32 + 2 * c, 2);
             m = llama_half_to_float(h);
         }
-        for (int k = 0; k < LLAMA_QK; k++) {
-            const int g = k >> 2, i = k & 3;
-            int u;
-            if (w->fmt == LLAMA_Q8_0) {
-                u = blk[64 * g + 4 * c + i];
-            } else {
-                const uint8_t byte = blk[64 * (g & 3) + 4 * c + i];
-                u = g < 4 ? byte & 15 : byte >> 4;
-            }
-            x[b * LLAMA_QK + k] = d * (float)(u - zero) + m;
-        }
+        for (int k = 0; k < LLAMA_QK; k++)
+            x[b * LLAMA_QK + k] = d * (float)(llama_quant_at(blk, w->fmt, c, k) - zero) + m;
     }
 }
 

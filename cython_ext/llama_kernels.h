@@ -1,19 +1,21 @@
 /* Per-instruction-set kernels of the llama-architecture decoder (llama_forward.c).
  *
- * Weights stay in their GGUF block formats (Q4_0, Q4_1, Q8_0), repacked once at load into
+ * Weights stay in their GGUF block formats (Q4_0, Q4_1, Q8_0, Q5_0), repacked once at load into
  * column tiles of LLAMA_TILE output features: for each tile, its K/32 blocks in order, each
  * block holding the quants of 16 columns x 32 inputs laid out as the int8 dot-product
  * instructions read them (group g of 4 inputs: 16 columns x 4 bytes, 64 bytes), then the
  * 16 fp16 scales d and, for Q4_1, the 16 fp16 offsets m. The bytes per weight are the
  * GGUF's. Q8_0 quants are stored offset by +128 (unsigned), 4-bit quants as nibbles: byte
  * (L, col, i) of the first 256 holds input 4L+i in its low and 16+4L+i in its high nibble,
- * the same pairing as GGUF's own Q4 blocks.
+ * the same pairing as GGUF's own Q4 blocks. Q5_0 adds, after those 256 bytes, a 64-byte plane
+ * of the fifth bits: byte (col, i) holds in bit g that of input 4g + i (g = 0..7), so group L's
+ * low nibbles take bit L and its high nibbles bit 4 + L.
  *
  * Activations are quantized per block of 32 to int8 (scale d = max|x|/127, q = rint(x/d)),
  * as llama.cpp does for its Q4/Q8 dot products. A weight block's contribution to output
  * column n of a row is then, with the integer I = sum(u * q) - zero * sum(q):
  *     acc = fma((float)I, d_w * d_a, acc);  and for Q4_1: acc = fma(m_w, d_a * sum(q), acc)
- * where zero is 8 (Q4_0), 0 (Q4_1) or 128 (Q8_0). Every path (scalar, AVX2, AVX-512)
+ * where zero is 8 (Q4_0), 16 (Q5_0), 0 (Q4_1) or 128 (Q8_0). Every path (scalar, AVX2, AVX-512)
  * performs exactly these float operations in block order for each (row, column), whatever
  * the number of rows computed together, so results are bitwise equal across row counts and
  * across instruction sets; the integer part is exact. Reductions over a vector (RMSNorm's
@@ -32,19 +34,32 @@
 #define LLAMA_Q4_0 0
 #define LLAMA_Q4_1 1
 #define LLAMA_Q8_0 2
+#define LLAMA_Q5_0 3
 
 /* Bytes of one packed block (16 columns x 32 inputs). */
 static inline size_t llama_block_bytes(int fmt) {
-    return fmt == LLAMA_Q8_0 ? 512 + 32 : fmt == LLAMA_Q4_1 ? 256 + 64 : 256 + 32;
+    return fmt == LLAMA_Q8_0 ? 512 + 32 : fmt == LLAMA_Q4_1 ? 256 + 64 : fmt == LLAMA_Q5_0 ? 256 + 64 + 32 : 256 + 32;
 }
 /* Offset of the fp16 scales inside a block (the fp16 offsets m follow for Q4_1). */
-static inline size_t llama_scale_offset(int fmt) { return fmt == LLAMA_Q8_0 ? 512 : 256; }
+static inline size_t llama_scale_offset(int fmt) {
+    return fmt == LLAMA_Q8_0 ? 512 : fmt == LLAMA_Q5_0 ? 320 : 256;
+}
 static inline int llama_zero_point(int fmt) {
-    return fmt == LLAMA_Q8_0 ? 128 : fmt == LLAMA_Q4_0 ? 8 : 0;
+    return fmt == LLAMA_Q8_0 ? 128 : fmt == LLAMA_Q4_0 ? 8 : fmt == LLAMA_Q5_0 ? 16 : 0;
+}
+/* The unsigned quant of input k (0..31) of column c in a packed block (the reference layout
+ * the vector paths read): Q8_0 one byte, Q4 a nibble, Q5_0 a nibble plus bit k / 4 of the
+ * column's byte (c, k % 4) in the high-bit plane after the nibbles. */
+static inline int llama_quant_at(const uint8_t *blk, int fmt, int c, int k) {
+    const int g = k >> 2, i = k & 3;
+    if (fmt == LLAMA_Q8_0) return blk[64 * g + 4 * c + i];
+    const uint8_t byte = blk[64 * (g & 3) + 4 * c + i];
+    const int u = g < 4 ? byte & 15 : byte >> 4;
+    return fmt == LLAMA_Q5_0 ? u | (((blk[256 + 4 * c + i] >> g) & 1) << 4) : u;
 }
 
 typedef struct {
-    int fmt;                /* LLAMA_Q4_0 / LLAMA_Q4_1 / LLAMA_Q8_0 */
+    int fmt;                /* LLAMA_Q4_0 / LLAMA_Q4_1 / LLAMA_Q8_0 / LLAMA_Q5_0 */
     size_t n, k;            /* output columns (multiple of 16), inputs (multiple of 32) */
     const uint8_t *data;    /* n / 16 tiles of k / 32 blocks */
 } llama_matrix;

@@ -10,19 +10,11 @@ static inline float h2f(const uint8_t *p) {
     return llama_half_to_float(h);
 }
 
-/* The unsigned quant of input k (0..31) of column c in a packed block. */
-static inline int quant_at(const uint8_t *blk, int q8, int c, int k) {
-    const int g = k >> 2, i = k & 3;
-    if (q8) return blk[64 * g + 4 * c + i];
-    const uint8_t byte = blk[64 * (g & 3) + 4 * c + i];
-    return g < 4 ? byte & 15 : byte >> 4;
-}
-
 static void matmul(const llama_matrix *w, size_t tile0, size_t tile1, const llama_qact *a,
                    size_t rows, float *out, size_t ldo) {
     const size_t kb = w->k / LLAMA_QK, bb = llama_block_bytes(w->fmt);
     const size_t so = llama_scale_offset(w->fmt);
-    const int zero = llama_zero_point(w->fmt), q8 = w->fmt == LLAMA_Q8_0;
+    const int zero = llama_zero_point(w->fmt), fmt = w->fmt;
     const int has_m = w->fmt == LLAMA_Q4_1;
     for (size_t t = tile0; t < tile1; t++) {
         const uint8_t *tile = w->data + t * kb * bb;
@@ -33,7 +25,7 @@ static void matmul(const llama_matrix *w, size_t tile0, size_t tile1, const llam
                     const uint8_t *blk = tile + b * bb;
                     const int8_t *x = a->q + r * a->k + b * LLAMA_QK;
                     int32_t isum = 0;
-                    for (int k = 0; k < LLAMA_QK; k++) isum += quant_at(blk, q8, c, k) * x[k];
+                    for (int k = 0; k < LLAMA_QK; k++) isum += llama_quant_at(blk, fmt, c, k) * x[k];
                     isum -= zero * a->sum[r * kb + b];
                     acc = fmaf((float)isum, h2f(blk + so + 2 * c) * a->d[r * kb + b], acc);
                     if (has_m) acc = fmaf(h2f(blk + so + 32 + 2 * c), a->s[r * kb + b], acc);

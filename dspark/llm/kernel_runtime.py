@@ -36,8 +36,8 @@ from dspark.llm.kv_cache import CacheRows
 from dspark.llm.taps import TAP_LAYERS
 
 DEFAULT_MAX_CONTEXT = 2048  # new_cache()'s default capacity, as OnnxLlama's
-PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the kernels' weight formats; others run as Q8_0
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF bytes per 32 weights
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0")  # the kernels' weight formats (pack_matrix: the others)
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22}  # GGUF bytes per 32 weights
 
 
 def pack_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> "_llama.PackedMatrix":
@@ -60,10 +60,16 @@ def pack_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> "_llama.PackedMatr
         quants = q.transpose(0, 2, 3, 1, 4).reshape(nt, kb, 512)
         parts = [quants, per_column(raw[:, :, 0:2], 2)]
     else:
-        off = 4 if fmt == "Q4_1" else 2
+        off = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6}[fmt]
         q = raw[:, :, off:off + 16].reshape(nt, 16, kb, 4, 4)  # byte j = input j | input j+16 << 4
         quants = q.transpose(0, 2, 3, 1, 4).reshape(nt, kb, 256)
-        parts = [quants, per_column(raw[:, :, 0:2], 2)]
+        parts = [quants]
+        if fmt == "Q5_0":  # the fifth bits: bit g of plane byte (column, i) is input 4g + i's
+            high = np.ascontiguousarray(raw[:, :, 2:6]).view("<u4")[..., 0]  # [rows, kb], bit j: input j
+            bits = (high[..., None] >> np.arange(32, dtype=np.uint32)) & 1  # [rows, kb, 32]
+            plane = (bits.reshape(-1, kb, 8, 4) << np.arange(8, dtype=np.uint32)[:, None]).sum(2).astype(np.uint8)
+            parts.append(per_column(plane, 4))
+        parts.append(per_column(raw[:, :, 0:2], 2))
         if fmt == "Q4_1":
             parts.append(per_column(raw[:, :, 2:4], 2))
     packed = np.ascontiguousarray(np.concatenate(parts, axis=2))
@@ -115,18 +121,6 @@ def pack_float(weights: np.ndarray) -> "_llama.PackedMatrix":
     return pack_blocks(quantize(weights, GGMLQuantizationType.Q8_0), "Q8_0", *weights.shape)
 
 
-def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
-    """Q5_0 blocks (d, 32 high bits, 16 bytes of low nibbles) as Q8_0 blocks, exactly: each
-    weight is d * (q - 16) with q in 0..31, an int8 times the same d."""
-    blocks = np.asarray(raw, np.uint8).reshape(-1, 22)
-    high = blocks[:, 2:6].copy().view("<u4")[:, 0]
-    bits = ((high[:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)
-    low = np.concatenate([blocks[:, 6:] & 0x0F, blocks[:, 6:] >> 4], axis=1).astype(np.int16)
-    q = (low | (bits << 4)) - 16
-    out = np.concatenate([blocks[:, 0:2], q.astype(np.int8).view(np.uint8)], axis=1)
-    return out.reshape(raw.shape[0], -1)
-
-
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The 8 six-bit (scale, min) pairs of each Q4_K/Q5_K super-block's 12 bytes."""
     s = scales.astype(np.uint8)
@@ -161,19 +155,16 @@ def q4_k_as_q4_1(raw: np.ndarray, name: str = "tensor") -> np.ndarray:
 
 
 def pack_matrix(model: GGUFModel, name: str, rows: np.ndarray | None = None) -> "_llama.PackedMatrix":
-    """One GGUF matrix (only its ``rows`` when given) in the kernels' layout. Q4_0/Q4_1/Q8_0
-    blocks run as stored; Q5_0 as Q8_0 blocks and Q4_K as Q4_1 blocks, converted without
-    re-quantizing (see q5_0_as_q8_0 and q4_k_as_q4_1); the other types (F32/F16/BF16, Q5_1,
-    Q5_K, Q6_K) are dequantized and quantized to Q8_0 at load, so every product runs on the int8
-    kernels."""
+    """One GGUF matrix (only its ``rows`` when given) in the kernels' layout. Q4_0/Q4_1/Q8_0/Q5_0
+    blocks run as stored; Q4_K as Q4_1 blocks, converted without re-quantizing (q4_k_as_q4_1);
+    the other types (F32/F16/BF16, Q5_1, Q5_K, Q6_K) are dequantized and quantized to Q8_0 at
+    load, so every product runs on the int8 kernels."""
     kind = model.tensor_type(name)
     n, k = model.shape(name)
-    if kind in PACKED_TYPES + ("Q5_0", "Q4_K"):
+    if kind in PACKED_TYPES + ("Q4_K",):
         raw = np.asarray(model.raw(name)).reshape(n, -1)  # [n, k / block * block bytes]
         raw = raw if rows is None else raw[rows]
-        if kind == "Q5_0":
-            raw, kind = q5_0_as_q8_0(raw), "Q8_0"
-        elif kind == "Q4_K":
+        if kind == "Q4_K":
             raw, kind = q4_k_as_q4_1(raw, name), "Q4_1"
         return pack_blocks(raw, kind, raw.shape[0], k)
     weights = model.dequantized(name)  # [n, k]
@@ -371,7 +362,7 @@ def gather_columns(matrix: "_llama.PackedMatrix", columns: np.ndarray) -> "_llam
     """A packed matrix of the given output columns of another (padded with zero columns)."""
     fmt, n, k = matrix.fmt, matrix.n, matrix.k
     kb, nt = k // 32, n // 16
-    qbytes = 512 if fmt == "Q8_0" else 256
+    qbytes = {"Q8_0": 512, "Q5_0": 320}.get(fmt, 256)  # the bytes laid out 16 columns x 4
     data = matrix.data.reshape(nt, kb, -1)
     halves = (data.shape[2] - qbytes) // 32  # fp16 fields per column: d, and m for Q4_1
     tile, lane = columns // 16, columns % 16

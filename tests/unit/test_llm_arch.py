@@ -1,7 +1,7 @@
 """The architectures and weight types beside plain llama, on small synthetic GGUFs: what a user
 importing a Qwen, Llama 3 or Gemma 3 K-quant file relies on.
 
-* every block type converts to the kernels' blocks as stated (Q5_0 exactly, Q4_K with fp16
+* every block type runs as stated (Q4_0/Q4_1/Q8_0/Q5_0 as stored, Q4_K as Q4_1 with fp16
   sub-block scales, the others through Q8_0) and multiplies the same on every instruction set;
 * each architecture's logits equal a float64 forward pass written from the model's definition
   (rounded where the kernels round), the same bits on every instruction set;
@@ -20,7 +20,7 @@ from gguf.quants import dequantize, quantize
 from dspark._ext import llama as ext
 from dspark.errors import ConfigError
 from dspark.llm.gguf_model import GGUFModel
-from dspark.llm.kernel_runtime import KernelRuntime, pack_matrix, q4_k_as_q4_1, q5_0_as_q8_0
+from dspark.llm.kernel_runtime import KernelRuntime, pack_blocks, pack_matrix, q4_k_as_q4_1
 from dspark.llm.reference import int8_blocks, kernel_matrix, reference_logits
 from tests.unit.llm_gguf_factory import random_k_blocks, write_llama_gguf
 
@@ -44,12 +44,13 @@ def on_every_isa(rt, run):
 
 # -- blocks ----------------------------------------------------------------------------------
 
-def test_q5_0_runs_as_q8_0_exactly():
+def test_q5_0_blocks_are_held_as_stored():
+    """Q5_0 runs on its own kernels: 22 bytes per 32 weights in the GGUF, 352 per 16 x 32 packed
+    (the nibbles, the fifth bits' plane, the scales), no conversion."""
     w = np.random.default_rng(0).standard_normal((48, 256)).astype(np.float32)
     raw = quantize(w, GGMLQuantizationType.Q5_0)
-    as_q8 = q5_0_as_q8_0(raw)
-    assert np.array_equal(dequantize(as_q8, GGMLQuantizationType.Q8_0),
-                          dequantize(raw, GGMLQuantizationType.Q5_0))
+    packed = pack_blocks(raw, "Q5_0", 48, 256)
+    assert packed.fmt == "Q5_0" and packed.data.nbytes == 3 * 8 * 352
 
 
 def test_q4_k_runs_as_q4_1_with_fp16_scales():
