@@ -11,7 +11,7 @@ from dspark.rollout.analysis import version_stats
 from dspark.rollout.controller import Deployment
 from dspark.rollout.fleet import Endpoint, Server
 from dspark.rollout.metrics import ScrapeSource
-from dspark.rollout.state import Rollout, StateStore
+from dspark.rollout.state import Lease, Rollout, StateStore
 from dspark.rollout.store import load_routing
 
 
@@ -30,8 +30,10 @@ def collect(state: StateStore, model: Optional[str], endpoints: Optional[Sequenc
             raise ConfigError("server", f"no rollout of '{model}' recorded: pass --server to say where it runs")
         endpoints = deployment.endpoints
     router = deployment.router if deployment else None
+    active = state.active(model)
     report: dict = {"model": model, "router": router, "servers": [], "shares": None, "shadow": None,
-                    "rollout": _rollout_dict(state.active(model)) if state.active(model) else None,
+                    "rollout": _rollout_dict(active) if active else None,
+                    "controller": _controller(state.lease(model), active) if active else None,
                     "last_rollout": _rollout_dict(last) if last else None, "versions": []}
     loaded: set[int] = set()
     for endpoint in endpoints:
@@ -65,6 +67,17 @@ def collect(state: StateStore, model: Optional[str], endpoints: Optional[Sequenc
     return report
 
 
+def _controller(lease: Optional[Lease], rollout: Rollout) -> dict:
+    """Whether a controller drives the rollout in progress: its heartbeat is at most
+    ``MISSED_BEATS`` intervals old (else it was killed or stopped, and traffic stays as it left it)."""
+    if lease is None:  # the rollout was started by a controller that kept no heartbeat
+        return {"running": False, "holder": None, "last_heartbeat": None, "heartbeat_s": None,
+                "since": rollout.updated, "since_what": "last update"}
+    return {"running": lease.alive(), "holder": lease.holder, "last_heartbeat": lease.beat,
+            "heartbeat_s": lease.interval_s, "since": lease.stopped or lease.beat,
+            "since_what": "exited" if lease.stopped else "last heartbeat"}
+
+
 def _rollout_dict(rollout: Rollout) -> dict:
     steps = rollout.settings.get("plan", {}).get("steps", [])
     step = None
@@ -96,6 +109,12 @@ def render(report: dict) -> str:
                      f"v{rollout['current_version']}, phase {rollout['phase']}"
                      + (f" {rollout['step']}" if rollout["step"] else "") + (" (PAUSED)" if rollout["paused"] else "")
                      + f", {rollout['duration_s']:.0f} s")
+        controller = report["controller"]
+        if controller["running"]:
+            lines.append(f"controller running ({controller['holder']}, last heartbeat {controller['last_heartbeat']})")
+        else:
+            lines.append(f"controller not running since {controller['since']} ({controller['since_what']}), "
+                         f"run `dspark rollout recover {report['model']}`")
     elif report["last_rollout"]:
         last = report["last_rollout"]
         lines.append(f"no rollout in progress; last: #{last['id']} {last['semver']} {last['outcome']}"

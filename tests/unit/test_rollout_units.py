@@ -2,8 +2,10 @@
 analysis verdicts, the state file and its lock, atomic staging, endpoint lists."""
 from __future__ import annotations
 
+import datetime as dt
 import multiprocessing
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from dspark.rollout.analysis import judge
 from dspark.rollout.fleet import Endpoint, read_endpoints
 from dspark.rollout.metrics import Snapshot, delta, histogram_quantile, parse_text
 from dspark.rollout.plan import DEFAULT_PLAN, Analysis, Plan
-from dspark.rollout.state import ModelLock, StateStore
+from dspark.rollout.state import HEARTBEAT_ENV, Heartbeat, ModelLock, StateStore, heartbeat_interval
 
 
 # ---------------------------------------------------------------- plans
@@ -197,6 +199,31 @@ def test_lock_refuses_a_second_controller_and_dies_with_its_holder(tmp_path):
 
 
 # ---------------------------------------------------------------- staging and endpoints
+def test_heartbeat_keeps_the_lease_fresh_and_marks_the_exit(tmp_path):
+    state = StateStore(tmp_path / "state.sqlite")
+    assert state.lease("m") is None
+    with Heartbeat(state.path, "m", interval_s=0.05):
+        first = state.lease("m").beat
+        time.sleep(0.3)
+        lease = state.lease("m")
+        assert lease.alive() and lease.beat > first and lease.holder.startswith(f"pid {os.getpid()} on ")
+    beat = dt.datetime.fromisoformat(lease.beat)
+    assert lease.alive(beat + dt.timedelta(seconds=0.1)) and not lease.alive(beat + dt.timedelta(seconds=0.11))
+    stopped = state.lease("m")
+    assert stopped.stopped and not stopped.alive()
+
+
+def test_heartbeat_interval_from_the_environment(monkeypatch):
+    monkeypatch.delenv(HEARTBEAT_ENV, raising=False)
+    assert heartbeat_interval() == 2.0
+    monkeypatch.setenv(HEARTBEAT_ENV, "0.5")
+    assert heartbeat_interval() == 0.5
+    monkeypatch.setenv(HEARTBEAT_ENV, "soon")
+    with pytest.raises(ConfigError) as caught:
+        heartbeat_interval()
+    assert caught.value.field == HEARTBEAT_ENV
+
+
 def test_install_folder_appears_whole_or_not_at_all(tmp_path):
     source = tmp_path / "model.py"
     source.write_text("x = 1\n")
