@@ -10,7 +10,7 @@ from dspark.errors import ConfigError, DsparkError
 from dspark.rollout.analysis import version_stats
 from dspark.rollout.controller import Deployment
 from dspark.rollout.fleet import Endpoint, Server
-from dspark.rollout.metrics import ScrapeSource
+from dspark.rollout.metrics import ScrapeSource, delta
 from dspark.rollout.state import Lease, Rollout, StateStore
 from dspark.rollout.store import load_routing
 
@@ -34,7 +34,7 @@ def collect(state: StateStore, model: Optional[str], endpoints: Optional[Sequenc
     report: dict = {"model": model, "router": router, "servers": [], "shares": None, "shadow": None,
                     "rollout": _rollout_dict(active) if active else None,
                     "controller": _controller(state.lease(model), active) if active else None,
-                    "last_rollout": _rollout_dict(last) if last else None, "versions": []}
+                    "last_rollout": _rollout_dict(last) if last else None, "versions": [], "window_s": window_s}
     loaded: set[int] = set()
     for endpoint in endpoints:
         server = Server(endpoint, api_key, timeout_s=5)
@@ -60,6 +60,12 @@ def collect(state: StateStore, model: Optional[str], endpoints: Optional[Sequenc
     time.sleep(window_s)
     after = source.snapshot()
     elapsed = max(after.taken_at - before.taken_at, 1e-9)
+    if report["shadow"] and router:  # what was really copied: beyond shadow.max_inflight calls a copy is skipped
+        counts = {outcome: delta(after, before, "dspark_router_shadow", model=router,
+                                 version=str(report["shadow"]["version"]), outcome=outcome)
+                  for outcome in ("agree", "disagree", "error", "skipped")}
+        report["shadow"].update(copied=counts["agree"] + counts["disagree"] + counts["error"],
+                                skipped=counts["skipped"], disagreed=counts["disagree"])
     for version in sorted(loaded):
         stats = version_stats(before, after, model, version, router, with_p99=bool(router))
         report["versions"].append({"version": version, "rps": stats.requests / elapsed,
@@ -129,6 +135,11 @@ def render(report: dict) -> str:
         traffic = ", ".join(f"v{v} {p:g}%" for v, p in report["shares"].items())
         shadow = report["shadow"]
         lines.append(f"traffic: {traffic}" + (f"; shadow {shadow['percent']:g}% to v{shadow['version']}" if shadow else ""))
+        if shadow and "copied" in shadow:
+            sampled = shadow["copied"] + shadow["skipped"]
+            lines.append(f"shadow over {report['window_s']:g} s: {shadow['copied']:.0f} of {sampled:.0f} sampled "
+                         f"requests copied, {shadow['skipped']:.0f} skipped (shadow.max_inflight calls in flight), "
+                         f"{shadow['disagreed']:.0f} disagreed")
     lines.append("")
     lines.append(f"{'version':<8} {'req/s':>8} {'errors':>8} {'mean ms':>8} {'p99 ms':>8}")
     for row in report["versions"]:

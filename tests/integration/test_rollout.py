@@ -171,6 +171,38 @@ def test_pause_resume_and_promote_by_hand_while_under_load(site):
     assert_consistent(site)
 
 
+def test_status_shows_the_share_the_shadow_really_copied(site):
+    plan = {**FAST_PLAN, "steps": [{"shadow": 100, "hold_s": 6}, {"canary": 100, "hold_s": 0.5}]}
+    result = {}
+    import threading
+    thread = threading.Thread(target=lambda: result.update(out=run_rollout(site, plan)))
+    thread.start()
+    state = StateStore(site.state_path)
+    deadline = time.monotonic() + 60
+    while not ((active := state.active(demo.MODEL)) and state.events(active.id, ("route",))):
+        assert time.monotonic() < deadline and thread.is_alive(), "the rollout never reached its shadow step"
+        time.sleep(0.1)
+    time.sleep(0.5)
+    base = [demo.MODEL, "--state", str(site.state_path), "--api-key", site.server.api_key, "--window", "2"]
+    report = json.loads(CliRunner().invoke(rollout_cli, ["status", *base, "--json"]).output)
+    shadow = report["shadow"]
+    rows = {row["version"]: row["rps"] * 2 for row in report["versions"]}  # requests in the window
+    sampled = shadow["copied"] + shadow["skipped"]
+    # 100 %: every request the current version answered was sampled; the new version served the copies
+    assert shadow["percent"] == 100 and shadow["copied"] > 0
+    assert sampled == pytest.approx(rows[active.current_version], rel=0.1, abs=3), (shadow, rows)
+    assert shadow["copied"] == pytest.approx(rows[active.new_version], rel=0.1, abs=3), (shadow, rows)
+    table = CliRunner().invoke(rollout_cli, ["status", *base[:-1], "0.5"]).output
+    assert "sampled requests copied" in table and "skipped (shadow.max_inflight calls in flight)" in table, table
+    thread.join(60)
+    outcome, _ = result["out"]
+    assert outcome.promoted, outcome.reason  # an equal version, copied in full or not, agrees
+    for event in state.events(outcome.rollout.id, ("analysis",)):
+        if event["data"]["shadow_skipped"]:
+            assert "sampled requests not copied" in event["message"]
+    assert_consistent(site)
+
+
 def _cli(site, *args, env: dict | None = None) -> subprocess.Popen:
     command = [sys.executable, "-c", "from dspark.cli.main import main; main()", "rollout", *args,
                "--state", str(site.state_path), "--api-key", site.server.api_key]

@@ -94,7 +94,8 @@ def test_histogram_quantile_interpolates_inside_a_bucket():
 
 
 # ---------------------------------------------------------------- analysis
-def interval_text(v2_success, v2_us, v2_errors=0, v1_success=200, v1_us=1_000_000, shadow=(0, 0, 0)) -> str:
+def interval_text(v2_success, v2_us, v2_errors=0, v1_success=200, v1_us=1_000_000, shadow=(0, 0, 0),
+                  skipped=0) -> str:
     agree, disagree, error = shadow
     return f"""# TYPE nv_inference_request_success counter
 nv_inference_request_success{{model="m",version="1"}} {v1_success}
@@ -108,6 +109,7 @@ dspark_router_target_errors_total{{model="r",version="2"}} {v2_errors}
 dspark_router_shadow_total{{model="r",version="2",outcome="agree"}} {agree}
 dspark_router_shadow_total{{model="r",version="2",outcome="disagree"}} {disagree}
 dspark_router_shadow_total{{model="r",version="2",outcome="error"}} {error}
+dspark_router_shadow_total{{model="r",version="2",outcome="skipped"}} {skipped}
 """
 
 
@@ -145,6 +147,14 @@ def test_too_few_requests_are_not_judged():
 def test_shadow_disagreement_and_errors():
     result = verdict(interval(100, 500_000, shadow=(60, 30, 10)), phase="shadow")
     assert "shadow disagreement 33.3%" in result.breach and "error rate 10.0%" in result.breach
+
+
+def test_skipped_shadow_copies_are_counted_and_noted():
+    result = verdict(interval(100, 500_000, shadow=(60, 0, 6), skipped=34), phase="shadow")
+    assert result.shadow_copied == 66 and result.shadow_skipped == 34 and result.disagreement == 0
+    assert "34 of 100 sampled requests not copied to version 2 (34%)" in " ".join(result.notes)
+    assert result.to_dict()["shadow_skipped"] == 34
+    assert not verdict(interval(100, 500_000, shadow=(60, 0, 0)), phase="shadow").notes
 
 
 def test_p99_from_the_routers_histograms_in_canary_steps():
