@@ -63,11 +63,14 @@ LLAMA_LIBRARIES = [
                              "cflags": ["-fPIC", "-fvisibility=hidden", "-ffp-contract=off", *flags, *SANITIZE]})
     for isa, flags in LLAMA_FLAGS.items() if X86 or isa == "scalar"
 ]
-# The GEMM: OpenBLAS from the scipy-openblas32 wheel (headers + .so), found at run time via rpath.
+# The GEMM: OpenBLAS from the scipy-openblas32 wheel (headers + .so), found at run time via rpath:
+# the build environment's copy (an editable install), else the one installed beside dspark (a
+# wheel, built in an environment that is gone by then).
+OPENBLAS_RPATH = [scipy_openblas32.get_lib_dir(), "$ORIGIN/../../scipy_openblas32/lib"]
 OPENBLAS = dict(
     include_dirs=[scipy_openblas32.get_include_dir()],
     library_dirs=[scipy_openblas32.get_lib_dir()],
-    runtime_library_dirs=[scipy_openblas32.get_lib_dir()],
+    runtime_library_dirs=OPENBLAS_RPATH,
 )
 
 # The GemmEx shim (docs/accelerators.md): its bf16/int8 kernels, one translation unit per
@@ -98,7 +101,7 @@ class BuildExtAndSharedLibrary(build_ext):
             objects, str(target),
             libraries=[name for name, _ in HCBLAS_LIBRARIES] + [scipy_openblas32.get_library(), "m", "pthread"],
             library_dirs=[self.get_finalized_command("build_clib").build_clib, scipy_openblas32.get_lib_dir()],
-            runtime_library_dirs=[scipy_openblas32.get_lib_dir()])
+            runtime_library_dirs=OPENBLAS_RPATH)
         # Preloaded into tritonserver: the API key from a pipe, owner-only /dev/shm regions
         # (cython_ext/server_guard.c, dspark/triton/server.py).
         objects = self.compiler.compile(["cython_ext/server_guard.c"], output_dir=self.build_temp,

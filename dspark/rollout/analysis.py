@@ -11,7 +11,8 @@ Sources (labels ``model``, ``version``; summed over servers):
   (which depends on the share of traffic each version gets, not on the version); ``p99`` = the router's
   ``dspark_router_latency_seconds`` histogram per version (canary steps; a shadow step has no
   primary traffic on the new version and is judged on the mean).
-- disagreement: the router's ``dspark_router_shadow_total`` outcomes for the new version.
+- disagreement: the router's ``dspark_router_shadow_total`` outcomes for the new version; the
+  ``skipped`` ones (sampled, but ``shadow.max_inflight`` calls were in flight) are counted and shown.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class Verdict:
     shadow_agree: float = 0.0
     shadow_disagree: float = 0.0
     shadow_error: float = 0.0
+    shadow_skipped: float = 0.0
     reasons: dict[str, str] = field(default_factory=dict)  # check (errors, latency, disagreement, ...) -> why
     notes: list[str] = field(default_factory=list)
 
@@ -76,6 +78,11 @@ class Verdict:
             text += f" | shadow disagree {100 * self.disagreement:.1f}%"
         return text
 
+    @property
+    def shadow_copied(self) -> float:
+        """Sampled requests copied to the new version (answered or failed there)."""
+        return self.shadow_agree + self.shadow_disagree + self.shadow_error
+
 
 def version_stats(before: Optional[Snapshot], after: Snapshot, model: str, version: int,
                   router: Optional[str], with_p99: bool) -> VersionStats:
@@ -103,7 +110,7 @@ def judge(before: Optional[Snapshot], after: Snapshot, *, model: str, router: Op
     verdict = Verdict(version_stats(before, after, model, current, router, with_p99),
                       version_stats(before, after, model, new, router, with_p99))
     if router:
-        for outcome in ("agree", "disagree", "error"):
+        for outcome in ("agree", "disagree", "error", "skipped"):
             setattr(verdict, f"shadow_{outcome}",
                     delta(after, before, "dspark_router_shadow", model=router, version=str(new), outcome=outcome))
     reasons = verdict.reasons
@@ -124,6 +131,11 @@ def judge(before: Optional[Snapshot], after: Snapshot, *, model: str, router: Op
     else:
         verdict.notes.append(f"{fresh.requests:.0f} requests to version {new} (< min_requests {rules.min_requests}): "
                              "rates and latency not judged")
+    if verdict.shadow_skipped:
+        sampled = verdict.shadow_copied + verdict.shadow_skipped
+        verdict.notes.append(f"{verdict.shadow_skipped:.0f} of {sampled:.0f} sampled requests not copied to version "
+                             f"{new} ({100 * verdict.shadow_skipped / sampled:.0f}%): shadow.max_inflight calls were "
+                             "in flight")
     compared = verdict.shadow_agree + verdict.shadow_disagree
     if compared >= rules.min_requests and verdict.disagreement > rules.max_disagreement:
         reasons["disagreement"] = (f"shadow disagreement {100 * verdict.disagreement:.1f}% on version {new} "

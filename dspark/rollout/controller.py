@@ -30,7 +30,7 @@ from dspark.rollout.analysis import judge
 from dspark.rollout.fleet import Endpoint, Server, connect
 from dspark.rollout.metrics import PrometheusSource, ScrapeSource, delta, read
 from dspark.rollout.plan import Plan
-from dspark.rollout.state import ModelLock, Rollout, StateStore
+from dspark.rollout.state import Heartbeat, ModelLock, Rollout, StateStore
 from dspark.rollout.store import load_routing, open_store, save_routing
 from dspark.routing.config import router_parameters
 
@@ -96,12 +96,12 @@ class Controller:
     # ------------------------------------------------------------------ public entry points
     def start(self, artifact: Path, semver: str) -> Outcome:
         """Publish ``artifact`` as version ``semver`` and run the plan to its end."""
-        with ModelLock(self.state.path, self.deployment.model):
+        with ModelLock(self.state.path, self.deployment.model), Heartbeat(self.state.path, self.deployment.model):
             return self._start(artifact, semver)
 
     def recover(self, rollback: bool = False) -> Outcome:
         """Finish the interrupted rollout of this model (or roll it back)."""
-        with ModelLock(self.state.path, self.deployment.model):
+        with ModelLock(self.state.path, self.deployment.model), Heartbeat(self.state.path, self.deployment.model):
             return self._recover(rollback)
 
     def _start(self, artifact: Path, semver: str) -> Outcome:

@@ -114,7 +114,7 @@ def build_repository(root: Path, service_ms: float = 10.0, instances: int = 2,
     tiers = {name: TierPolicy(weight=w, deadline_ms=deadline_ms, timeout_ms=30_000) for name, w in
              (("diamond", 8), ("gold", 3), ("standard", 1))}
     RoutingConfig(tiers=tiers, shares={1: 100.0}, max_inflight=instances + 1,
-                  shadow=ShadowPolicy(atol=1e-5, max_inflight=instances, ignore_outputs=("version",))
+                  shadow=ShadowPolicy(max_inflight=instances, ignore_outputs=("version",))
                   ).validate().save(routing_file)
     return root
 

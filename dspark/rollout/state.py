@@ -7,6 +7,10 @@ to the database, which the kernel releases when the process dies (kill -9 includ
 never leaves a stale lock. The lock is per machine: two controllers on different machines that
 share the state file over a network filesystem are not kept apart (SQLite itself is not safe
 there either); run one controller host per repository.
+
+A running controller also refreshes a heartbeat in the state file (``Heartbeat``, on a thread of
+its own so a long load does not stop it); whoever reads the file, on any machine, tells a live
+controller from a dead one by its age (``Lease.alive``).
 """
 from __future__ import annotations
 
@@ -16,12 +20,13 @@ import json
 import os
 import socket
 import sqlite3
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from dspark.errors import UnavailableError
+from dspark.errors import ConfigError, UnavailableError
 from dspark.repository.modelspec import check_model_name
 
 SCHEMA = """
@@ -58,8 +63,18 @@ CREATE TABLE IF NOT EXISTS commands (
     at TEXT NOT NULL,
     taken TEXT
 );
+CREATE TABLE IF NOT EXISTS controllers (
+    model TEXT PRIMARY KEY,
+    holder TEXT NOT NULL,         -- pid and host
+    interval_s REAL NOT NULL,     -- how often it beats
+    beat TEXT NOT NULL,           -- last heartbeat
+    stopped TEXT                  -- when it exited (NULL while running, or when it was killed)
+);
 """
 ACTIVE = "phase != 'done'"
+HEARTBEAT_ENV = "DSPARK_ROLLOUT_HEARTBEAT_S"
+HEARTBEAT_S = 2.0
+MISSED_BEATS = 2  # a lease this many intervals old belongs to a dead controller
 
 
 def now() -> str:
@@ -99,6 +114,37 @@ class Rollout:
         data["settings"] = json.loads(data["settings"])
         data["paused"] = bool(data["paused"])
         return cls(**data)
+
+
+@dataclass
+class Lease:
+    """The heartbeat of the controller of one model."""
+
+    model: str
+    holder: str
+    interval_s: float
+    beat: str
+    stopped: Optional[str]
+
+    def alive(self, at: Optional[_dt.datetime] = None) -> bool:
+        """Running, and beat within the last ``MISSED_BEATS`` intervals."""
+        at = at or _dt.datetime.now(_dt.timezone.utc)
+        age = (at - _dt.datetime.fromisoformat(self.beat)).total_seconds()
+        return self.stopped is None and age <= MISSED_BEATS * self.interval_s
+
+
+def heartbeat_interval() -> float:
+    """``$DSPARK_ROLLOUT_HEARTBEAT_S``, else 2 s."""
+    text = os.environ.get(HEARTBEAT_ENV)
+    if not text:
+        return HEARTBEAT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ConfigError(HEARTBEAT_ENV, f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 class StateStore:
@@ -182,6 +228,19 @@ class StateStore:
     def drop_commands(self, model: str) -> None:
         self._db.execute("UPDATE commands SET taken = ? WHERE model = ? AND taken IS NULL", (now(), model))
 
+    # --- the running controller's heartbeat ---
+    def beat(self, model: str, holder: str, interval_s: float) -> None:
+        self._db.execute("INSERT INTO controllers (model, holder, interval_s, beat, stopped) VALUES (?, ?, ?, ?, NULL)"
+                         " ON CONFLICT(model) DO UPDATE SET holder = excluded.holder, interval_s = excluded.interval_s,"
+                         " beat = excluded.beat, stopped = NULL", (model, holder, interval_s, now()))
+
+    def stopped(self, model: str) -> None:
+        self._db.execute("UPDATE controllers SET stopped = ? WHERE model = ?", (now(), model))
+
+    def lease(self, model: str) -> Optional[Lease]:
+        row = self._db.execute("SELECT * FROM controllers WHERE model = ?", (model,)).fetchone()
+        return Lease(**dict(row)) if row else None
+
     @contextmanager
     def transaction(self) -> Iterator[None]:
         self._db.execute("BEGIN IMMEDIATE")
@@ -191,6 +250,40 @@ class StateStore:
             self._db.execute("ROLLBACK")
             raise
         self._db.execute("COMMIT")
+
+
+class Heartbeat:
+    """Refreshes the lease of a model's controller every ``interval_s`` while it runs, on its own
+    connection and thread; on exit the lease is marked stopped."""
+
+    def __init__(self, state_path: Path, model: str, interval_s: Optional[float] = None):
+        self.state_path, self.model = Path(state_path), model
+        self.interval_s = interval_s or heartbeat_interval()
+        self.holder = f"pid {os.getpid()} on {socket.gethostname()}"
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def __enter__(self) -> "Heartbeat":
+        store = StateStore(self.state_path)
+        store.beat(self.model, self.holder, self.interval_s)  # live before the first interval passes
+        self._thread = threading.Thread(target=self._run, args=(store,), name="rollout-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self, store: StateStore) -> None:
+        try:
+            while not self._stop.wait(self.interval_s):
+                try:
+                    store.beat(self.model, self.holder, self.interval_s)
+                except sqlite3.OperationalError:  # busy for the store's 30 s timeout: the next beat tries again
+                    continue
+            store.stopped(self.model)
+        finally:
+            store.close()
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class ModelLock:

@@ -10,8 +10,8 @@ from dspark.errors import ConfigError, DsparkError
 from dspark.rollout.analysis import version_stats
 from dspark.rollout.controller import Deployment
 from dspark.rollout.fleet import Endpoint, Server
-from dspark.rollout.metrics import ScrapeSource
-from dspark.rollout.state import Rollout, StateStore
+from dspark.rollout.metrics import ScrapeSource, delta
+from dspark.rollout.state import Lease, Rollout, StateStore
 from dspark.rollout.store import load_routing
 
 
@@ -30,9 +30,11 @@ def collect(state: StateStore, model: Optional[str], endpoints: Optional[Sequenc
             raise ConfigError("server", f"no rollout of '{model}' recorded: pass --server to say where it runs")
         endpoints = deployment.endpoints
     router = deployment.router if deployment else None
+    active = state.active(model)
     report: dict = {"model": model, "router": router, "servers": [], "shares": None, "shadow": None,
-                    "rollout": _rollout_dict(state.active(model)) if state.active(model) else None,
-                    "last_rollout": _rollout_dict(last) if last else None, "versions": []}
+                    "rollout": _rollout_dict(active) if active else None,
+                    "controller": _controller(state.lease(model), active) if active else None,
+                    "last_rollout": _rollout_dict(last) if last else None, "versions": [], "window_s": window_s}
     loaded: set[int] = set()
     for endpoint in endpoints:
         server = Server(endpoint, api_key, timeout_s=5)
@@ -58,11 +60,28 @@ def collect(state: StateStore, model: Optional[str], endpoints: Optional[Sequenc
     time.sleep(window_s)
     after = source.snapshot()
     elapsed = max(after.taken_at - before.taken_at, 1e-9)
+    if report["shadow"] and router:  # what was really copied: beyond shadow.max_inflight calls a copy is skipped
+        counts = {outcome: delta(after, before, "dspark_router_shadow", model=router,
+                                 version=str(report["shadow"]["version"]), outcome=outcome)
+                  for outcome in ("agree", "disagree", "error", "skipped")}
+        report["shadow"].update(copied=counts["agree"] + counts["disagree"] + counts["error"],
+                                skipped=counts["skipped"], disagreed=counts["disagree"])
     for version in sorted(loaded):
         stats = version_stats(before, after, model, version, router, with_p99=bool(router))
         report["versions"].append({"version": version, "rps": stats.requests / elapsed,
                                    "error_rate": stats.error_rate, "mean_ms": stats.mean_ms, "p99_ms": stats.p99_ms})
     return report
+
+
+def _controller(lease: Optional[Lease], rollout: Rollout) -> dict:
+    """Whether a controller drives the rollout in progress: its heartbeat is at most
+    ``MISSED_BEATS`` intervals old (else it was killed or stopped, and traffic stays as it left it)."""
+    if lease is None:  # the rollout was started by a controller that kept no heartbeat
+        return {"running": False, "holder": None, "last_heartbeat": None, "heartbeat_s": None,
+                "since": rollout.updated, "since_what": "last update"}
+    return {"running": lease.alive(), "holder": lease.holder, "last_heartbeat": lease.beat,
+            "heartbeat_s": lease.interval_s, "since": lease.stopped or lease.beat,
+            "since_what": "exited" if lease.stopped else "last heartbeat"}
 
 
 def _rollout_dict(rollout: Rollout) -> dict:
@@ -96,6 +115,12 @@ def render(report: dict) -> str:
                      f"v{rollout['current_version']}, phase {rollout['phase']}"
                      + (f" {rollout['step']}" if rollout["step"] else "") + (" (PAUSED)" if rollout["paused"] else "")
                      + f", {rollout['duration_s']:.0f} s")
+        controller = report["controller"]
+        if controller["running"]:
+            lines.append(f"controller running ({controller['holder']}, last heartbeat {controller['last_heartbeat']})")
+        else:
+            lines.append(f"controller not running since {controller['since']} ({controller['since_what']}), "
+                         f"run `dspark rollout recover {report['model']}`")
     elif report["last_rollout"]:
         last = report["last_rollout"]
         lines.append(f"no rollout in progress; last: #{last['id']} {last['semver']} {last['outcome']}"
@@ -110,6 +135,11 @@ def render(report: dict) -> str:
         traffic = ", ".join(f"v{v} {p:g}%" for v, p in report["shares"].items())
         shadow = report["shadow"]
         lines.append(f"traffic: {traffic}" + (f"; shadow {shadow['percent']:g}% to v{shadow['version']}" if shadow else ""))
+        if shadow and "copied" in shadow:
+            sampled = shadow["copied"] + shadow["skipped"]
+            lines.append(f"shadow over {report['window_s']:g} s: {shadow['copied']:.0f} of {sampled:.0f} sampled "
+                         f"requests copied, {shadow['skipped']:.0f} skipped (shadow.max_inflight calls in flight), "
+                         f"{shadow['disagreed']:.0f} disagreed")
     lines.append("")
     lines.append(f"{'version':<8} {'req/s':>8} {'errors':>8} {'mean ms':>8} {'p99 ms':>8}")
     for row in report["versions"]:

@@ -116,9 +116,11 @@ class ShadowPolicy:
     __pydantic_config__ = _FIELDS
     version: Optional[Annotated[int, Strict()]] = None
     percent: Percent = 0.0
-    atol: NonNegative = 0.0
-    rtol: NonNegative = 0.0
-    max_inflight: Count = 2
+    # floating-point outputs agree within |shadow - primary| <= atol + rtol * |primary|: the
+    # rounding of a different kernel or summation order agrees, a changed result does not
+    atol: NonNegative = 1e-5
+    rtol: NonNegative = 1e-5
+    max_inflight: Count = 2  # shadow calls in flight; a sampled request beyond that is skipped (counted)
     ignore_outputs: tuple[str, ...] = ()  # outputs left out of the comparison (e.g. a version tag)
 
 

@@ -4,6 +4,7 @@ is recovered (finished or rolled back) — with zero failed client requests thro
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from dspark.rollout import demo
 from dspark.rollout.controller import Controller, Deployment
 from dspark.rollout.fleet import Endpoint, Server
 from dspark.rollout.plan import Plan
-from dspark.rollout.state import StateStore
+from dspark.rollout.state import HEARTBEAT_ENV, StateStore
 from dspark.routing.config import RoutingConfig
 from dspark.triton.server import DEFAULT_HEADER_PATTERN, TritonServer, header_forward_args
 
@@ -170,10 +171,43 @@ def test_pause_resume_and_promote_by_hand_while_under_load(site):
     assert_consistent(site)
 
 
-def _cli(site, *args) -> subprocess.Popen:
+def test_status_shows_the_share_the_shadow_really_copied(site):
+    plan = {**FAST_PLAN, "steps": [{"shadow": 100, "hold_s": 6}, {"canary": 100, "hold_s": 0.5}]}
+    result = {}
+    import threading
+    thread = threading.Thread(target=lambda: result.update(out=run_rollout(site, plan)))
+    thread.start()
+    state = StateStore(site.state_path)
+    deadline = time.monotonic() + 60
+    while not ((active := state.active(demo.MODEL)) and state.events(active.id, ("route",))):
+        assert time.monotonic() < deadline and thread.is_alive(), "the rollout never reached its shadow step"
+        time.sleep(0.1)
+    time.sleep(0.5)
+    base = [demo.MODEL, "--state", str(site.state_path), "--api-key", site.server.api_key, "--window", "2"]
+    report = json.loads(CliRunner().invoke(rollout_cli, ["status", *base, "--json"]).output)
+    shadow = report["shadow"]
+    rows = {row["version"]: row["rps"] * 2 for row in report["versions"]}  # requests in the window
+    sampled = shadow["copied"] + shadow["skipped"]
+    # 100 %: every request the current version answered was sampled; the new version served the copies
+    assert shadow["percent"] == 100 and shadow["copied"] > 0
+    assert sampled == pytest.approx(rows[active.current_version], rel=0.1, abs=3), (shadow, rows)
+    assert shadow["copied"] == pytest.approx(rows[active.new_version], rel=0.1, abs=3), (shadow, rows)
+    table = CliRunner().invoke(rollout_cli, ["status", *base[:-1], "0.5"]).output
+    assert "sampled requests copied" in table and "skipped (shadow.max_inflight calls in flight)" in table, table
+    thread.join(60)
+    outcome, _ = result["out"]
+    assert outcome.promoted, outcome.reason  # an equal version, copied in full or not, agrees
+    for event in state.events(outcome.rollout.id, ("analysis",)):
+        if event["data"]["shadow_skipped"]:
+            assert "sampled requests not copied" in event["message"]
+    assert_consistent(site)
+
+
+def _cli(site, *args, env: dict | None = None) -> subprocess.Popen:
     command = [sys.executable, "-c", "from dspark.cli.main import main; main()", "rollout", *args,
                "--state", str(site.state_path), "--api-key", site.server.api_key]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
 
 
 def wait_for_canary(state: StateStore, alive) -> int:
@@ -187,16 +221,21 @@ def wait_for_canary(state: StateStore, alive) -> int:
         time.sleep(0.1)
 
 
-def _start_and_kill(site) -> tuple[StateStore, int]:
-    """Start `dspark rollout run` in a process and kill -9 it during its canary step."""
+def _start_in_canary(site, canary_hold_s: float, env: dict | None = None) -> tuple[subprocess.Popen, StateStore, int]:
+    """Start `dspark rollout run` in a process and wait for its canary step."""
     path, semver = artifact(site)
     plan = site.root / "slow-plan.yaml"
-    plan.write_text(yaml.safe_dump(held_plan(2)))
+    plan.write_text(yaml.safe_dump(held_plan(canary_hold_s)))
     process = _cli(site, "run", demo.MODEL, str(path), "--version", semver, "-r", str(site.repo),
                    "--router", demo.ROUTER, "--server", site.server.http_url, "--metrics-url",
-                   site.server.metrics_url, "--plan", str(plan))
+                   site.server.metrics_url, "--plan", str(plan), env=env)
     state = StateStore(site.state_path)
-    rollout_id = wait_for_canary(state, lambda: process.poll() is None)
+    return process, state, wait_for_canary(state, lambda: process.poll() is None)
+
+
+def _start_and_kill(site) -> tuple[StateStore, int]:
+    """Start `dspark rollout run` in a process and kill -9 it during its canary step."""
+    process, state, rollout_id = _start_in_canary(site, 2)
     process.send_signal(signal.SIGKILL)
     process.wait()
     site.killed_output = process.stdout.read()
@@ -221,6 +260,38 @@ def test_killed_controller_is_recovered_consistently(site, command, exit_code, o
     assert_consistent(site)
     history = CliRunner().invoke(rollout_cli, ["history", demo.MODEL, "--state", str(site.state_path)])
     assert f"{rollout.semver}" in history.output and outcome in history.output
+
+
+def test_status_tells_a_killed_controller_from_a_live_one(site):
+    beat_s = 1.0
+    process, state, rollout_id = _start_in_canary(site, 8, env={HEARTBEAT_ENV: str(beat_s)})
+    base = [demo.MODEL, "--state", str(site.state_path), "--api-key", site.server.api_key, "--window", "0.1"]
+
+    def status() -> tuple[dict, str]:
+        runner = CliRunner()
+        return (json.loads(runner.invoke(rollout_cli, ["status", *base, "--json"]).output),
+                runner.invoke(rollout_cli, ["status", *base]).output)
+
+    time.sleep(3 * beat_s)  # live well past two heartbeats
+    report, table = status()
+    assert report["controller"]["running"], report["controller"]
+    assert f"controller running (pid {process.pid} on" in table, table
+    process.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    process.wait()
+    time.sleep(max(0.0, killed_at + 2 * beat_s - time.monotonic()))
+    report, table = status()
+    assert not report["controller"]["running"], report["controller"]
+    last = state.lease(demo.MODEL).beat
+    assert report["controller"]["last_heartbeat"] == last
+    assert (f"controller not running since {last} (last heartbeat), run `dspark rollout recover {demo.MODEL}`"
+            in table), table
+    assert f"rollout #{rollout_id} in progress" in table
+    recovered = _cli(site, "recover", demo.MODEL)
+    output = recovered.communicate(timeout=120)[0]
+    assert recovered.returncode == 0, output
+    assert state.get(rollout_id).outcome == "promoted"
+    assert_consistent(site)
 
 
 def test_bad_starts_are_refused_naming_the_problem(site):

@@ -145,7 +145,7 @@ def test_shadow_never_fails_or_delays_the_primary(live, shadow_version, outcome)
 
 def test_shadow_comparison_within_tolerance(live):
     for atol, outcome in ((0.0, "disagree"), (1e-4, "agree")):
-        apply(live, shares={1: 100}, shadow=ShadowPolicy(version=2, percent=100, atol=atol, max_inflight=50,
+        apply(live, shares={1: 100}, shadow=ShadowPolicy(version=2, percent=100, atol=atol, rtol=0, max_inflight=50,
                                                          ignore_outputs=("version",)))
         before = metric(live, "dspark_router_shadow_total", version=2, outcome=outcome)
         many(live, [{} for _ in range(20)], workers=2)

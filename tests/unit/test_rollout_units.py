@@ -2,8 +2,10 @@
 analysis verdicts, the state file and its lock, atomic staging, endpoint lists."""
 from __future__ import annotations
 
+import datetime as dt
 import multiprocessing
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from dspark.rollout.analysis import judge
 from dspark.rollout.fleet import Endpoint, read_endpoints
 from dspark.rollout.metrics import Snapshot, delta, histogram_quantile, parse_text
 from dspark.rollout.plan import DEFAULT_PLAN, Analysis, Plan
-from dspark.rollout.state import ModelLock, StateStore
+from dspark.rollout.state import HEARTBEAT_ENV, Heartbeat, ModelLock, StateStore, heartbeat_interval
 
 
 # ---------------------------------------------------------------- plans
@@ -92,7 +94,8 @@ def test_histogram_quantile_interpolates_inside_a_bucket():
 
 
 # ---------------------------------------------------------------- analysis
-def interval_text(v2_success, v2_us, v2_errors=0, v1_success=200, v1_us=1_000_000, shadow=(0, 0, 0)) -> str:
+def interval_text(v2_success, v2_us, v2_errors=0, v1_success=200, v1_us=1_000_000, shadow=(0, 0, 0),
+                  skipped=0) -> str:
     agree, disagree, error = shadow
     return f"""# TYPE nv_inference_request_success counter
 nv_inference_request_success{{model="m",version="1"}} {v1_success}
@@ -106,6 +109,7 @@ dspark_router_target_errors_total{{model="r",version="2"}} {v2_errors}
 dspark_router_shadow_total{{model="r",version="2",outcome="agree"}} {agree}
 dspark_router_shadow_total{{model="r",version="2",outcome="disagree"}} {disagree}
 dspark_router_shadow_total{{model="r",version="2",outcome="error"}} {error}
+dspark_router_shadow_total{{model="r",version="2",outcome="skipped"}} {skipped}
 """
 
 
@@ -143,6 +147,14 @@ def test_too_few_requests_are_not_judged():
 def test_shadow_disagreement_and_errors():
     result = verdict(interval(100, 500_000, shadow=(60, 30, 10)), phase="shadow")
     assert "shadow disagreement 33.3%" in result.breach and "error rate 10.0%" in result.breach
+
+
+def test_skipped_shadow_copies_are_counted_and_noted():
+    result = verdict(interval(100, 500_000, shadow=(60, 0, 6), skipped=34), phase="shadow")
+    assert result.shadow_copied == 66 and result.shadow_skipped == 34 and result.disagreement == 0
+    assert "34 of 100 sampled requests not copied to version 2 (34%)" in " ".join(result.notes)
+    assert result.to_dict()["shadow_skipped"] == 34
+    assert not verdict(interval(100, 500_000, shadow=(60, 0, 0)), phase="shadow").notes
 
 
 def test_p99_from_the_routers_histograms_in_canary_steps():
@@ -197,6 +209,31 @@ def test_lock_refuses_a_second_controller_and_dies_with_its_holder(tmp_path):
 
 
 # ---------------------------------------------------------------- staging and endpoints
+def test_heartbeat_keeps_the_lease_fresh_and_marks_the_exit(tmp_path):
+    state = StateStore(tmp_path / "state.sqlite")
+    assert state.lease("m") is None
+    with Heartbeat(state.path, "m", interval_s=0.05):
+        first = state.lease("m").beat
+        time.sleep(0.3)
+        lease = state.lease("m")
+        assert lease.alive() and lease.beat > first and lease.holder.startswith(f"pid {os.getpid()} on ")
+    beat = dt.datetime.fromisoformat(lease.beat)
+    assert lease.alive(beat + dt.timedelta(seconds=0.1)) and not lease.alive(beat + dt.timedelta(seconds=0.11))
+    stopped = state.lease("m")
+    assert stopped.stopped and not stopped.alive()
+
+
+def test_heartbeat_interval_from_the_environment(monkeypatch):
+    monkeypatch.delenv(HEARTBEAT_ENV, raising=False)
+    assert heartbeat_interval() == 2.0
+    monkeypatch.setenv(HEARTBEAT_ENV, "0.5")
+    assert heartbeat_interval() == 0.5
+    monkeypatch.setenv(HEARTBEAT_ENV, "soon")
+    with pytest.raises(ConfigError) as caught:
+        heartbeat_interval()
+    assert caught.value.field == HEARTBEAT_ENV
+
+
 def test_install_folder_appears_whole_or_not_at_all(tmp_path):
     source = tmp_path / "model.py"
     source.write_text("x = 1\n")

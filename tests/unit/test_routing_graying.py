@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 
+from dspark.routing.config import ShadowPolicy
 from dspark.routing.graying import BUCKETS, VersionSplitter, bucket, outputs_agree, routing_key, shadow_sampled
 
 
@@ -63,3 +64,15 @@ def test_outputs_agree_with_tolerance():
     s = {"t": np.array([b"a", b"b"], dtype=object)}
     assert outputs_agree(s, {"t": np.array([b"a", b"b"], dtype=object)})[0]
     assert not outputs_agree(s, {"t": np.array([b"a", b"c"], dtype=object)})[0]
+
+
+def test_default_shadow_tolerance_accepts_rounding_and_catches_a_changed_result():
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((16, 512)).astype(np.float32), rng.standard_normal((512, 64)).astype(np.float32)
+    primary = {"y": x @ w}
+    rounded = {"y": (x.astype(np.float64) @ w.astype(np.float64)).astype(np.float32)}  # another kernel's rounding
+    assert not np.array_equal(primary["y"], rounded["y"])
+    policy = ShadowPolicy()
+    assert outputs_agree(primary, rounded, policy.atol, policy.rtol) == (True, "")
+    for changed in (primary["y"] * 1.001, primary["y"] + 0.001):
+        assert not outputs_agree(primary, {"y": changed}, policy.atol, policy.rtol)[0]

@@ -337,7 +337,7 @@ def test_shadow_comparison_counts_disagreements(run_core):
         return {"y": payload["x"] * 2 + 0.01}
     for atol, outcome in ((0.0, "disagree"), (0.1, "agree")):
         metrics = Recorder()
-        core = run_core(config(shadow=ShadowPolicy(version=2, percent=100, atol=atol, max_inflight=50)),
+        core = run_core(config(shadow=ShadowPolicy(version=2, percent=100, atol=atol, rtol=0, max_inflight=50)),
                         FakeTarget(behaviour={2: off_by_a_bit}), metrics)
         client = Client()
         for i in range(10):
