@@ -1,7 +1,7 @@
 """`bench router`: the QoS router against plain FIFO, open loop, in one run, on a server it starts.
 
 The repository it builds holds a sleep-based target (``service_ms`` x ``instances``; default
-20 ms x 2, issue 11's held-out scenario) with the router in front of it (the demo's routing:
+20 ms x 2, a held-out scenario) with the router in front of it (the demo's routing:
 max_inflight auto, headroom 1 for diamond, lead 2 ms, deadlines 2/3/5 s, shares 100 %, no
 shadow) and any ``Variant`` routers beside it; for the overhead at low load, targets of 1 ms and
 of the service time, each with a router and two bare BLS forwarders (one returns the response
@@ -598,7 +598,7 @@ def run_router_bench(settings: RouterBenchSettings, log: Callable[[str], None] =
 
 @dataclass(frozen=True)
 class Goal:
-    """One of issue 11's targets as a `bench compare` of rows of one result."""
+    """One of the router's targets as a `bench compare` of rows of one result."""
 
     name: str
     target: str

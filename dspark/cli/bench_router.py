@@ -59,7 +59,7 @@ def router(service_ms, instances, variants, bursty_s, overload_s, overloads, rep
     out_dir = out_dir or Path("bench-results") / f"router-{time.strftime('%Y%m%d-%H%M%S')}"
     result = run_router_bench(settings, log=progress_log)
     emit(result, json_path or out_dir / "result.json")
-    print_checks(check_goals(result), "issue 11's targets")
+    print_checks(check_goals(result), "the router's targets")
     if plots:
         for path in plot_router(result, out_dir):
             click.echo(f"wrote {path}")

@@ -1,7 +1,7 @@
 """The Triton servers a rollout drives: their endpoints and the calls the controller makes.
 
 Every call to the model-repository API (load, unload, index) carries the server's API key in
-the ``dspark-api-key`` header (issue 9's restricted API); inference and health calls need none.
+the ``dspark-api-key`` header (the restricted model-repository API); inference and health calls need none.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`bench router`'s logic without a server: the seeded arrivals, the router's refusals read from
 its real messages, per-tier figures and goodput over repeats, the router's histogram from
-/metrics, issue 11's targets through `compare`, and the plots from a result alone."""
+/metrics, the router's targets through `compare`, and the plots from a result alone."""
 import json
 import shlex
 import time
