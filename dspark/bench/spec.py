@@ -662,15 +662,13 @@ METRICS = [Metric("tokens_per_s", "higher"), Metric("e2e_tokens_per_s", "higher"
            Metric("tokens_per_pass", "higher"), Metric("own_c4", "higher"), Metric("batched_c4", "higher")]
 
 
-def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lambda _: None) -> BenchResult:
-    """Load the model in this process, measure everything the settings ask for, return the result."""
-    from dspark.decoding.models import llm_generator
-    from dspark.decoding.serving import limit_heap_growth
-    from dspark.llm.importer import STAMP_FILE, import_source
+def demo_llm_folder(model: str) -> Path:
+    """The import folder that the demo repository's LLM model ``model`` serves (its parameter
+    llm_model, in version 1), checked to hold an import."""
+    from dspark.llm.importer import STAMP_FILE
     from dspark.paths import project_root
     from dspark.repository.modelspec import SPEC_FILENAME, ModelSpec
 
-    model = settings.model
     spec_path = project_root() / "model_repository" / model / SPEC_FILENAME
     llm_folder = ModelSpec.load(spec_path).parameters.get("llm_model") if spec_path.is_file() else None
     if not llm_folder:
@@ -679,6 +677,17 @@ def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lam
     folder = spec_path.parent / "1" / llm_folder
     if not (folder / STAMP_FILE).is_file():  # what the kernel runtime reads: the GGUF it names
         raise ConfigError(STAMP_FILE, "missing: run `make setup` first", folder)
+    return folder
+
+
+def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lambda _: None) -> BenchResult:
+    """Load the model in this process, measure everything the settings ask for, return the result."""
+    from dspark.decoding.models import llm_generator
+    from dspark.decoding.serving import limit_heap_growth
+    from dspark.llm.importer import import_source
+
+    model = settings.model
+    folder = demo_llm_folder(model)
     limit_heap_growth()  # as the serving stub does
     gen = llm_generator(folder, threads=settings.threads)
     engine = gen.engine
@@ -766,13 +775,11 @@ def run_llm_quality() -> BenchResult:
     from dspark.llm.reference import reference_logits
     from dspark.llm.tokenizer import LlamaTokenizer
     from dspark.paths import project_root
-    from dspark.repository.modelspec import ModelSpec
 
     resident = _served_resident_mib([name for name, _ in QUALITY_MODELS])
     rows = []
     for name, ref_file in QUALITY_MODELS:
-        spec_dir = project_root() / "model_repository" / name
-        folder = spec_dir / "1" / ModelSpec.load(spec_dir / "modelspec.yaml").parameters["llm_model"]
+        folder = demo_llm_folder(name)
         ref = json.loads((project_root() / "tests" / "data" / ref_file).read_text())
         model = GGUFModel(import_source(folder))
         tokenizer = LlamaTokenizer.load(folder / "tokenizer.json")
@@ -811,7 +818,7 @@ def run_llm_quality() -> BenchResult:
 def _served_resident_mib(models: list[str]) -> dict[str, float]:
     """Resident MiB of each model's backend stub, one tritonserver serving them all, after one
     short chat request to each."""
-    from dspark.bench.resources import resident_mib, stub_processes
+    from dspark.bench.resources import resident_mib
     from dspark.paths import demo_repositories
     from dspark.triton.server import TritonServer
 

@@ -48,7 +48,6 @@ ARCHITECTURES = {
 # run as Q8_0 blocks (dspark.llm.kernel_runtime.pack_matrix says how each is converted).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 BLOCK_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-_BLOCK_NORMS = ("attn_norm", "ffn_norm")
 _MAX_LAYERS = 1024
 _MAX_CONTEXT = 1 << 20
 _MAX_VOCAB = 1 << 24

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 SPACE = "\u2581"
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+UNKNOWN, CONTROL, USER_DEFINED, BYTE = 2, 3, 4, 6  # tokenizer.ggml.token_type values
 
 
 class SentencePieceBPE:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dspark.errors import ConfigError, RequestError
-from dspark.llm.spm import SentencePieceBPE
+from dspark.llm.spm import CONTROL, USER_DEFINED, SentencePieceBPE
 
 # A GGUF without tokenizer.chat_template (a base model, e.g. Gemma 3 270M) chats in a plain
 # question/answer format, which base models continue sensibly, and stops where it would ask itself
@@ -36,8 +36,6 @@ PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ 
                        "{% else %}Answer: {{ m['content'] }}\n{% endif %}{% endfor %}"
                        "{% if add_generation_prompt %}Answer:{% endif %}")
 PLAIN_CHAT_STOP = ("\nQuestion:",)
-CONTROL_TOKEN_TYPE = 3
-USER_DEFINED_TOKEN_TYPE = 4
 META_FILE = "tokenizer_meta.json"  # beside tokenizer.json: bos/eos ids, the kind, the chat format
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp) by tokenizer.ggml.pre
 _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -53,7 +51,7 @@ def _special_tokens(tokens: Sequence[str], token_types: Sequence[int]):
     from tokenizers import AddedToken
 
     return [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, token_types)
-            if kind in (CONTROL_TOKEN_TYPE, USER_DEFINED_TOKEN_TYPE)]
+            if kind in (CONTROL, USER_DEFINED)]
 
 
 def build_hf_tokenizer(tokens: Sequence[str], token_types: Sequence[int], merges: Sequence[str],
