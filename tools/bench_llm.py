@@ -105,7 +105,7 @@ class _OpsVariant:
     """The plain-ops attention graph driven directly: the cache goes in whole and comes back whole."""
 
     def __init__(self, path: Path, threads: int):
-        from dspark.engines.onnx_session import make_session_options
+        from dspark.runtimes.onnx_session import make_session_options
 
         self.session = ort.InferenceSession(str(path), make_session_options(threads, 1),
                                             providers=["CPUExecutionProvider"])
@@ -191,7 +191,7 @@ def cmd_head(args) -> None:
     """The tied Q8_0 head (49152 x 576) alone: 8-bit MatMulNBits vs the dequantized float32 MatMul."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from dspark.engines.onnx_session import make_session_options
+    from dspark.runtimes.onnx_session import make_session_options
     from dspark.llm.quant import QK, dequantize, to_nbits
 
     model = GGUFModel(installed_smollm2())

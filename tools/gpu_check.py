@@ -33,7 +33,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing the package
 
-from dspark.accel import devices  # noqa: E402
+from dspark.runtimes.accel import devices  # noqa: E402
 
 RESULTS: list[dict] = []
 
@@ -80,8 +80,8 @@ def main() -> int:
 
     import onnxruntime as ort
 
-    from dspark.accel import gemm, providers
-    from dspark.accel.gemm import BFLOAT16, ComputeType, DataType, Gemm, Operation
+    from dspark.runtimes.accel import gemm, providers
+    from dspark.runtimes.accel.gemm import BFLOAT16, ComputeType, DataType, Gemm, Operation
 
     classifier = args.repository / "mlp_classifier/1/model.onnx"
     twin = args.repository / "fused_transformer_onnx/1/model.onnx"
@@ -106,7 +106,7 @@ def main() -> int:
                 f"{', '.join(ort.get_available_providers())} (EP devices: {', '.join(eps) or 'none'}); {trt}")
 
     def ort_provider_check(preference: tuple[str, ...], options: dict) -> str:
-        from dspark.engines.onnx_session import OnnxRunner
+        from dspark.runtimes.onnx_session import OnnxRunner
 
         features = rng.standard_normal((8, 16)).astype(np.float32)
         cpu = OnnxRunner(classifier).run({"features": features})["probabilities"]
@@ -244,7 +244,7 @@ def main() -> int:
 
     @check("transformer with every product through the shim on the GPU vs ONNX Runtime on the CPU")
     def transformer():
-        from dspark.accel.gemm_transformer import GemmTransformer
+        from dspark.runtimes.accel.gemm_transformer import GemmTransformer
 
         ids = rng.integers(0, 512, (4, 64)).astype(np.int64)
         session = ort.InferenceSession(str(twin), providers=["CPUExecutionProvider"])
@@ -263,7 +263,7 @@ def main() -> int:
 
     @check("TensorRT engine built from the transformer's ONNX file, cached, run")
     def tensorrt_engine():
-        from dspark.accel import tensorrt_engine as trt_engine
+        from dspark.runtimes.accel import tensorrt_engine as trt_engine
 
         result = trt_engine.probe()
         if not result.usable:

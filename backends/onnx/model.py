@@ -3,9 +3,9 @@
 Config parameters (all optional): execution_providers (ordered preference, comma separated, e.g.
 CUDA,CPU), execution_provider_options (JSON: provider -> {option: value}, names checked),
 disable_cpu_ep_fallback (false: an unusable provider is skipped with a warning; true: it fails the
-load), ep_plugin_libraries (JSON: plugin provider name -> library path) (dspark.accel.providers);
+load), ep_plugin_libraries (JSON: plugin provider name -> library path) (dspark.runtimes.accel.providers);
 intra_op_threads (1), inter_op_threads (1), allow_spinning (false), graph_optimization_level
-(all|extended|basic|disable) (dspark.triton.backend_parameters.OnnxParameters); engine
+(all|extended|basic|disable) (dspark.triton.params.OnnxParameters); engine
 (onnxruntime | tensorrt: a TensorRT engine built from the ONNX file and cached, where TensorRT
 and a GPU are present; trt_cache_dir, trt_fp16, trt_max_batch, trt_max_dynamic). See
 docs/accelerators.md. The model file is `default_model_filename` or model.onnx in the version folder.
@@ -15,13 +15,14 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from dspark.accel.providers import ProviderRequest
-from dspark.accel.tensorrt_engine import open_model_runner
-from dspark.engines.onnx_session import OnnxRunner, batch_groups, read_graph_signature
+from dspark.runtimes.accel.providers import ProviderParameters, ProviderRequest
+from dspark.runtimes.accel.tensorrt_engine import TensorRTParameters, open_model_runner
+from dspark.runtimes.onnx_session import OnnxRunner, batch_groups, read_graph_signature
 from dspark.errors import RequestError
-from dspark.triton.adapter import config_parameters, parse_parameters, stub_version_dir, triton_error
-from dspark.triton.backend_parameters import OnnxParameters
-from dspark.triton.tensors import TensorSpec, check_inputs
+from dspark.params import config_parameters, parse_parameters
+from dspark.triton.adapter import stub_version_dir, triton_error
+from dspark.triton.params import OnnxParameters
+from dspark.tensors import TensorSpec, check_inputs
 
 DEFAULT_FILENAME = "model.onnx"
 AUTO_MAX_BATCH_SIZE = 8
@@ -66,7 +67,7 @@ class TritonPythonModel:
 
     def initialize(self, args):
         self.model_config = json.loads(args["model_config"])
-        params = parse_parameters(OnnxParameters, self.model_config)
+        params = parse_parameters(OnnxParameters, self.model_config, ProviderParameters, TensorRTParameters)
         filename = self.model_config.get("default_model_filename") or DEFAULT_FILENAME
         model_path = Path(args["model_repository"]) / args["model_version"] / filename
         if not model_path.is_file():

@@ -22,7 +22,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from dspark.engines.onnx_session import make_session_options
+from dspark.runtimes.onnx_session import make_session_options
 from dspark.llm.onnx_graph import MS_DOMAIN, OPSET, _Graph
 from dspark.llm.quant import QK, NBitsWeight, to_nbits
 

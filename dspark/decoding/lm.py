@@ -11,8 +11,8 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from dspark.decoding.onnx_lm import GRAPH_FORMAT, LMConfig
-from dspark.engines.onnx_session import make_session_options
-from dspark.llm.kv_cache import CacheRows
+from dspark.runtimes.onnx_session import make_session_options
+from dspark.runtimes.protocol import CacheRows, TargetRuntime
 
 PAD_MULTIPLE = 16  # keys per call padded to this (see onnx_lm's note on bitwise equality)
 MIN_ROWS = 2
@@ -67,7 +67,7 @@ def _read_model(model: onnx.ModelProto | str | Path) -> tuple[onnx.ModelProto, L
     return model, LMConfig.from_json(props["dspark_lm_config"])
 
 
-class OnnxLM:
+class OnnxLM(TargetRuntime):
     """One LM graph from ``onnx_lm.build_lm_onnx`` in an ORT session."""
 
     # a tree's rows equal the chains through it bit for bit (tests/unit/test_spec_onnx_lm.py)

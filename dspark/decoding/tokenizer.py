@@ -10,8 +10,10 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+from dspark.runtimes.protocol import Tokenizer
 
-class BPETokenizer:
+
+class BPETokenizer(Tokenizer):
     """``encode(str) -> list[int]`` and ``decode(list[int]) -> bytes`` over a merge table."""
 
     def __init__(self, tokens: list[bytes], merges: list[tuple[int, int]]):
@@ -70,3 +72,5 @@ class BPETokenizer:
 
     def decode(self, ids) -> bytes:
         return b"".join(self.tokens[i] for i in ids)
+
+    decode_bytes = decode  # its decode is already the exact bytes

@@ -167,9 +167,9 @@ def add_llm_model(source: str | Path, name: str, repository: str | Path, force: 
     """Make ``repository/name`` a servable model of the speculative backend for the GGUF that
     ``source`` names (see :func:`source_gguf`): modelspec.yaml and config.pbtxt (Triton's schema),
     version 1 holding the import (and the GGUF when it came out of a wheel file or was assembled)."""
-    from dspark.decoding.serving import INPUTS, OUTPUTS
     from dspark.repository import atomic
     from dspark.repository.modelspec import CONFIG_FILENAME, SPEC_FILENAME, ModelSpec, check_model_name
+    from dspark.tensors import GENERATE_INPUTS, GENERATE_OUTPUTS
 
     check_model_name(name)
     directory = Path(repository) / name
@@ -181,7 +181,7 @@ def add_llm_model(source: str | Path, name: str, repository: str | Path, force: 
         "name": name, "framework": "python", "backend": "speculative", "decoupled": True,
         "versions": [{"semver": "1.0.0", "folder": 1, "artifact": f"{LLM_FOLDER}/{STAMP_FILE}", "source": str(source),
                       "added": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())}],
-        "inputs": [_tensor(t) for t in INPUTS], "outputs": [_tensor(t) for t in OUTPUTS],
+        "inputs": [_tensor(t) for t in GENERATE_INPUTS], "outputs": [_tensor(t) for t in GENERATE_OUTPUTS],
         "instance_groups": [{"kind": "CPU", "count": 1}],
         "parameters": {"llm_model": LLM_FOLDER, **_SERVING_PARAMETERS}})
     atomic.write_text(spec_path, yaml.safe_dump(spec.to_dict(), sort_keys=False), only_if_changed=True)

@@ -32,7 +32,7 @@ import numpy as np
 from dspark._ext import llama as _llama
 from dspark.errors import ConfigError, RequestError
 from dspark.llm.gguf_model import BLOCK_MATRICES, GGUFModel, LlamaConfig
-from dspark.llm.kv_cache import CacheRows
+from dspark.runtimes.protocol import CacheRows, TargetRuntime
 from dspark.llm.taps import TAP_LAYERS
 
 DEFAULT_MAX_CONTEXT = 2048  # new_cache()'s default capacity, as OnnxLlama's
@@ -216,7 +216,7 @@ def default_threads() -> int:
     return max(1, min(2, len(os.sched_getaffinity(0))))
 
 
-class KernelRuntime:
+class KernelRuntime(TargetRuntime):
     """A llama GGUF on dspark's C kernels, with the target-runtime interface (config, new_cache, forward,
     want_taps, logit_rows, forward_batch) plus ``project`` through the head or a vocabulary
     subset of it (``head_subset``)."""

@@ -29,10 +29,10 @@ from typing import Sequence
 import numpy as np
 import onnxruntime as ort
 
-from dspark.engines.onnx_session import make_session_options
+from dspark.runtimes.onnx_session import make_session_options
 from dspark.errors import ConfigError
 from dspark.llm.gguf_model import LlamaConfig
-from dspark.llm.kv_cache import CacheRows
+from dspark.runtimes.protocol import CacheRows, TargetRuntime
 from dspark.llm.onnx_graph import GRAPH_FORMAT
 
 # Every call runs at least this many rows: ORT's kernels take another path for one row, which
@@ -130,7 +130,7 @@ def graph_metadata(session: ort.InferenceSession, path) -> tuple[LlamaConfig, st
             tuple(json.loads(props["dspark_llm_tap_layers"])))
 
 
-class OnnxLlama:
+class OnnxLlama(TargetRuntime):
     """The target runtime on ONNX Runtime (see module docstring).
 
     ``max_context`` bounds a cache (``config.ctx`` reports it); ``max_batch`` is the number of

@@ -27,8 +27,9 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 
 import pydantic
 
-from dspark.accel import devices
-from dspark.errors import ConfigError, from_validation_error
+from dspark.runtimes.accel import devices
+from dspark.errors import ConfigError
+from dspark.params import ConfigParameters, parse_parameters
 
 CPU = "CPUExecutionProvider"
 OptionValue = Union[str, int, float, bool]
@@ -169,7 +170,7 @@ def check_options(info: ProviderInfo, options: Mapping[str, OptionValue], field_
 
 
 # --- the request: a model's ordered preference, from config parameters or a ModelSpec -----------
-class _ProviderParameters(pydantic.BaseModel):
+class ProviderParameters(ConfigParameters):
     """The config parameters, as strings in config.pbtxt (JSON for the two objects)."""
 
     execution_providers: str = CPU
@@ -192,12 +193,8 @@ class ProviderRequest:
         """From config.pbtxt parameters: execution_providers (comma list), execution_provider_options
         (JSON object: provider -> {option: value}), disable_cpu_ep_fallback (bool), ep_plugin_libraries
         (JSON object: provider name -> shared library path)."""
-        given = {key: value for key, value in params.items() if key in _ProviderParameters.model_fields
-                 and value.strip()}
-        try:
-            parsed = _ProviderParameters.model_validate(given)
-        except pydantic.ValidationError as error:
-            raise from_validation_error(error, ConfigError, prefix="parameter") from None
+        parsed = parse_parameters(ProviderParameters, {key: value for key, value in params.items()
+                                                       if key in ProviderParameters.model_fields})
         providers = tuple(p.strip() for p in parsed.execution_providers.split(",") if p.strip())
         request = cls(providers=providers or (CPU,), options=parsed.execution_provider_options,
                       disable_cpu_ep_fallback=parsed.disable_cpu_ep_fallback,

@@ -1,6 +1,6 @@
 """The fused transformer's network with every matrix product through the GemmEx shim.
 
-Same weights file and math as dspark.engines.fused_transformer (and its ONNX twin): per layer
+Same weights file and math as dspark.runtimes.fused_transformer (and its ONNX twin): per layer
 LN1 -> QKV -> attention -> out projection, LN2 -> GELU -> fc1, LN3 -> GELU -> fc2, a final LN.
 Every product (the four projections and, per head, QK^T and PV) is one `<vendor>GemmEx` call.
 The device and the vendor alias come from the model's config: on the CPU the C library
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark.accel.gemm import ComputeType, Gemm, Operation
-from dspark.engines.fused_transformer import TransformerConfig, layer_names, layer_norm, validate_input_ids
+from dspark.runtimes.accel.gemm import ComputeType, Gemm, Operation
+from dspark.runtimes.fused_transformer import TransformerConfig, layer_names, layer_norm, validate_input_ids
 from dspark.errors import ConfigError
 
 COMPUTES = {"fp32": ComputeType.COMPUTE_32F, "bf16": ComputeType.COMPUTE_32F_FAST_16BF}

@@ -176,7 +176,7 @@ def compare(float_path: Path, quantized_path: Path, feeds: list[Mapping[str, np.
             threads: int = 1) -> Comparison:
     """Both models on the same feeds, CPU provider, `threads` intra-op threads: accuracy of the
     first output over every feed, and the median of `rounds` interleaved passes over the feeds."""
-    from dspark.engines.onnx_session import make_session_options
+    from dspark.runtimes.onnx_session import make_session_options
     import onnxruntime as ort
 
     sessions = [ort.InferenceSession(str(path), sess_options=make_session_options(threads),

@@ -88,3 +88,16 @@ def check_inputs(specs: Sequence[TensorSpec], arrays: Mapping[str, Optional[np.n
         raise RequestError(f"input tensor '{unknown[0]}'", f"unknown: this model takes {sorted(known)}")
     for spec in specs:
         spec.check(arrays.get(spec.name), batched)
+
+
+# The tensors of Triton's LLM generate API as dspark's `speculative` backend takes them (its
+# auto-complete fills them in; `dspark llm import` writes them).
+GENERATE_INPUTS = [
+    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "messages", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+]
+GENERATE_OUTPUTS = [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
+           {"name": "usage", "data_type": "TYPE_STRING", "dims": [1]}]

@@ -4,7 +4,7 @@ Used by the `onnx` backend when a model says `engine: tensorrt`; where `tensorrt
 or no NVIDIA GPU is present, `probe()` says why and the backend applies the model's fallback policy
 (ONNX Runtime with its provider preference, with a warning and a metric, or a failed load under
 `disable_cpu_ep_fallback`). ONNX Runtime's own TensorRT execution provider is the other route
-(`execution_providers: TensorRT,CUDA,CPU` with `trt_*` options, dspark.accel.providers).
+(`execution_providers: TensorRT,CUDA,CPU` with `trt_*` options, dspark.runtimes.accel.providers).
 
 The cache key is the model, its version, the GPU (name and compute capability), the TensorRT
 version and a hash of the ONNX bytes and build settings: a plan is only ever loaded on the GPU and
@@ -18,12 +18,15 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Literal, Mapping, Optional, Sequence
 
 import numpy as np
+from pydantic import Field
 
-from dspark.accel import devices
-from dspark.accel.providers import Probe, ProviderChoice
+from dspark.runtimes.accel import devices
+from dspark.errors import ConfigError
+from dspark.params import ConfigParameters, parse_parameters
+from dspark.runtimes.accel.providers import Probe, ProviderChoice
 
 ENGINE = "TensorRT engine"  # the name this route carries in provider choices, logs and metrics
 
@@ -154,7 +157,7 @@ class TensorRTRunner:
         return {name: cp.asnumpy(array) for name, array in outputs.items()}
 
     def run_batched(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        from dspark.engines.onnx_session import OnnxRunner
+        from dspark.runtimes.onnx_session import OnnxRunner
 
         return OnnxRunner.run_batched(self, requests)  # concatenates along axis 0, calls self.run, splits
 
@@ -169,6 +172,16 @@ def open_runner(onnx_path: Path, model: str, version: str, cache_dir: Optional[P
     return TensorRTRunner(onnx_path, model, version, cache, settings), result
 
 
+class TensorRTParameters(ConfigParameters):
+    """The config parameters of an `onnx` model that choose and build a TensorRT engine."""
+
+    engine: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
+    trt_cache_dir: Optional[Path] = None
+    trt_fp16: bool = False
+    trt_max_batch: int = Field(8, ge=1)
+    trt_max_dynamic: int = Field(128, ge=1)
+
+
 def open_model_runner(params: Mapping[str, str], model: str, version: str, onnx_path: Path, onnx_runtime):
     """The runner a model's config parameters ask for. `engine: tensorrt` gets a TensorRTRunner
     (`trt_cache_dir`, `trt_fp16`, `trt_max_batch`, `trt_max_dynamic`) where TensorRT can run;
@@ -177,22 +190,13 @@ def open_model_runner(params: Mapping[str, str], model: str, version: str, onnx_
     disable_cpu_ep_fallback, the load fails naming it."""
     import dataclasses
 
-    from dspark.accel.providers import PARAM_STRICT, ProviderRequest
-    from dspark.errors import ConfigError
+    from dspark.runtimes.accel.providers import PARAM_STRICT, ProviderRequest
 
-    engine = params.get("engine") or "onnxruntime"
-    if engine not in ("onnxruntime", "tensorrt"):
-        raise ConfigError("parameter 'engine'", f"expected onnxruntime or tensorrt, got {engine!r}")
-    if engine == "onnxruntime":
+    own = parse_parameters(TensorRTParameters, {k: v for k, v in params.items() if k in TensorRTParameters.model_fields})
+    if own.engine == "onnxruntime":
         return onnx_runtime()
-    try:
-        settings = BuildSettings(fp16=(params.get("trt_fp16") or "false").lower() in ("1", "true", "yes", "on"),
-                                 max_batch=int(params.get("trt_max_batch") or 8),
-                                 max_dynamic=int(params.get("trt_max_dynamic") or 128))
-    except ValueError as error:
-        raise ConfigError("parameter 'trt_max_batch'/'trt_max_dynamic'", f"must be integers ({error})") from None
-    cache = Path(params["trt_cache_dir"]) if params.get("trt_cache_dir") else None
-    runner, result = open_runner(onnx_path, model, version, cache, settings)
+    settings = BuildSettings(fp16=own.trt_fp16, max_batch=own.trt_max_batch, max_dynamic=own.trt_max_dynamic)
+    runner, result = open_runner(onnx_path, model, version, own.trt_cache_dir, settings)
     if runner is not None:
         return runner
     if ProviderRequest.from_parameters(params).disable_cpu_ep_fallback:

@@ -1,64 +1,15 @@
-"""Serving pieces of the speculative backend that need no Triton: its config parameters
-(pydantic) and the bounded worker pool requests run on."""
+"""Serving pieces of the speculative backend that need no Triton: the bounded worker pool
+requests run on, and the process's heap settings."""
 from __future__ import annotations
 
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal, Optional
+from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from dspark.errors import ConfigError, UnavailableError, from_validation_error
-
-
-# The backend's tensors (its auto-complete fills them in; `dspark llm import` writes them).
-INPUTS = [
-    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
-    {"name": "messages", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
-    {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
-    {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
-    {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
-]
-OUTPUTS = [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
-           {"name": "usage", "data_type": "TYPE_STRING", "dims": [1]}]
-
-
-
-class ServingConfig(BaseModel):
-    """The model config's ``parameters`` (strings in config.pbtxt, converted and checked here)."""
-    model_config = ConfigDict(extra="forbid")
-
-    # a real LLM imported by `dspark llm import`: its folder, relative to the version folder;
-    # when set, target_model/draft_model/tokenizer (an LM pair in dspark's own graph format) are unused
-    llm_model: str = ""
-    # what runs the imported LLM: dspark's C kernels over the GGUF's 4-bit blocks (measured faster,
-    # docs/llm_kernels.md) or ONNX Runtime over the imported graph
-    llm_runtime: Literal["kernel", "onnxruntime"] = "kernel"
-    target_model: str = ""
-    draft_model: str = ""  # none
-    tokenizer: str = "tokenizer.json"
-    default_method: str = "hybrid"
-    num_speculative_tokens: int = Field(4, ge=1, le=16)
-    tree_width: int = Field(4, ge=1, le=8)
-    intra_op_threads: int = Field(2, ge=1, le=256)
-    stream_interval_ms: int = Field(10, ge=0, le=10_000)
-    draft_runtime: Literal["kernel", "onnxruntime"] = "kernel"
-    max_concurrent_requests: int = Field(4, ge=1, le=256)
-    max_queued_requests: int = Field(16, ge=0, le=100_000)
-    max_queue_wait_ms: int = Field(30_000, ge=0)
-    batch_verification: bool = False
-    max_context: int = Field(0, ge=0)  # 0 = the model's own context
-
-    @classmethod
-    def from_parameters(cls, params: Mapping[str, str], path: Optional[Path] = None) -> "ServingConfig":
-        try:
-            return cls(**{k: v for k, v in params.items() if v != ""})
-        except ValidationError as error:
-            raise from_validation_error(error, ConfigError, prefix="parameters", path=path) from None
+from dspark.errors import UnavailableError
 
 
 @dataclass

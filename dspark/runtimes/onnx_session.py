@@ -12,9 +12,9 @@ import onnx
 import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
 
-from dspark.accel.providers import ProviderChoice, ProviderRequest, choose, create_session, verify_session
+from dspark.runtimes.accel.providers import ProviderChoice, ProviderRequest, choose, create_session, verify_session
 from dspark.errors import RequestError
-from dspark.triton.tensors import TensorSpec
+from dspark.tensors import TensorSpec
 
 log = logging.getLogger(__name__)
 
