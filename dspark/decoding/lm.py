@@ -62,8 +62,8 @@ def _read_model(model: onnx.ModelProto | str | Path) -> tuple[onnx.ModelProto, L
     props = {p.key: p.value for p in model.metadata_props}
     if props.get("dspark_lm_format") != GRAPH_FORMAT:
         raise ValueError(f"{source} is an LM graph of format {props.get('dspark_lm_format', '1')}, "
-                         f"this dspark needs format {GRAPH_FORMAT}: rebuild it (make setup, or "
-                         "python tools/build_spec_models.py)")
+                         f"this dspark needs format {GRAPH_FORMAT}: rebuild it (a test session "
+                         "rebuilds tests/spec_toy_repository's graphs)")
     return model, LMConfig.from_json(props["dspark_lm_config"])
 
 

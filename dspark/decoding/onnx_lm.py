@@ -194,7 +194,7 @@ def build_lm_onnx(weights: dict[str, np.ndarray], cfg: LMConfig) -> onnx.ModelPr
 
 
 def load_weights_npz(path) -> tuple[dict[str, np.ndarray], LMConfig]:
-    """Weights and config from a ``tools/spec_train.py`` checkpoint (fp16 npz)."""
+    """Weights and config from a ``tests/fixtures/toy_lm/train.py`` checkpoint (fp16 npz)."""
     data = np.load(path)
     cfg = LMConfig.from_json(str(data["config"]))
     return {k: data[k] for k in data.files if k != "config"}, cfg

@@ -1,5 +1,5 @@
 """Byte-level BPE tokenizer of the speculative LM pair (pure Python; trained by
-``tools/spec_tokenizer.py``).
+``tests/fixtures/toy_lm/train_tokenizer.py``).
 
 Every byte is a token, so any text encodes; merges never cross a newline, so a line is
 encoded on its own and encoding cost stays linear in the number of lines.

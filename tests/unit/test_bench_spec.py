@@ -17,7 +17,7 @@ from dspark.paths import project_root
 
 @pytest.fixture(scope="module")
 def generator():
-    tokenizer = BPETokenizer.load(project_root() / "tools" / "weights" / "spec_bpe.json")
+    tokenizer = BPETokenizer.load(project_root() / "tests" / "fixtures" / "toy_lm" / "spec_bpe.json")
     cfg = LMConfig(n_layer=1, d_model=32, n_head=2, vocab=tokenizer.vocab_size, ctx=256)
     target = OnnxLM(build_lm_onnx(random_weights(cfg, seed=11, scale=2.0), cfg))
     draft = OnnxLM(build_lm_onnx(random_weights(cfg, seed=12, scale=2.0), cfg))

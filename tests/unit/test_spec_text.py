@@ -17,7 +17,7 @@ from dspark.errors import RequestError
 from dspark.paths import project_root
 
 METHODS = ("none", "draft", "ngram", "suffix", "hybrid", "tree")
-TOKENIZER = BPETokenizer.load(project_root() / "tools" / "weights" / "spec_bpe.json")
+TOKENIZER = BPETokenizer.load(project_root() / "tests" / "fixtures" / "toy_lm" / "spec_bpe.json")
 
 
 @settings(max_examples=60, deadline=None)
