@@ -13,7 +13,7 @@ from typing import Optional
 import click
 
 from dspark.errors import DsparkError
-from dspark.triton.server import API_KEY_ENV, API_KEY_HEADER, repository_headers
+from dspark.triton.access import API_KEY_ENV, API_KEY_HEADER, repository_headers
 
 
 @click.group()
