@@ -21,6 +21,7 @@ from dspark.runtimes.onnx_session import OnnxRunner, batch_groups, read_graph_si
 from dspark.errors import RequestError
 from dspark.params import config_parameters, parse_parameters
 from dspark.triton.adapter import stub_version_dir, triton_error
+from dspark.triton.metrics import OnnxMetrics
 from dspark.triton.params import OnnxParameters
 from dspark.tensors import TensorSpec, check_inputs
 
@@ -96,33 +97,7 @@ class TritonPythonModel:
                     if isinstance(self.runner, OnnxRunner) else self.runner.describe())
         logger.log_info(f"onnx backend: loaded {args['model_name']} version {args['model_version']} from {model_path} "
                         f"on {choice.describe()}, {settings}")
-        labels = {"model": args["model_name"], "version": args["model_version"]}
-        # Families must outlive their metrics, so both are kept on the instance.
-        self.metric_families = [
-            pb_utils.MetricFamily(name="dspark_onnx_batches_total", kind=pb_utils.MetricFamily.COUNTER,
-                                  description="ONNX Runtime runs (one per batch of requests)"),
-            pb_utils.MetricFamily(name="dspark_onnx_batch_rows_total", kind=pb_utils.MetricFamily.COUNTER,
-                                  description="Rows run through ONNX Runtime; divided by runs it is the mean batch"),
-        ]
-        self.batches_metric, self.rows_metric = (family.Metric(labels=labels) for family in self.metric_families)
-        self._provider_metrics(labels, choice)
-
-    def _provider_metrics(self, labels: dict, choice) -> None:
-        """The chosen provider and why (a gauge set to 1), and one count per skipped provider."""
-        chosen = pb_utils.MetricFamily(
-            name="dspark_execution_provider", kind=pb_utils.MetricFamily.GAUGE,
-            description="1 for the execution provider a model runs on; reason: first_preference or fallback")
-        fallback = pb_utils.MetricFamily(
-            name="dspark_execution_provider_fallback_total", kind=pb_utils.MetricFamily.COUNTER,
-            description="Preferred execution providers skipped at load because they are not usable here")
-        self.metric_families += [chosen, fallback]
-        reason = "fallback" if choice.fell_back else "first_preference"
-        self.provider_metrics = [chosen.Metric(labels={**labels, "provider": choice.chosen, "reason": reason})]
-        self.provider_metrics[0].set(1)
-        for skipped in choice.skipped:
-            metric = fallback.Metric(labels={**labels, "requested": skipped, "chosen": choice.chosen})
-            metric.increment(1)
-            self.provider_metrics.append(metric)
+        self.metrics = OnnxMetrics(pb_utils, args["model_name"], args["model_version"], choice)
 
     def _request_feeds(self, request) -> dict:
         feeds = {}
@@ -152,8 +127,7 @@ class TritonPythonModel:
                     responses[valid[i]] = pb_utils.InferenceResponse(
                         error=triton_error(pb_utils, error, "onnxruntime failed"))
                 continue
-            self.batches_metric.increment(1)
-            self.rows_metric.increment(sum(_rows(feeds[i]) for i in group) if self.batched else len(group))
+            self.metrics.batch(sum(_rows(feeds[i]) for i in group) if self.batched else len(group))
             for i, outputs in zip(group, results):
                 responses[valid[i]] = pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor(spec.name, outputs[spec.name]) for spec in self.output_specs]

@@ -1,5 +1,6 @@
-"""The speculative backend's metrics on Triton's /metrics (``pb_utils.MetricFamily``; the
-``pb_utils`` module is passed in, so this module imports no Triton code)."""
+"""The backends' metrics on Triton's /metrics (``pb_utils.MetricFamily``; the ``pb_utils``
+module is passed in, so this module imports no Triton code). Families must outlive their
+metrics, so both are kept."""
 from __future__ import annotations
 
 import os
@@ -72,3 +73,36 @@ class SpeculativeMetrics:
     def close(self) -> None:
         self.metrics.clear()
         self.families.clear()
+
+
+class OnnxMetrics:
+    """``dspark_onnx_*`` of one model version, and the execution provider it runs on and why (a
+    gauge set to 1), with one count per preferred provider skipped at load."""
+
+    def __init__(self, pb_utils: Any, model: str, version: str, choice: Any):
+        labels = {"model": model, "version": version}
+        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+        batches = pb_utils.MetricFamily(name="dspark_onnx_batches_total", kind=counter,
+                                        description="ONNX Runtime runs (one per batch of requests)")
+        rows = pb_utils.MetricFamily(name="dspark_onnx_batch_rows_total", kind=counter,
+                                     description="Rows run through ONNX Runtime; divided by runs it is the mean batch")
+        chosen = pb_utils.MetricFamily(
+            name="dspark_execution_provider", kind=gauge,
+            description="1 for the execution provider a model runs on; reason: first_preference or fallback")
+        fallback = pb_utils.MetricFamily(
+            name="dspark_execution_provider_fallback_total", kind=counter,
+            description="Preferred execution providers skipped at load because they are not usable here")
+        self.families = [batches, rows, chosen, fallback]
+        self.batches, self.rows = batches.Metric(labels=labels), rows.Metric(labels=labels)
+        reason = "fallback" if choice.fell_back else "first_preference"
+        self.providers = [chosen.Metric(labels={**labels, "provider": choice.chosen, "reason": reason})]
+        self.providers[0].set(1)
+        for skipped in choice.skipped:
+            metric = fallback.Metric(labels={**labels, "requested": skipped, "chosen": choice.chosen})
+            metric.increment(1)
+            self.providers.append(metric)
+
+    def batch(self, rows: int) -> None:
+        """One ONNX Runtime run over ``rows`` rows."""
+        self.batches.increment(1)
+        self.rows.increment(rows)
