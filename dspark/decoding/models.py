@@ -5,10 +5,10 @@ from pathlib import Path
 from typing import Optional
 
 from dspark.decoding.engine import SpeculativeEngine
-from dspark.decoding.lm import KernelLM, OnnxLM
+from dspark.runtimes.toy_lm.runtime import KernelLM, OnnxLM
 from dspark.decoding.proposers import standard_proposers
 from dspark.decoding.text import TextGenerator
-from dspark.decoding.tokenizer import BPETokenizer
+from dspark.runtimes.toy_lm.tokenizer import BPETokenizer
 
 DRAFT_RUNTIMES = {"kernel": KernelLM, "onnxruntime": OnnxLM}
 

@@ -6,12 +6,12 @@ import pytest
 from dspark.bench import docs, spec
 from dspark.bench.results import BenchResult
 from dspark.decoding.engine import SpeculativeEngine
-from dspark.decoding.lm import OnnxLM
-from dspark.decoding.onnx_lm import LMConfig, build_lm_onnx, random_weights
+from dspark.runtimes.toy_lm.runtime import OnnxLM
+from dspark.runtimes.toy_lm.graph import LMConfig, build_lm_onnx, random_weights
 from dspark.decoding.proposers import standard_proposers
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.decoding.text import TextGenerator
-from dspark.decoding.tokenizer import BPETokenizer
+from dspark.runtimes.toy_lm.tokenizer import BPETokenizer
 from dspark.paths import project_root
 
 

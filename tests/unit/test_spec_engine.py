@@ -6,8 +6,8 @@ from hypothesis import given, settings, strategies as st
 from dspark.decoding.adaptive import best_k
 from dspark.decoding.engine import PromptTooLong, SpeculativeEngine
 from dspark.runtimes.protocol import TargetRuntime
-from dspark.decoding.lm import KernelLM, OnnxLM
-from dspark.decoding.onnx_lm import LMConfig, build_lm_onnx, random_weights
+from dspark.runtimes.toy_lm.runtime import KernelLM, OnnxLM
+from dspark.runtimes.toy_lm.graph import LMConfig, build_lm_onnx, random_weights
 from dspark.decoding.proposers import standard_proposers
 from dspark.decoding.rejection import accept_among
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams, distribution

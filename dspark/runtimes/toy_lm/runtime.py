@@ -10,7 +10,7 @@ import onnx
 import onnxruntime as ort
 from onnx import numpy_helper
 
-from dspark.decoding.onnx_lm import GRAPH_FORMAT, LMConfig
+from dspark.runtimes.toy_lm.graph import GRAPH_FORMAT, LMConfig
 from dspark.runtimes.onnx_session import make_session_options
 from dspark.runtimes.protocol import CacheRows, TargetRuntime
 
