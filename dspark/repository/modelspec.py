@@ -1,6 +1,6 @@
 """ModelSpec: a model's description as YAML next to it, and its Triton `config.pbtxt`.
 
-The seed's ModelSpec (name, semantic version, framework) extended with what Triton needs. The
+A ModelSpec (name, semantic version, framework) extended with what Triton needs. The
 config is produced and read through Triton's own protobuf schema, never by hand, and the YAML
 records which semantic version lives in which integer version folder.
 """
@@ -150,7 +150,7 @@ class ModelSpec:
 
     @property
     def version(self) -> Optional[str]:
-        """The newest semantic version (the seed's `version` field)."""
+        """The newest semantic version (the spec's `version` field)."""
         return max((r.semver for r in self.versions), key=semver_key, default=None)
 
     @property

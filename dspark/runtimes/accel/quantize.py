@@ -3,8 +3,7 @@
 - INT8, dynamic: ONNX Runtime's `quantize_dynamic` (int8 weights; activations quantized per run).
 - INT8, static: `quantize_static` in QDQ format, activations calibrated (MinMax) on data from the
   user or generated from the model's inputs.
-- INT4: weight-only 4-bit blocks of the MatMuls (`MatMulNBitsQuantizer` -> com.microsoft.MatMulNBits),
-  the seed's INT4 (section 5).
+- INT4: weight-only 4-bit blocks of the MatMuls (`MatMulNBitsQuantizer` -> com.microsoft.MatMulNBits).
 
 `compare` runs both models on the same inputs in ONNX Runtime (CPU provider, interleaved timed
 runs, medians) and reports the speed ratio and the accuracy delta.
