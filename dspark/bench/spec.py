@@ -565,26 +565,6 @@ def llama_cpp_available() -> bool:
     return True
 
 
-def plain_llama_cpp_buffers() -> None:
-    """Turn llama.cpp's "extra buffer types" (weight repacking, its AMX kernels) off for the
-    models loaded after: built with GGML_NATIVE on a Sapphire Rapids VM its AMX Q4_1 kernel died
-    with SIGILL; off, the weights run on its AVX-512/AVX2 dot products, as on CPUs without AMX."""
-    from llama_cpp import llama_cpp as raw
-
-    if getattr(raw, "_dspark_plain_buffers", False):
-        return
-    defaults = raw.llama_model_default_params
-
-    def params():
-        p = defaults()
-        if hasattr(p, "use_extra_bufts"):
-            p.use_extra_bufts = False
-        return p
-
-    raw.llama_model_default_params = params
-    raw._dspark_plain_buffers = True
-
-
 def run_llama_cpp(gguf: Path, prompt_tokens: list[list[int]], max_tokens: int, threads: int,
                   temperature: float, seed: int, prompt_lookup: bool, eos: int,
                   repeats: int = 1, extra_buffers: bool = False) -> list[dict]:
@@ -595,6 +575,8 @@ def run_llama_cpp(gguf: Path, prompt_tokens: list[list[int]], max_tokens: int, t
     from llama_cpp import Llama
 
     if not extra_buffers:
+        from dspark.llm.peer import plain_llama_cpp_buffers
+
         plain_llama_cpp_buffers()
     options = {}
     if prompt_lookup:

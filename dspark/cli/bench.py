@@ -317,11 +317,11 @@ def bench_all(tables, measure: bool, results_dir: Path, list_only: bool) -> None
             click.echo(f"{table.name:<14} {table.doc:<22} dspark {' '.join(docs.args_for(table, results_dir))}")
         return
 
-    def run(args: list[str]) -> None:
-        from dspark.cli.main import cli
+    root = click.get_current_context().find_root().command  # the `dspark` group
 
+    def run(args: list[str]) -> None:
         try:
-            cli.main(args=args, prog_name="dspark", standalone_mode=False)
+            root.main(args=args, prog_name="dspark", standalone_mode=False)
         except click.ClickException as error:
             raise click.ClickException(f"dspark {' '.join(args)}: {error.format_message()}") from None
 

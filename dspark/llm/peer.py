@@ -21,6 +21,26 @@ TOKENIZE_CHECKS = ("<start_of_turn>user\nhi 你好 🦙\t\t<end_of_turn>\n", "  
                    "def f(x):\n    return x ** 2  # 12345 67.8", "<|im_start|>system\nYou are helpful.<|im_end|>")
 
 
+def plain_llama_cpp_buffers() -> None:
+    """Turn llama.cpp's "extra buffer types" (weight repacking, its AMX kernels) off for the
+    models loaded after: built with GGML_NATIVE on a Sapphire Rapids VM its AMX Q4_1 kernel died
+    with SIGILL; off, the weights run on its AVX-512/AVX2 dot products, as on CPUs without AMX."""
+    from llama_cpp import llama_cpp as raw
+
+    if getattr(raw, "_dspark_plain_buffers", False):
+        return
+    defaults = raw.llama_model_default_params
+
+    def params():
+        p = defaults()
+        if hasattr(p, "use_extra_bufts"):
+            p.use_extra_bufts = False
+        return p
+
+    raw.llama_model_default_params = params
+    raw._dspark_plain_buffers = True
+
+
 def llama_cpp_reference(gguf: Path, topics=("class",), n_tokens: int = 512, greedy_tokens: int = 32,
                         threads: int = 2) -> dict:
     """{"tokens": the first ``n_tokens`` of the held-out text as llama.cpp tokenizes it (BOS
@@ -28,8 +48,6 @@ def llama_cpp_reference(gguf: Path, topics=("class",), n_tokens: int = 512, gree
     "greedy_prompt_tokens", "greedy": llama.cpp's first ``greedy_tokens`` greedy tokens}."""
     import llama_cpp
     from llama_cpp import Llama
-
-    from dspark.bench.spec import plain_llama_cpp_buffers
 
     plain_llama_cpp_buffers()
     llm = Llama(model_path=str(gguf), n_ctx=n_tokens, n_batch=n_tokens, n_threads=threads,
