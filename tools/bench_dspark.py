@@ -6,8 +6,8 @@ trained on). Writes JSON (settings, CPU, per-method results) and prints a markdo
 
     python tools/bench_dspark.py --max-tokens 96 --out bench-results/dspark.json
 
-The target runs on dspark's C kernels over the GGUF (``--runtime kernel``, KernelRuntime, the
-served target) or on the imported ONNX graph (``--runtime onnx``, OnnxLlama).
+The target runs on dspark's C kernels over the GGUF (KernelRuntime, the served target); the
+drafter on its kernels (served) or on its numpy reference (``--drafter-backend numpy``).
 
 Methods are interleaved per prompt (noise hits all alike); each prompt's time is the median of
 ``--repeats`` runs; tokens/s counts decoding only (the prompt's prefill is the same work for
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from dspark.decoding.dspark_drafter import DSparkDrafter, default_weights  # noqa: E402
+from dspark.decoding.dspark_drafter import BACKENDS, DSparkDrafter, default_weights  # noqa: E402
 from dspark.decoding.engine import SpeculativeEngine  # noqa: E402
 from dspark.decoding.proposers import standard_proposers  # noqa: E402
 from dspark.decoding.proposers.dspark import DSparkProposer  # noqa: E402
@@ -36,7 +36,6 @@ from dspark.decoding.sampling import SamplingParams, SpeculativeParams  # noqa: 
 from dspark.decoding.stats import DecodeStats  # noqa: E402
 from dspark.llm.gguf_model import GGUFModel, installed_smollm2  # noqa: E402
 from dspark.llm.kernel_runtime import KernelRuntime  # noqa: E402
-from dspark.llm.onnx_runtime import OnnxLlama  # noqa: E402
 from dspark.llm.tokenizer import LlamaTokenizer  # noqa: E402
 from dspark.bench.machine import this_machine  # noqa: E402
 
@@ -101,13 +100,9 @@ def main() -> None:
     from dspark_prompts import heldout_prompts
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--runtime", choices=("kernel", "onnx"), default="kernel",
-                    help="the target: dspark's C kernels over the GGUF, or the imported ONNX graph")
-    ap.add_argument("--model", default=str(ROOT / "model_repository/spec_lm/1/smollm2/model.onnx"),
-                    help="the ONNX graph (--runtime onnx)")
     ap.add_argument("--weights", default=str(default_weights()))
-    ap.add_argument("--drafter-backend", choices=("kernel", "onnxruntime"), default="kernel",
-                    help="the drafter's runtime: dspark's C kernels (served) or ONNX Runtime")
+    ap.add_argument("--drafter-backend", choices=BACKENDS, default="kernel",
+                    help="the drafter's runtime: dspark's C kernels (served) or the numpy reference")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--per-kind", type=int, default=4)
@@ -120,8 +115,7 @@ def main() -> None:
 
     gguf = GGUFModel(installed_smollm2())
     tok = LlamaTokenizer.from_gguf(gguf)
-    target = (KernelRuntime(gguf, threads=args.threads) if args.runtime == "kernel"
-              else OnnxLlama(args.model, threads=args.threads))
+    target = KernelRuntime(gguf, threads=args.threads)
     drafter = DSparkDrafter.for_gguf(gguf, args.weights, args.drafter_backend, args.threads)
     engine = SpeculativeEngine(target, standard_proposers(model_proposers=(DSparkProposer(drafter),)),
                                eos_ids=[tok.eos_id])
@@ -186,14 +180,14 @@ def main() -> None:
                                          for m in methods}
                                   for kind in dict.fromkeys(p["kind"] for p in prompts)
                                   for idx in [[j for j, p in enumerate(prompts) if p["kind"] == kind]]}}
-    report = {"cpu": f"{this_machine().cpu_model} ({this_machine().cpu_class})", "runtime": args.runtime, "drafter_backend": args.drafter_backend,
+    report = {"cpu": f"{this_machine().cpu_model} ({this_machine().cpu_class})", "drafter_backend": args.drafter_backend,
               "threads": args.threads, "max_tokens": args.max_tokens,
               "prompts": len(prompts), "k": args.k, "weights": str(args.weights),
               "command": " ".join(sys.argv), "pass_costs_ms": costs_ms, "results": results}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
-    print(f"\n{report['cpu']}, target on {args.runtime} runtime, drafter on {args.drafter_backend}, "
+    print(f"\n{report['cpu']}, target on the kernels, drafter on {args.drafter_backend}, "
           f"{args.threads} threads, {len(prompts)} held-out prompts, "
           f"<= {args.max_tokens} tokens, k = {args.k}")
     print("pass costs (ms, median): " + ", ".join(f"{k} {v}" for k, v in costs_ms.items()))
