@@ -1,15 +1,15 @@
 """Benchmark of dspark's llama kernels (dspark.llm.kernel_runtime) on SmolLM2-135M-Instruct.
 
-  python tools/bench_llm_kernel.py [--threads 2] [--json out.json] [--onnx model.onnx]
+  python tools/bench_llm_kernel.py [--threads 2] [--json out.json]
 
 Prints markdown tables (docs/llm_kernels.md quotes them) and writes the numbers, the settings
 and the CPU model as JSON:
   1. step cost: one decoder step at a cached context of 128/512/2048 rows, for 1 new row
      (plain decoding) and 2/4/8/16 new rows (verification; every row gets logits), medians of
      interleaved repeats, and each relative to 1 row;
-  2. plain greedy decoding tokens/s after a chat prompt: dspark's kernels, llama.cpp
-     (llama-cpp-python, `make bench-deps`) with the same threads, and llm-core's ONNX Runtime
-     graph when --onnx names one; the peers are skipped, with a note, when not installed;
+  2. plain greedy decoding tokens/s after a chat prompt: dspark's kernels and llama.cpp
+     (llama-cpp-python, `make bench-deps`) with the same threads; the peer is skipped, with a
+     note, when not installed;
   3. greedy agreement with llama.cpp: 32 tokens on 12 prompts;
   4. resident memory of a process holding the model and one 2048-row cache filled by a prompt.
 """
@@ -117,10 +117,6 @@ class KernelPeer:
         return out, (n - 1) / (time.perf_counter() - t0)
 
 
-class OnnxPeer(KernelPeer):
-    name = "ONNX Runtime (llm-core)"
-
-
 class LlamaCppPeer:
     name = "llama.cpp"
 
@@ -189,7 +185,6 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--decode-repeats", type=int, default=3)
-    parser.add_argument("--onnx", type=Path, help="llm-core's imported graph, to time as a peer")
     parser.add_argument("--llama-extra-buffers", action="store_true",
                         help="let llama.cpp use its extra buffer types (repacking, AMX); off by "
                              "default because its AMX kernels crash on this build (see LlamaCppPeer)")
@@ -211,8 +206,7 @@ def main() -> None:
     rt = KernelRuntime(model, threads=args.threads, max_context=max(args.contexts) + max(args.rows) + 64)
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     result = {"cpu": cpu_name(), "isa": rt.isa, "threads": rt.threads, "model": gguf_path.name,
-              "settings": vars(args) | {"onnx": str(args.onnx) if args.onnx else None,
-                                        "json": str(args.json) if args.json else None},
+              "settings": vars(args) | {"json": str(args.json) if args.json else None},
               "isa_info": ext.isa_info()}
     print(f"# {gguf_path.name} on {result['cpu']}, {rt.threads} threads, kernels: {rt.isa}, "
           f"clock: {args.clock}\n")
@@ -227,14 +221,8 @@ def main() -> None:
                                              for c in cells) + " |")
         print()
 
-    onnx = None
-    if args.onnx:
-        from dspark.llm.onnx_runtime import OnnxLlama
-
-        onnx = OnnxLlama(args.onnx, threads=args.threads, max_context=rt.config.ctx)
-
     if "steps" not in args.skip:
-        runtimes = {"dspark kernels": rt} | ({"ONNX Runtime (llm-core)": onnx} if onnx else {})
+        runtimes = {"dspark kernels": rt}
         result["step_ms"] = step_costs(runtimes, args.contexts, args.rows, args.repeats, clock)
         for name, costs in result["step_ms"].items():
             print(f"{name}:\n")
@@ -245,19 +233,10 @@ def main() -> None:
                 cells = [f"{costs[f'{ctx}/{r}']:.2f} ms ({costs[f'{ctx}/{r}'] / one:.2f}x)" for r in args.rows[1:]]
                 print(f"| {ctx} | {one:.2f} ({1e3 / one:.0f}) | " + " | ".join(cells) + " |")
             print()
-        if onnx:
-            ours, theirs = result["step_ms"]["dspark kernels"], result["step_ms"]["ONNX Runtime (llm-core)"]
-            print("ONNX Runtime's step time over the kernels' (above 1: the kernels are faster):\n")
-            print("| cached rows | " + " | ".join(f"{r} rows" for r in args.rows) + " |")
-            print("|---|" + "---|" * len(args.rows))
-            for ctx in args.contexts:
-                print(f"| {ctx} | " + " | ".join(f"{theirs[f'{ctx}/{r}'] / ours[f'{ctx}/{r}']:.2f}x"
-                                                 for r in args.rows) + " |")
-            print()
 
     tokenizer = LlamaTokenizer.from_gguf(model)
     prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    peers = [KernelPeer(rt)] + ([OnnxPeer(onnx)] if onnx else [])
+    peers = [KernelPeer(rt)]
     notes = []
     try:
         peers.append(LlamaCppPeer(gguf_path, args.threads, args.llama_extra_buffers))
