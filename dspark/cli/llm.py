@@ -58,10 +58,10 @@ def reference(gguf: Path, out: Path) -> None:
     benchmark set: make bench-deps)."""
     import json
 
-    from dspark.llm.peer import llama_cpp_reference
+    from dspark.bench.peers import llama_cpp
 
     try:
-        figures = llama_cpp_reference(gguf)
+        figures = llama_cpp.reference(gguf)
     except ImportError:
         raise click.ClickException("llama_cpp is not installed: run `make bench-deps`") from None
     out.write_text(json.dumps(figures) + "\n")
