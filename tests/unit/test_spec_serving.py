@@ -16,6 +16,7 @@ from dspark.triton.response_sender import GuardedSender, StreamLedger
     ({"max_concurrent_requests": "0"}, "parameters.max_concurrent_requests"),
     ({"max_concurrent_requests": "many"}, "parameters.max_concurrent_requests"),
     ({"draft_runtime": "gpu"}, "parameters.draft_runtime"),
+    ({"llm_runtime": "onnxruntime"}, "parameters.llm_runtime"),  # the retired ONNX Runtime path
     ({"batch_verification": "sometimes"}, "parameters.batch_verification"),
     ({"tree_widht": "2"}, "parameters.tree_widht"),
 ])
