@@ -263,4 +263,3 @@ def main(argv: list[str] | None = None) -> None:
         print("note:", note)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-
