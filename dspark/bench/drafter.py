@@ -92,6 +92,90 @@ def pass_costs(target, drafter, ids: list[int], k: int, repeats: int = 21) -> di
     return {key: round(v * 1e3, 2) for key, v in costs.items()}  # milliseconds
 
 
+def run_methods(engine, tok, encoded: list[list[int]], prompts: list[dict], methods: list[str],
+                temperature: float, args) -> dict:
+    """Every method on every prompt (interleaved per prompt), each prompt's run the median of
+    ``args.repeats`` by decode time: per method the times, token counts, passes, acceptance by
+    position and texts."""
+    res = {m: {"seconds": [], "tokens": [], "rounds": 0, "generated": 0, "prefill_s": 0.0,
+               "draft_s": 0.0, "proposed_at": [], "accepted_at": [], "texts": []}
+           for m in methods}
+    for i, ids in enumerate(encoded):
+        for m in methods:  # interleaved per prompt
+            runs = []
+            for rep in range(args.repeats):
+                stats = DecodeStats()
+                sampling = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=1000 + i)
+                spec = SpeculativeParams(method=m, num_speculative_tokens=args.k)
+                t0 = time.perf_counter()
+                out = [x for chunk in engine.generate(ids, sampling, spec, stats) for x in chunk]
+                total = time.perf_counter() - t0
+                runs.append((total - stats.prefill_s, out, stats))
+            seconds, out, stats = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+            r = res[m]
+            r["seconds"].append(seconds)
+            r["tokens"].append(len(out))
+            r["rounds"] += stats.rounds
+            r["generated"] += stats.generated_tokens
+            r["prefill_s"] += stats.prefill_s
+            r["draft_s"] += stats.draft_s
+            for key in ("proposed_at", "accepted_at"):
+                vals = getattr(stats, key)
+                r[key] += [0] * (len(vals) - len(r[key]))
+                for d, v in enumerate(vals):
+                    r[key][d] += v
+            r["texts"].append(tok.decode(out))
+        print(f"T={temperature} prompt {i + 1}/{len(encoded)} ({prompts[i]['kind']}) done", flush=True)
+    return res
+
+
+def summarize(res: dict, prompts: list[dict], methods: list[str]) -> dict:
+    """One temperature's result: per method tokens/s (and against plain), tokens per pass,
+    acceptance by position, the drafter's share, text figures; tokens/s per prompt kind."""
+    plain = sum(res["none"]["tokens"]) / sum(res["none"]["seconds"]) if "none" in res else None
+    summary = {}
+    for m, r in res.items():
+        tps = sum(r["tokens"]) / sum(r["seconds"])
+        summary[m] = {
+            "tokens_per_s": round(tps, 2),
+            "vs_plain": round(tps / plain, 3) if plain else None,
+            "tokens_per_pass": round(r["generated"] / max(r["rounds"], 1), 3),
+            "per_position_acceptance": [round(a / p, 3) if p else None
+                                        for a, p in zip(r["accepted_at"], r["proposed_at"])],
+            "verified_at_position": r["proposed_at"],
+            "draft_share_of_decode": round(r["draft_s"] / sum(r["seconds"]), 3),
+            "distinct_8gram": round(distinct_8gram_share(r["texts"]), 3),
+            "identical_to_plain": (sum(a == b for a, b in zip(r["texts"], res["none"]["texts"]))
+                                   if "none" in res else None),
+        }
+    return {"summary": summary,
+            "samples": {m: res[m]["texts"][:1] for m in methods},
+            "per_kind": {
+                kind: {m: round(sum(res[m]["tokens"][j] for j in idx) /
+                                sum(res[m]["seconds"][j] for j in idx), 2)
+                       for m in methods}
+                for kind in dict.fromkeys(p["kind"] for p in prompts)
+                for idx in [[j for j, p in enumerate(prompts) if p["kind"] == kind]]}}
+
+
+def print_report(report: dict, out: Path) -> None:
+    print(f"\n{report['cpu']}, target on the kernels, drafter on {report['drafter_backend']}, "
+          f"{report['threads']} threads, {report['prompts']} held-out prompts, "
+          f"<= {report['max_tokens']} tokens, k = {report['k']}")
+    print("pass costs (ms, median): " + ", ".join(f"{k} {v}" for k, v in report["pass_costs_ms"].items()))
+    for temp, r in report["results"].items():
+        print(f"\ntemperature {temp}\n")
+        print("| method | tokens/s | vs plain | tokens per target pass | acceptance at position 1..k "
+              "| draft share | distinct 8-gram | same text as plain |")
+        print("|---|---|---|---|---|---|---|---|")
+        for m, s in r["summary"].items():
+            acc = " / ".join(f"{a:.2f}" for a in s["per_position_acceptance"] if a is not None)
+            print(f"| {m} | {s['tokens_per_s']} | {s['vs_plain']}x | {s['tokens_per_pass']} | {acc} "
+                  f"| {s['draft_share_of_decode']} | {s['distinct_8gram']} | "
+                  f"{s['identical_to_plain']}/{report['prompts']} |")
+    print(f"\nwrote {out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     from dspark.training.prompts import heldout_prompts
 
@@ -121,61 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     methods = args.methods.split(",")
     costs_ms = pass_costs(target, drafter, encoded[0], args.k)
     print("pass costs (ms, median):", json.dumps(costs_ms), flush=True)
-    results = {}
-    for temp in (float(t) for t in args.temperatures.split(",")):
-        res = {m: {"seconds": [], "tokens": [], "rounds": 0, "generated": 0, "prefill_s": 0.0,
-                   "draft_s": 0.0, "proposed_at": [], "accepted_at": [], "texts": []}
-               for m in methods}
-        for i, ids in enumerate(encoded):
-            for m in methods:  # interleaved per prompt
-                runs = []
-                for rep in range(args.repeats):
-                    stats = DecodeStats()
-                    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=1000 + i)
-                    spec = SpeculativeParams(method=m, num_speculative_tokens=args.k)
-                    t0 = time.perf_counter()
-                    out = [x for chunk in engine.generate(ids, sampling, spec, stats) for x in chunk]
-                    total = time.perf_counter() - t0
-                    runs.append((total - stats.prefill_s, out, stats))
-                seconds, out, stats = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
-                r = res[m]
-                r["seconds"].append(seconds)
-                r["tokens"].append(len(out))
-                r["rounds"] += stats.rounds
-                r["generated"] += stats.generated_tokens
-                r["prefill_s"] += stats.prefill_s
-                r["draft_s"] += stats.draft_s
-                for key in ("proposed_at", "accepted_at"):
-                    vals = getattr(stats, key)
-                    r[key] += [0] * (len(vals) - len(r[key]))
-                    for d, v in enumerate(vals):
-                        r[key][d] += v
-                r["texts"].append(tok.decode(out))
-            print(f"T={temp} prompt {i + 1}/{len(encoded)} ({prompts[i]['kind']}) done", flush=True)
-        plain = sum(res["none"]["tokens"]) / sum(res["none"]["seconds"]) if "none" in res else None
-        summary = {}
-        for m, r in res.items():
-            tps = sum(r["tokens"]) / sum(r["seconds"])
-            summary[m] = {
-                "tokens_per_s": round(tps, 2),
-                "vs_plain": round(tps / plain, 3) if plain else None,
-                "tokens_per_pass": round(r["generated"] / max(r["rounds"], 1), 3),
-                "per_position_acceptance": [round(a / p, 3) if p else None
-                                            for a, p in zip(r["accepted_at"], r["proposed_at"])],
-                "verified_at_position": r["proposed_at"],
-                "draft_share_of_decode": round(r["draft_s"] / sum(r["seconds"]), 3),
-                "distinct_8gram": round(distinct_8gram_share(r["texts"]), 3),
-                "identical_to_plain": (sum(a == b for a, b in zip(r["texts"], res["none"]["texts"]))
-                                       if "none" in res else None),
-            }
-        results[str(temp)] = {"summary": summary,
-                              "samples": {m: res[m]["texts"][:1] for m in methods},
-                              "per_kind": {
-                                  kind: {m: round(sum(res[m]["tokens"][j] for j in idx) /
-                                                  sum(res[m]["seconds"][j] for j in idx), 2)
-                                         for m in methods}
-                                  for kind in dict.fromkeys(p["kind"] for p in prompts)
-                                  for idx in [[j for j, p in enumerate(prompts) if p["kind"] == kind]]}}
+    results = {str(temp): summarize(run_methods(engine, tok, encoded, prompts, methods, temp, args), prompts, methods)
+               for temp in (float(t) for t in args.temperatures.split(","))}
     report = {"cpu": f"{this_machine().cpu_model} ({this_machine().cpu_class})", "drafter_backend": args.drafter_backend,
               "threads": args.threads, "max_tokens": args.max_tokens,
               "prompts": len(prompts), "k": args.k, "weights": str(args.weights),
@@ -183,18 +214,4 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
-    print(f"\n{report['cpu']}, target on the kernels, drafter on {args.drafter_backend}, "
-          f"{args.threads} threads, {len(prompts)} held-out prompts, "
-          f"<= {args.max_tokens} tokens, k = {args.k}")
-    print("pass costs (ms, median): " + ", ".join(f"{k} {v}" for k, v in costs_ms.items()))
-    for temp, r in results.items():
-        print(f"\ntemperature {temp}\n")
-        print("| method | tokens/s | vs plain | tokens per target pass | acceptance at position 1..k "
-              "| draft share | distinct 8-gram | same text as plain |")
-        print("|---|---|---|---|---|---|---|---|")
-        for m, s in r["summary"].items():
-            acc = " / ".join(f"{a:.2f}" for a in s["per_position_acceptance"] if a is not None)
-            print(f"| {m} | {s['tokens_per_s']} | {s['vs_plain']}x | {s['tokens_per_pass']} | {acc} "
-                  f"| {s['draft_share_of_decode']} | {s['distinct_8gram']} | "
-                  f"{s['identical_to_plain']}/{len(prompts)} |")
-    print(f"\nwrote {out}")
+    print_report(report, out)
