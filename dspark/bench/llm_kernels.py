@@ -155,6 +155,72 @@ print(json.dumps({{"model_loaded_mb": loaded, "with_cache_mb": rss(),
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def print_products(products_: dict, rows_list) -> None:
+    print("| product | " + " | ".join(f"{r} rows" for r in rows_list) + " |")
+    print("|---|" + "---|" * len(rows_list))
+    for name in dict.fromkeys(k.rsplit("/", 1)[0] for k in products_):
+        cells = [products_[f"{name}/{r}"] for r in rows_list]
+        print(f"| {name} | " + " | ".join(f"{c['ms']:.3f} ms, {c['gmac_s']:.0f} GMAC/s, {c['gb_s']:.1f} GB/s"
+                                         for c in cells) + " |")
+    print()
+
+
+def print_steps(step_ms: dict, contexts, rows_list) -> None:
+    for name, costs in step_ms.items():
+        print(f"{name}:\n")
+        print("| cached rows | 1 row: ms (tokens/s) | " + " | ".join(f"{r} rows" for r in rows_list[1:]) + " |")
+        print("|---|---|" + "---|" * (len(rows_list) - 1))
+        for ctx in contexts:
+            one = costs[f"{ctx}/1"]
+            cells = [f"{costs[f'{ctx}/{r}']:.2f} ms ({costs[f'{ctx}/{r}'] / one:.2f}x)" for r in rows_list[1:]]
+            print(f"| {ctx} | {one:.2f} ({1e3 / one:.0f}) | " + " | ".join(cells) + " |")
+        print()
+
+
+def decode_rates(peers: list, prompt: list[int], tokens: int, repeats: int) -> dict:
+    """Median plain greedy decoding tokens/s per peer, the peers interleaved in each repeat; printed."""
+    rates = {p.name: [] for p in peers}
+    for _ in range(repeats):
+        for peer in peers:
+            rates[peer.name].append(peer.greedy(prompt, tokens)[1])
+    medians = {k: float(np.median(v)) for k, v in rates.items()}
+    base = medians.get("llama.cpp")
+    print(f"| plain greedy decoding, {tokens} tokens after a chat prompt | tokens/s |"
+          + (" vs llama.cpp |" if base else ""))
+    print("|---|---|" + ("---|" if base else ""))
+    for name, rate in medians.items():
+        print(f"| {name} | {rate:.1f} |" + (f" {rate / base:.2f}x |" if base else ""))
+    print()
+    return medians
+
+
+def greedy_agreement(peers: list, prompts: list[list[int]]) -> dict:
+    """32 greedy tokens per prompt from every peer against the last one's: identical outputs and
+    the first difference; printed."""
+    outputs = {p.name: [p.greedy(prompt, 32)[0] for prompt in prompts] for p in peers}
+    ref = outputs[peers[-1].name]
+    agreement = {}
+    print(f"| greedy, 32 tokens, 12 prompts, vs {peers[-1].name} | identical | first difference at (mean) |")
+    print("|---|---|---|")
+    for name, outs in outputs.items():
+        if name == peers[-1].name:
+            continue
+        first = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), 32) for o, r in zip(outs, ref)]
+        same = sum(f == 32 for f in first)
+        agreement[name] = {"identical": same, "first_difference": first}
+        print(f"| {name} | {same}/12 | {np.mean(first):.1f} |")
+    print()
+    return agreement
+
+
+def print_memory(mem: dict) -> None:
+    print("| resident memory | MB |\n|---|---|")
+    print(f"| model loaded | {mem['model_loaded_mb']:.0f} |")
+    print(f"| + one {mem['cache_rows']}-row cache, filled ({mem['cache_mb']:.0f} MB of keys/values) | "
+          f"{mem['with_cache_mb']:.0f} |")
+    print(f"| peak (loading, the prompt's scratch) | {mem['peak_mb']:.0f} |\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -191,26 +257,11 @@ def main(argv: list[str] | None = None) -> None:
 
     if "products" not in args.skip:
         result["products"] = products(rt, rt.weights, args.rows, args.repeats, clock)
-        print("| product | " + " | ".join(f"{r} rows" for r in args.rows) + " |")
-        print("|---|" + "---|" * len(args.rows))
-        for name in dict.fromkeys(k.rsplit("/", 1)[0] for k in result["products"]):
-            cells = [result["products"][f"{name}/{r}"] for r in args.rows]
-            print(f"| {name} | " + " | ".join(f"{c['ms']:.3f} ms, {c['gmac_s']:.0f} GMAC/s, {c['gb_s']:.1f} GB/s"
-                                             for c in cells) + " |")
-        print()
+        print_products(result["products"], args.rows)
 
     if "steps" not in args.skip:
-        runtimes = {"dspark kernels": rt}
-        result["step_ms"] = step_costs(runtimes, args.contexts, args.rows, args.repeats, clock)
-        for name, costs in result["step_ms"].items():
-            print(f"{name}:\n")
-            print("| cached rows | 1 row: ms (tokens/s) | " + " | ".join(f"{r} rows" for r in args.rows[1:]) + " |")
-            print("|---|---|" + "---|" * (len(args.rows) - 1))
-            for ctx in args.contexts:
-                one = costs[f"{ctx}/1"]
-                cells = [f"{costs[f'{ctx}/{r}']:.2f} ms ({costs[f'{ctx}/{r}'] / one:.2f}x)" for r in args.rows[1:]]
-                print(f"| {ctx} | {one:.2f} ({1e3 / one:.0f}) | " + " | ".join(cells) + " |")
-            print()
+        result["step_ms"] = step_costs({"dspark kernels": rt}, args.contexts, args.rows, args.repeats, clock)
+        print_steps(result["step_ms"], args.contexts, args.rows)
 
     tokenizer = LlamaTokenizer.from_gguf(model)
     prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
@@ -222,42 +273,12 @@ def main(argv: list[str] | None = None) -> None:
         notes.append("llama.cpp: llama-cpp-python is not installed (make bench-deps)")
 
     if "decode" not in args.skip:
-        rates = {p.name: [] for p in peers}
-        for _ in range(args.decode_repeats):
-            for peer in peers:
-                rates[peer.name].append(peer.greedy(prompts[0], args.decode_tokens)[1])
-        result["decode_tokens_per_s"] = {k: float(np.median(v)) for k, v in rates.items()}
-        base = result["decode_tokens_per_s"].get("llama.cpp")
-        print(f"| plain greedy decoding, {args.decode_tokens} tokens after a chat prompt | tokens/s |"
-              + (" vs llama.cpp |" if base else ""))
-        print("|---|---|" + ("---|" if base else ""))
-        for name, rate in result["decode_tokens_per_s"].items():
-            print(f"| {name} | {rate:.1f} |" + (f" {rate / base:.2f}x |" if base else ""))
-        print()
-
+        result["decode_tokens_per_s"] = decode_rates(peers, prompts[0], args.decode_tokens, args.decode_repeats)
     if "agreement" not in args.skip and len(peers) > 1:
-        outputs = {p.name: [p.greedy(prompt, 32)[0] for prompt in prompts] for p in peers}
-        ref = outputs[peers[-1].name]
-        result["agreement"] = {}
-        print(f"| greedy, 32 tokens, 12 prompts, vs {peers[-1].name} | identical | first difference at (mean) |")
-        print("|---|---|---|")
-        for name, outs in outputs.items():
-            if name == peers[-1].name:
-                continue
-            first = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), 32) for o, r in zip(outs, ref)]
-            same = sum(f == 32 for f in first)
-            result["agreement"][name] = {"identical": same, "first_difference": first}
-            print(f"| {name} | {same}/12 | {np.mean(first):.1f} |")
-        print()
-
+        result["agreement"] = greedy_agreement(peers, prompts)
     if "memory" not in args.skip:
-        mem = resident_memory(gguf_path, args.threads, 2048)
-        result["memory"] = mem
-        print("| resident memory | MB |\n|---|---|")
-        print(f"| model loaded | {mem['model_loaded_mb']:.0f} |")
-        print(f"| + one {mem['cache_rows']}-row cache, filled ({mem['cache_mb']:.0f} MB of keys/values) | "
-              f"{mem['with_cache_mb']:.0f} |")
-        print(f"| peak (loading, the prompt's scratch) | {mem['peak_mb']:.0f} |\n")
+        result["memory"] = resident_memory(gguf_path, args.threads, 2048)
+        print_memory(result["memory"])
 
     for note in notes:
         print("note:", note)
