@@ -12,7 +12,7 @@ on how many rows run together, on masked cache slots or on the instruction set (
 rounds the same operations in the same order; tests/unit/test_llm_kernel.py checks it bit
 for bit). Plain decoding, chain and tree verification therefore agree exactly.
 
-Taps (as llm-core's OnnxLlama): ``forward(..., want_taps=True)`` returns ``(logits, taps)``,
+Taps: ``forward(..., want_taps=True)`` returns ``(logits, taps)``,
 taps [T, len(TAP_LAYERS) * hidden] float32, the residual stream after each block of
 ``TAP_LAYERS``; nothing is kept between calls.
 
@@ -35,7 +35,7 @@ from dspark.llm.gguf_model import BLOCK_MATRICES, GGUFModel, LlamaConfig
 from dspark.runtimes.protocol import CacheRows, TargetRuntime
 from dspark.llm.taps import TAP_LAYERS
 
-DEFAULT_MAX_CONTEXT = 2048  # new_cache()'s default capacity, as OnnxLlama's
+DEFAULT_MAX_CONTEXT = 2048  # new_cache()'s default capacity
 PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0")  # the kernels' weight formats (pack_matrix: the others)
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22}  # GGUF bytes per 32 weights
 

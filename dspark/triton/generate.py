@@ -21,7 +21,7 @@ from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.decoding.stats import DecodeStats
 from dspark.decoding.text import TextGenerator
 from dspark.errors import ConfigError, RequestError, UnavailableError
-from dspark.llm.importer import MODEL_FILE, STAMP_FILE
+from dspark.llm.importer import STAMP_FILE
 from dspark.triton.params import SpeculativeParameters
 
 InputReader = Callable[[str], Optional[np.ndarray]]  # a request's input tensor by name, None if absent
@@ -38,14 +38,12 @@ def build_generator(settings: SpeculativeParameters, repository: Path, version: 
     version_dir = repository / version
     if settings.llm_model:
         folder = version_dir / settings.llm_model
-        # the kernels read the GGUF the import names; ONNX Runtime reads the imported graph
-        needed = STAMP_FILE if settings.llm_runtime == "kernel" else MODEL_FILE
-        if not (folder / needed).is_file():
-            raise ConfigError("parameter 'llm_model'", f"{folder}/{needed} does not exist: run "
+        # the kernels read the GGUF the import names
+        if not (folder / STAMP_FILE).is_file():
+            raise ConfigError("parameter 'llm_model'", f"{folder}/{STAMP_FILE} does not exist: run "
                               "`make setup` (it imports the model) or `dspark llm import`")
         generator = llm_generator(folder, settings.intra_op_threads, settings.max_context or None,
-                                  settings.batch_verification, settings.max_concurrent_requests,
-                                  runtime=settings.llm_runtime)
+                                  settings.batch_verification)
         served = f"llm={settings.llm_model} runtime={settings.llm_runtime}"
     else:
         if not settings.target_model:

@@ -43,9 +43,9 @@ class SpeculativeParameters(ConfigParameters):
     # a real LLM imported by `dspark llm import`: its folder, relative to the version folder;
     # when set, target_model/draft_model/tokenizer (an LM pair in dspark's own graph format) are unused
     llm_model: str = ""
-    # what runs the imported LLM: dspark's C kernels over the GGUF's 4-bit blocks (measured faster,
-    # docs/llm_kernels.md) or ONNX Runtime over the imported graph
-    llm_runtime: Literal["kernel", "onnxruntime"] = "kernel"
+    # what runs the imported LLM: dspark's C kernels over the GGUF's blocks (the ONNX Runtime graph
+    # they replaced was 3-4x slower, docs/llm.md)
+    llm_runtime: Literal["kernel"] = "kernel"
     target_model: str = ""
     draft_model: str = ""  # none
     tokenizer: str = "tokenizer.json"

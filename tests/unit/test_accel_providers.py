@@ -217,17 +217,9 @@ def test_the_gpu_check_skips_with_one_line_without_a_gpu():
     assert run.stdout.count("\n") == 1 and run.stdout.startswith("gpu_check: skipped, no NVIDIA GPU here (")
 
 
-def _gpu_check_tool():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", project_root() / "tools/gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_gpu_check_counts_a_skip_as_a_skip_and_strict_fails_on_it():
-    tool = _gpu_check_tool()
+    from dspark.runtimes.accel import gpu_check as tool
+
     results = [{"status": "ok"}] * 4 + [{"status": "skip"}] * 3  # the H200 run: no CUDA/TensorRT provider, no TensorRT
     assert tool.summary(results, strict=False) == ("gpu_check: 4 of 7 checks passed, 3 skipped, 0 failed", 0)
     assert tool.summary(results, strict=True) == (

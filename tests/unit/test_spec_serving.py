@@ -19,6 +19,7 @@ from dspark.triton.response_sender import GuardedSender, StreamLedger
     ({"max_concurrent_requests": "0"}, "max_concurrent_requests", "greater than or equal to 1"),
     ({"max_concurrent_requests": "many"}, "max_concurrent_requests", "valid integer"),
     ({"draft_runtime": "gpu"}, "draft_runtime", "'kernel' or 'onnxruntime'"),
+    ({"llm_runtime": "onnxruntime"}, "llm_runtime", "'kernel'"),  # the retired ONNX Runtime path
     ({"batch_verification": "sometimes"}, "batch_verification", "valid boolean"),
     ({"tree_widht": "2"}, "tree_widht", "did you mean 'tree_width'?"),
 ])

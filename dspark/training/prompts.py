@@ -1,7 +1,7 @@
 """Training prompts for the DSpark drafter, in the benchmark's four kinds.
 
 The drafter learns to predict what the TARGET says, so training sequences are these prompts
-followed by the target's own answers (self-distillation, tools/train_dspark.py gather). Text
+followed by the target's own answers (self-distillation, dspark.training.data.gather). Text
 comes only from what every CPython install carries (dspark.decoding.corpus, its TRAIN split:
 the held-out documents stay unseen) plus the templates below; `heldout_prompts` builds the
 evaluation set from the held-out split and from questions no training template produces.
