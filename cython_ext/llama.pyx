@@ -11,6 +11,9 @@ from libc.stdlib cimport calloc, free
 
 from dspark.errors import ConfigError, RequestError
 
+include "isa_dispatch.pxi"
+
+
 cdef extern from "llama_kernels.h" nogil:
     ctypedef struct llama_matrix:
         int fmt
@@ -18,16 +21,11 @@ cdef extern from "llama_kernels.h" nogil:
         const uint8_t *data
     ctypedef struct llama_kernels:
         const char *name
-    int LLAMA_Q4_0, LLAMA_Q4_1, LLAMA_Q8_0, LLAMA_Q5_0, LLAMA_ISA_COUNT
+    int LLAMA_Q4_0, LLAMA_Q4_1, LLAMA_Q8_0, LLAMA_Q5_0
     float llama_half_to_float(uint16_t h)
     uint16_t llama_float_to_half(float f)
     size_t llama_block_bytes(int fmt)
-    const char *llama_isa_name(int isa)
-    int llama_isa_compiled(int isa)
-    int llama_isa_supported(int isa)
-    int llama_isa_best()
-    int llama_isa_by_name(const char *name, char *err, size_t err_len)
-    int llama_isa_select(char *err, size_t err_len)
+    const dspark_isa_family llama_paths
     const llama_kernels *llama_isa_kernels(int isa)
 
 
@@ -95,14 +93,9 @@ MAX_POSITION = 2 ** 31 - 1
 def isa_info():
     """Compiled and supported instruction sets of the llama kernels, the best and the chosen."""
     cdef char err[256]
-    names = [llama_isa_name(i).decode() for i in range(LLAMA_ISA_COUNT)]
-    isa = llama_isa_select(err, sizeof(err))
-    return {
-        "compiled": [n for i, n in enumerate(names) if llama_isa_compiled(i)],
-        "supported": [n for i, n in enumerate(names) if llama_isa_supported(i)],
-        "best": names[llama_isa_best()],
-        "chosen": names[isa] if isa >= 0 else "error: " + err.decode(),
-    }
+    isa = dspark_path_select(&llama_paths, err, sizeof(err))
+    return _paths_info(&llama_paths, dspark_path_name(&llama_paths, isa).decode() if isa >= 0
+                       else "error: " + err.decode())
 
 
 def half_bits(values):
@@ -131,9 +124,7 @@ def half_values(bits):
 
 cdef int _isa_index(object name) except -1:
     cdef char err[256]
-    cdef bytes raw = b"" if name is None else str(name).encode()
-    cdef int isa = llama_isa_select(err, sizeof(err)) if name is None else \
-        llama_isa_by_name(raw, err, sizeof(err))
+    cdef int isa = _path_index(&llama_paths, name, err, sizeof(err))
     if isa < 0:
         raise ConfigError("isa", err.decode())
     return isa

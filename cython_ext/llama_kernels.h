@@ -27,6 +27,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include "isa_dispatch.h"
 
 #define LLAMA_TILE 16   /* output columns per tile */
 #define LLAMA_QK 32     /* inputs per quant block */
@@ -115,28 +116,15 @@ typedef struct {
 #define LLAMA_EXP_P4 1.6666665459e-1f
 #define LLAMA_EXP_P5 5.0000001201e-1f
 
-#define LLAMA_ISA_SCALAR 0
-#define LLAMA_ISA_AVX2 1
-#define LLAMA_ISA_AVX512 2
-#define LLAMA_ISA_COUNT 3
-
 #define LLAMA_HIDDEN __attribute__((visibility("hidden")))
 LLAMA_HIDDEN const llama_kernels *llama_kernels_scalar(void);
-#if defined(__x86_64__) || defined(__i386__)
+#if DSPARK_HAVE_X86_TUS
 LLAMA_HIDDEN const llama_kernels *llama_kernels_avx2(void);
 LLAMA_HIDDEN const llama_kernels *llama_kernels_avx512(void);
-#define LLAMA_HAVE_X86_TUS 1
-#else
-#define LLAMA_HAVE_X86_TUS 0
 #endif
 
-/* Dispatch (llama_dispatch.c); names and the DSPARK_SIMD override as for the fused kernel. */
-const char *llama_isa_name(int isa);
-int llama_isa_compiled(int isa);
-int llama_isa_supported(int isa);   /* CPU and OS can run it (AVX-512 here needs BW, VL, VNNI) */
-int llama_isa_best(void);
-int llama_isa_by_name(const char *name, char *err, size_t err_len);  /* -1 + err if unusable */
-int llama_isa_select(char *err, size_t err_len);                     /* DSPARK_SIMD or best */
+/* Dispatch (llama_dispatch.c): the llama family of the common dispatcher, and its tables. */
+extern const dspark_isa_family llama_paths;
 const llama_kernels *llama_isa_kernels(int isa);
 
 /* IEEE half <-> float, round to nearest even (what F16C does), for the portable code. */
