@@ -69,8 +69,8 @@ def run_openai_bench(settings: OpenAIBenchSettings, log: Callable[[str], None] =
     model = settings.model
 
     def triton_call(tokens: int, stream: bool) -> int:
-        body = {"text_input": prompt, "exclude_input_in_output": True, "sampling_parameters": json.dumps(
-            {"max_tokens": tokens, "temperature": 0, "speculative": {"method": "none"}})}
+        body = {"text_input": prompt, "exclude_input_in_output": True, "stream": stream, "sampling_parameters":
+                json.dumps({"max_tokens": tokens, "temperature": 0, "speculative": {"method": "none"}})}
         if not stream:
             reply = http.post(f"{triton}/v2/models/{model}/generate", json=body, timeout=120)
             reply.raise_for_status()

@@ -119,7 +119,7 @@ def start_openai(server: TritonServer, host: str, port: int, explicit_key):
     from dspark.openai.server import OpenAIServer
 
     key = explicit_key or (None if is_loopback(host) else server.api_key)
-    api = OpenAIServer(host, port, server.grpc_url, key, server.repository_headers)
+    api = OpenAIServer(host, port, server.http_url, key, server.repository_headers)
     try:
         api.start()
     except RuntimeError as error:

@@ -89,36 +89,32 @@ def create_app(llms: TritonLLMs, api_key: Optional[str] = None) -> FastAPI:
         echo = req.prompt if isinstance(req, CompletionRequest) and req.echo else ""
         pieces = llms.generate(req.model, inputs, stream=req.stream)
         if not req.stream:
-            text = [echo]
-            async for piece in pieces:
-                text.append(piece.text)
-            return reply.whole("".join(text), finish_reason(piece.finish_reason),
-                               usage(piece.prompt_tokens, piece.completion_tokens))
+            try:
+                piece = await anext(pieces)
+            finally:
+                await pieces.aclose()
+            return JSONResponse(reply.whole(echo + piece.text, finish_reason(piece.finish_reason),
+                                            usage(piece.prompt_tokens, piece.completion_tokens)))
         first = await anext(pieces)  # an error before any text is still an HTTP error
 
         async def events():
             piece = first
-            yield sse(reply.chunk(echo + piece.text, first=True))
-            while not piece.final:
-                piece = await anext(pieces)
-                if piece.text:
-                    yield sse(reply.chunk(piece.text))
-            yield sse(reply.chunk(None, finish_reason(piece.finish_reason)))
-            if req.include_usage:
-                yield sse(reply.usage_chunk(usage(piece.prompt_tokens, piece.completion_tokens)))
-            yield SSE_DONE
-
-        async def guarded():
             try:
-                async for event in events():
-                    yield event
+                yield sse(reply.chunk(echo + piece.text, first=True))
+                while not piece.final:
+                    piece = await anext(pieces)
+                    if piece.text:
+                        yield reply.text_event(piece.text)
+                yield sse(reply.chunk(None, finish_reason(piece.finish_reason)))
+                if req.include_usage:
+                    yield sse(reply.usage_chunk(usage(piece.prompt_tokens, piece.completion_tokens)))
+                yield SSE_DONE
             except OpenAIError as error:  # after the first event: say so in the stream
                 yield sse(error.body())
             finally:
                 await pieces.aclose()  # cancels the model's request if it is still running
 
-        return StreamingResponse(guarded(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -181,6 +181,7 @@ class Reply:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if self.chat else "text_completion"
+        self._text_event: Optional[tuple[bytes, bytes]] = None
 
     def _head(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -201,6 +202,16 @@ class Reply:
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
         return {**self._head("text_completion"), "choices": [choice]}
+
+    def text_event(self, text: str) -> bytes:
+        """``sse(self.chunk(text))`` for a chunk of text, the one event sent per streamed piece:
+        built from a template made once per reply, so only the text is JSON-encoded each time."""
+        if self._text_event is None:
+            marker = "\x00"
+            head, _, tail = sse(self.chunk(marker)).rpartition(json.dumps(marker).encode())  # the text is last
+            self._text_event = (head, tail)
+        head, tail = self._text_event
+        return head + json.dumps(text).encode() + tail
 
     def usage_chunk(self, counts: dict) -> dict:
         name = "chat.completion.chunk" if self.chat else "text_completion"

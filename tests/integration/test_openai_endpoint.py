@@ -26,7 +26,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def api(triton_server):
-    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.grpc_url,
+    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.http_url,
                           repository_headers=triton_server.repository_headers)
     server.start()
     yield server
@@ -158,7 +158,7 @@ def test_unknown_model_is_404(client):
 
 
 def test_a_keyed_endpoint_needs_the_bearer_key(triton_server):
-    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.grpc_url, api_key=KEY,
+    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.http_url, api_key=KEY,
                           repository_headers=triton_server.repository_headers)
     server.start()
     try:
