@@ -40,6 +40,10 @@ class OpenAIServer:
                 raise RuntimeError(f"the OpenAI API did not start on {self.host}:{self.port} in {timeout_s:g} s")
             time.sleep(0.02)
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        """Stop taking requests; finish those running, then close the connections to Triton."""
         self._server.should_exit = True
-        self._thread.join(timeout=10)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.request_stop()
+        self._thread.join(timeout=timeout_s)
