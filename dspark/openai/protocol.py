@@ -228,8 +228,8 @@ SSE_DONE = sse("[DONE]")
 
 
 def backend_error(message: str) -> OpenAIError:
-    """A generation error the speculative backend returned, in OpenAI's terms. Over a gRPC
-    stream Triton passes only the message, so the status follows dspark's own messages:
+    """A generation error the speculative backend returned, in OpenAI's terms. Triton's generate
+    endpoints pass on only the message, so the status follows dspark's own messages:
     "busy: ..." (its request pool is full) is 429, a shut-down or unloading model 503, an
     unexpected failure ("generation failed: ...") 500, anything else a bad request naming the
     field before its first colon."""
