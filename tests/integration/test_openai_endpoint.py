@@ -165,12 +165,16 @@ def test_unknown_model_is_404(client):
         client.completions.create(model="mlp_classifier", prompt="hi")
 
 
-def test_a_body_that_is_not_json_is_an_openai_shaped_400(api):
+def test_a_body_that_is_not_json_or_an_unknown_path_is_openai_shaped(api):
     reply = requests.post(f"{api.url}/chat/completions", data=b"{not json", timeout=10,
                           headers={"Content-Type": "application/json"})
     assert reply.status_code == 400
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error" and "not JSON" in error["message"]
+    for method, path, status in (("POST", "/embeddings", 404), ("GET", "/chat/completions", 405)):
+        reply = requests.request(method, f"{api.url}{path}", json={}, timeout=10)
+        assert reply.status_code == status
+        assert "POST /v1/chat/completions" in reply.json()["error"]["message"]
 
 
 def test_a_keyed_endpoint_needs_the_bearer_key(triton_server):
