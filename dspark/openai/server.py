@@ -44,6 +44,6 @@ class OpenAIServer:
         """Stop taking requests; finish those running, then close the connections to Triton."""
         self._server.should_exit = True
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self) -> None:
         self.request_stop()
-        self._thread.join(timeout=timeout_s)
+        self._thread.join(timeout=10)
