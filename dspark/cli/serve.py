@@ -139,7 +139,7 @@ def serve_until_signal(server: TritonServer, api=None) -> None:
         if len(signals_seen) == 1:
             click.echo(f"dspark: {signal.Signals(signum).name}: stopping the server (draining requests; "
                        "again to kill)")
-            if api is not None:  # it finishes its requests, then closes its connections to Triton
+            if api is not None:  # once its requests have ended, it closes its connections to Triton
                 api.request_stop()
             server.terminate()
         else:

@@ -41,7 +41,7 @@ class OpenAIServer:
             time.sleep(0.02)
 
     def request_stop(self) -> None:
-        """Stop taking requests; finish those running, then close the connections to Triton."""
+        """Stop taking requests; once those running have ended, close the connections to Triton."""
         self._server.should_exit = True
 
     def stop(self) -> None:
