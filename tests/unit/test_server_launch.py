@@ -330,7 +330,7 @@ def test_serve_prints_the_generated_key_and_warns_about_a_public_host(tmp_path, 
     monkeypatch.delenv("DSPARK_API_KEY", raising=False)
     seen = {}
 
-    def stop_at_once(server):
+    def stop_at_once(server, _api=None):
         seen["server"], seen["log"] = server, server.log_text()
         server.stop()
 
@@ -352,7 +352,7 @@ def test_serve_takes_the_key_from_the_environment_and_does_not_print_it(tmp_path
     binary.write_text(FAKE_TRITON)
     key = "k" * 20
     monkeypatch.setenv("DSPARK_API_KEY", key)
-    monkeypatch.setattr("dspark.cli.serve.serve_until_signal", lambda server: server.stop())
+    monkeypatch.setattr("dspark.cli.serve.serve_until_signal", lambda server, _api=None: server.stop())
     ports = ServerPorts.free()
     result = CliRunner().invoke(cli, ["serve", "--server", str(binary), "-r", str(tmp_path),
                                       "--model-control", "explicit", f"--http-port={ports.http}",
