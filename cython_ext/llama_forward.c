@@ -217,7 +217,7 @@ static void embed_dequant_k(const llama_matrix *w, size_t col, float *x) {
     const size_t nsb = w->k / LLAMA_QK_K, bb = llama_block_bytes(fmt), sb = llama_ksub_bytes(fmt);
     const uint8_t *tile = w->data + (col / LLAMA_TILE) * llama_tile_bytes(w);
     for (size_t B = 0; B < nsb; B++) {
-        const uint8_t *blk = tile + B * bb, *f = blk + llama_kfield_offset(fmt);
+        const uint8_t *f = tile + B * bb, *blk = f + llama_kfield_bytes(fmt);
         uint16_t h;
         memcpy(&h, f + 256 + 2 * c, 2);
         const float d = llama_half_to_float(h);

@@ -11,12 +11,12 @@
  * 256 bytes, a 64-byte plane of the fifth bits: byte (col, i) holds in bit g that of input
  * 4g + i (g = 0..7), so group L's low nibbles take bit L and its high nibbles bit 4 + L.
  *
- * A K-quant block is a GGUF super-block of 256 inputs: 8 sub-blocks of 32 inputs, each laid
- * out as above (Q4_K: the 256 nibble bytes; Q5_K: nibbles and the fifth-bit plane as Q5_0;
- * Q6_K: nibbles and two 64-byte planes of the high two bits, plane p's byte (col, i) holding
- * in bits 2L, 2L+1 those of input 16p + 4L + i), then per column: Q4_K/Q5_K the 8 six-bit
+ * A K-quant block is a GGUF super-block of 256 inputs: per column, Q4_K/Q5_K the 8 six-bit
  * sub-block scales sc and mins m as bytes ([sub-block][column]), the fp16 d and dmin; Q6_K
- * the 16 int8 scales of its sub-blocks of 16 ([sub-block][column]) and the fp16 d. GGUF
+ * the 16 int8 scales of its sub-blocks of 16 ([sub-block][column]) and the fp16 d; then 8
+ * sub-blocks of 32 inputs, each laid out as above (Q4_K: the 256 nibble bytes; Q5_K: nibbles
+ * and the fifth-bit plane as Q5_0; Q6_K: nibbles and two 64-byte planes of the high two bits,
+ * plane p's byte (col, i) holding in bits 2L, 2L+1 those of input 16p + 4L + i). GGUF
  * defines w = (d * sc) * u - dmin * m (Q4_K, Q5_K) and w = (d * sc) * (u - 32) (Q6_K), u the
  * unsigned quant.
  *
@@ -63,12 +63,13 @@ static inline size_t llama_block_inputs(int fmt) { return llama_is_k(fmt) ? LLAM
 static inline size_t llama_ksub_bytes(int fmt) {
     return fmt == LLAMA_Q6_K ? 256 + 128 : fmt == LLAMA_Q5_K ? 256 + 64 : 256;
 }
-/* Offset of a K-quant block's per-column fields: sc [8][16] bytes, m [8][16] bytes, d, dmin
- * [16] fp16 (Q4_K, Q5_K); sc [16][16] int8, d [16] fp16 (Q6_K). */
-static inline size_t llama_kfield_offset(int fmt) { return LLAMA_KSUB * llama_ksub_bytes(fmt); }
+/* Bytes of a K-quant block's per-column fields, which come first (read before its sub-blocks,
+ * so the block streams in order): sc [8][16] bytes, m [8][16] bytes, d, dmin [16] fp16 (Q4_K,
+ * Q5_K); sc [16][16] int8, d [16] fp16 (Q6_K). */
+static inline size_t llama_kfield_bytes(int fmt) { return fmt == LLAMA_Q6_K ? 256 + 32 : 256 + 64; }
 /* Bytes of one packed block (16 columns x llama_block_inputs inputs). */
 static inline size_t llama_block_bytes(int fmt) {
-    if (llama_is_k(fmt)) return llama_kfield_offset(fmt) + (fmt == LLAMA_Q6_K ? 256 + 32 : 256 + 64);
+    if (llama_is_k(fmt)) return llama_kfield_bytes(fmt) + LLAMA_KSUB * llama_ksub_bytes(fmt);
     return fmt == LLAMA_Q8_0 ? 512 + 32 : fmt == LLAMA_Q4_1 ? 256 + 64 : fmt == LLAMA_Q5_0 ? 256 + 64 + 32 : 256 + 32;
 }
 /* Offset of the fp16 scales inside a block (the fp16 offsets m follow for Q4_1). */

@@ -15,14 +15,14 @@ static void matmul_k(const llama_matrix *w, size_t tile0, size_t tile1, const ll
                      size_t rows, float *out, size_t ldo) {
     const int fmt = w->fmt;
     const size_t nsb = w->k / LLAMA_QK_K, bb = llama_block_bytes(fmt), sb = llama_ksub_bytes(fmt);
-    const size_t fo = llama_kfield_offset(fmt), kb = w->k / LLAMA_QK;
+    const size_t fb = llama_kfield_bytes(fmt), kb = w->k / LLAMA_QK;
     for (size_t t = tile0; t < tile1; t++) {
         const uint8_t *tile = w->data + t * nsb * bb;
         for (size_t r = 0; r < rows; r++) {
             for (int c = 0; c < LLAMA_TILE; c++) {
                 float acc = 0.0f;
                 for (size_t B = 0; B < nsb; B++) {
-                    const uint8_t *blk = tile + B * bb, *f = blk + fo;
+                    const uint8_t *f = tile + B * bb, *blk = f + fb;
                     for (int s = 0; s < LLAMA_KSUB; s++) {
                         const size_t b = B * LLAMA_KSUB + s, ab = r * kb + b;
                         const int8_t *x = a->q + r * a->k + b * LLAMA_QK;

@@ -43,8 +43,8 @@ K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # GGUF bytes per 256-we
 # A packed block's fields in order, each (rows, bytes per column): a field is rows x 16 columns
 # x that many bytes (llama_kernels.h); K-quant blocks repeat their sub-blocks' fields 8 times.
 BLOCK_FIELDS = {"Q4_0": ((4, 4), (1, 2)), "Q4_1": ((4, 4), (2, 2)), "Q8_0": ((8, 4), (1, 2)),
-                "Q5_0": ((5, 4), (1, 2)), "Q4_K": ((32, 4), (16, 1), (2, 2)),
-                "Q5_K": ((40, 4), (16, 1), (2, 2)), "Q6_K": ((48, 4), (16, 1), (1, 2))}
+                "Q5_0": ((5, 4), (1, 2)), "Q4_K": ((16, 1), (2, 2), (32, 4)),
+                "Q5_K": ((16, 1), (2, 2), (40, 4)), "Q6_K": ((16, 1), (1, 2), (48, 4))}
 
 
 def pack_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> "_llama.PackedMatrix":
@@ -128,7 +128,8 @@ def k_quants(raw: np.ndarray, fmt: str) -> tuple[np.ndarray, dict[str, np.ndarra
 
 
 def pack_k_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> "_llama.PackedMatrix":
-    """GGUF rows of K-quant super-blocks -> the kernels' tiles (llama_kernels.h), rows padded
+    """GGUF rows of K-quant super-blocks -> the kernels' tiles (llama_kernels.h: each block's
+    per-column scales first, then its 8 sub-blocks' quants), rows padded
     with zero blocks to a multiple of 16. The quants and scales are the file's, bit for bit."""
     if k % 256:
         raise ConfigError(fmt, f"row length {k} is not a multiple of the 256-weight super-block")
@@ -150,12 +151,13 @@ def pack_k_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> "_llama.PackedMa
         r, w = field.shape[2:]
         return field.reshape(nt, 16, nsb, r, w).transpose(0, 2, 3, 1, 4).reshape(nt, nsb, -1)
 
-    parts = [quants, per_column(fields["sc"][..., None])]
+    parts = [per_column(fields["sc"][..., None])]
     if fmt != "Q6_K":
         parts.append(per_column(fields["m"][..., None]))
     parts.append(per_column(fields["d"][:, :, None]))
     if fmt != "Q6_K":
         parts.append(per_column(fields["dmin"][:, :, None]))
+    parts.append(quants)
     packed = np.ascontiguousarray(np.concatenate(parts, axis=2))
     return _llama.PackedMatrix(packed, fmt, n + pad, k)
 
