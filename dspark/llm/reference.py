@@ -124,8 +124,8 @@ def reference_logits(model: GGUFModel, tokens, kernel_rounding: bool = False,
 
 def reference_forward(model: GGUFModel, tokens) -> tuple[np.ndarray, np.ndarray]:
     """(logits ``[T, vocab]``, taps ``[T, len(tap_layers) * hidden]``) float32, exact float64
-    arithmetic, the drafter's tap layers (as the ONNX graph outputs them)."""
-    from dspark.llm.onnx_graph import default_tap_layers
+    arithmetic, the drafter's tap layers (dspark.llm.taps.default_tap_layers)."""
+    from dspark.llm.taps import default_tap_layers
 
     logits, taps = reference_logits(model, tokens, tap_layers=default_tap_layers(model.config.n_layer))
     return logits.astype(np.float32), np.concatenate(taps, axis=-1).astype(np.float32)

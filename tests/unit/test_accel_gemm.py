@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dspark.accel import gemm
-from dspark.accel.gemm import (BFLOAT16, DTYPES, VENDORS, ComputeType, DataType, Gemm, GemmStatusError, Operation,
+from dspark.runtimes.accel import gemm
+from dspark.runtimes.accel.gemm import (BFLOAT16, DTYPES, VENDORS, ComputeType, DataType, Gemm, GemmStatusError, Operation,
                                Status, acl_gemm_ex, kernel_report)
 from dspark.paths import project_root
 

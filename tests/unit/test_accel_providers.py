@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from dspark.accel import devices, providers
-from dspark.accel.providers import CPU, REGISTRY, ProviderRequest, choose, lookup, probe, verify_session
-from dspark.engines.onnx_session import OnnxRunner
+from dspark.runtimes.accel import devices, providers
+from dspark.runtimes.accel.providers import CPU, REGISTRY, ProviderRequest, choose, lookup, probe, verify_session
+from dspark.runtimes.onnx_session import OnnxRunner
 from dspark.errors import ConfigError
 from dspark.paths import project_root
 from dspark.repository.modelspec import ExecutionProvider, ModelSpec, SpecError, parse_config_text
@@ -109,9 +109,9 @@ def test_config_parameters_round_trip_and_bad_json_names_the_parameter():
                               disable_cpu_ep_fallback=True)
     again = ProviderRequest.from_parameters(request.to_parameters())
     assert again == request
-    with pytest.raises(ConfigError, match="parameter.execution_provider_options: Invalid JSON"):
+    with pytest.raises(ConfigError, match="parameter 'execution_provider_options': Invalid JSON"):
         ProviderRequest.from_parameters({"execution_providers": "CPU", "execution_provider_options": "{cuda"})
-    with pytest.raises(ConfigError, match="parameter.disable_cpu_ep_fallback: Input should be a valid boolean"):
+    with pytest.raises(ConfigError, match="parameter 'disable_cpu_ep_fallback': Input should be a valid boolean"):
         ProviderRequest.from_parameters({"disable_cpu_ep_fallback": "sometimes"})
 
 
@@ -157,7 +157,7 @@ def test_modelspec_carries_the_preference_into_config_parameters_and_back():
 
 
 def test_tensorrt_engine_falls_back_to_onnx_runtime_or_fails_when_strict(tmp_path):
-    from dspark.accel import tensorrt_engine as trt_engine
+    from dspark.runtimes.accel import tensorrt_engine as trt_engine
 
     def ort_runner():
         return OnnxRunner(CLASSIFIER, providers=ProviderRequest(providers=("CUDA", "CPU")))
@@ -172,12 +172,12 @@ def test_tensorrt_engine_falls_back_to_onnx_runtime_or_fails_when_strict(tmp_pat
     with pytest.raises(ConfigError, match="engine.*tensorrt is not usable here.*disable_cpu_ep_fallback is set"):
         trt_engine.open_model_runner({"engine": "tensorrt", "disable_cpu_ep_fallback": "true"}, "m", "1",
                                      CLASSIFIER, ort_runner)
-    with pytest.raises(ConfigError, match="expected onnxruntime or tensorrt, got 'trt'"):
+    with pytest.raises(ConfigError, match=r"parameter 'engine': Input should be 'onnxruntime' or 'tensorrt' \(got 'trt'\)"):
         trt_engine.open_model_runner({"engine": "trt"}, "m", "1", CLASSIFIER, ort_runner)
 
 
 def test_tensorrt_engine_cache_is_keyed_by_model_version_gpu_trt_and_settings(tmp_path):
-    from dspark.accel.tensorrt_engine import BuildSettings, engine_path
+    from dspark.runtimes.accel.tensorrt_engine import BuildSettings, engine_path
 
     def path(**changes):
         args = dict(cache_dir=tmp_path, model="m", version="1", onnx_path=CLASSIFIER, settings=BuildSettings(),
@@ -217,17 +217,9 @@ def test_the_gpu_check_skips_with_one_line_without_a_gpu():
     assert run.stdout.count("\n") == 1 and run.stdout.startswith("gpu_check: skipped, no NVIDIA GPU here (")
 
 
-def _gpu_check_tool():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", project_root() / "tools/gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_gpu_check_counts_a_skip_as_a_skip_and_strict_fails_on_it():
-    tool = _gpu_check_tool()
+    from dspark.runtimes.accel import gpu_check as tool
+
     results = [{"status": "ok"}] * 4 + [{"status": "skip"}] * 3  # the H200 run: no CUDA/TensorRT provider, no TensorRT
     assert tool.summary(results, strict=False) == ("gpu_check: 4 of 7 checks passed, 3 skipped, 0 failed", 0)
     assert tool.summary(results, strict=True) == (

@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 
-from dspark.accel.quantize import quantized_ops
+from dspark.runtimes.accel.quantize import quantized_ops
 from dspark.cli.main import cli
 from dspark.paths import project_root
 from dspark.repository.modelspec import ModelSpec, load_config

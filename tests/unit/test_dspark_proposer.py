@@ -1,5 +1,5 @@
-"""``speculative.method = "dspark"`` on a tiny imported llama (real ORT runtime with taps) and a
-tiny DSpark drafter: greedy output equals plain decoding, sampled output follows the target's
+"""``speculative.method = "dspark"`` on a tiny llama GGUF (the kernel runtime, with taps) and a
+tiny DSpark drafter (its numpy reference and its kernel backend): greedy output equals plain decoding, sampled output follows the target's
 distribution, and the block drafter's accepted tokens really save target passes."""
 from __future__ import annotations
 
@@ -13,24 +13,25 @@ from dspark.decoding.proposers.dspark import DSparkProposer
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.decoding.stats import DecodeStats
 from dspark.decoding.tree import DraftTree
-from dspark.llm.importer import import_gguf
-from dspark.llm.onnx_runtime import OnnxLlama
+from dspark.llm.kernel_runtime import KernelRuntime
+from dspark.llm.taps import TAP_LAYERS
 from tests.unit.llm_gguf_factory import write_llama_gguf
 from tests.unit.test_dspark_drafter import tiny_weights
 from tests.unit.test_spec_engine import g_test_p_value
 
-HIDDEN, VOCAB = 64, 288
-CFG = DrafterConfig(hidden=HIDDEN, n_head=4, n_kv_head=2, head_dim=16, ffn=64, rope_base=10000.0,
-                    n_layer=1, block=5, markov_rank=32, taps=(0, 1, 2), target_vocab=VOCAB)
+# head dim 64, as the drafter's kernels need; the target deep enough for every tapped block
+HIDDEN, VOCAB, TARGET_LAYERS = 128, 288, max(TAP_LAYERS) + 1
+CFG = DrafterConfig(hidden=HIDDEN, n_head=2, n_kv_head=1, head_dim=64, ffn=128, rope_base=10000.0,
+                    n_layer=1, block=5, markov_rank=32, taps=TAP_LAYERS, target_vocab=VOCAB)
 PROMPTS = [[5, 9, 13, 200, 41], [7] * 3, list(range(30, 70))]
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     root = tmp_path_factory.mktemp("dspark_target")
-    path = write_llama_gguf(root / "t.gguf", "Q8_0", n_layer=3, hidden=HIDDEN, vocab=VOCAB, seed=3)
-    import_gguf(path, root / "t")
-    return OnnxLlama(root / "t" / "model.onnx", threads=1)
+    path = write_llama_gguf(root / "t.gguf", "Q8_0", n_layer=TARGET_LAYERS, hidden=HIDDEN, ffn=128,
+                            n_head=2, n_kv_head=1, vocab=VOCAB, seed=3)
+    return KernelRuntime(path, threads=1)
 
 
 def plain(engine, prompt, sampling):
@@ -68,7 +69,7 @@ def make_engine(target, backend: str, strength: float = 50.0) -> SpeculativeEngi
                              eos_ids=[])
 
 
-@pytest.fixture(scope="module", params=["onnxruntime", "numpy"])
+@pytest.fixture(scope="module", params=["kernel", "numpy"])
 def engine(request, target):
     return make_engine(target, request.param)
 
@@ -104,7 +105,7 @@ def test_sampled_dspark_follows_the_target_distribution(target):
     tokens) over 1200 seeds against the exact one: G-test at alpha 0.001. The drafter mostly
     proposes the target's likeliest token, so a wrong proposal distribution in the tree (e.g.
     its draft distribution mixed half with uniform: over-accepting) fails it."""
-    engine = make_engine(target, "onnxruntime")
+    engine = make_engine(target, "kernel")
     prompt = [5, 9, 13, 200, 41]
     from dspark.decoding.sampling import distribution
 

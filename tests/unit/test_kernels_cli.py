@@ -66,7 +66,7 @@ def test_bench_pool_writes_json(tmp_path):
 
 
 def test_bench_gemm_covers_every_kernel_path_this_cpu_runs(tmp_path):
-    from dspark.accel.gemm import kernel_report
+    from dspark.runtimes.accel.gemm import kernel_report
 
     out = tmp_path / "g.json"
     result = CliRunner().invoke(cli, ["bench", "gemm", "--size", "64", "--rounds", "2", "--json-out", str(out)])

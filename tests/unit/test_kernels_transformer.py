@@ -3,7 +3,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from dspark.engines.fused_transformer import (
+from dspark.runtimes.fused_transformer import (
     INPUT_NAME,
     FusedTransformer,
     RequestError,

@@ -28,7 +28,7 @@ ISAS = [isa for isa in ext.isa_info()["supported"] if isa in ext.isa_info()["com
 TINY = dict(n_layer=4, hidden=128, n_head=2, n_kv_head=1, ffn=192, vocab=270)  # head dim 64
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "F16")  # F16 matrices run as Q8_0 (quantized at load)
 # The shipped model's teacher-forced perplexity on the first 512 tokens of pydoc topic "class",
-# as test_llm_runtime.py stores it for llm-core's graph: both runtimes land within 1%.
+# as the retired ONNX Runtime graph measured it: the kernels land within 1%.
 PPL_CLASS_512 = 20.749
 
 
@@ -172,7 +172,7 @@ def test_every_format_matches_float64_reference(tmp_path, weight_type, head_type
 
 def test_smollm2_matches_float64_reference(smol, smol_gguf):
     """The shipped model against exact float64 arithmetic (no int8 activations, fp32 keys):
-    argmax equal at nearly every position (facts.md: llama.cpp vs numpy correlated 0.9994)."""
+    argmax equal at nearly every position (llama.cpp against the same numpy pass correlates 0.9994)."""
     tokens = [1, 504, 3458, 314, 260, 4172, 282, 5479, 30, 378, 3172, 28, 18, 19, 216, 1116]
     ref, _ = reference(smol_gguf, tokens)
     logits = smol.forward(smol.new_cache(32), tokens, np.arange(len(tokens)))

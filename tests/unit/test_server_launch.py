@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import os
-import re
 import secrets
-import socket
 import stat
 import subprocess
 import sys
@@ -20,20 +18,9 @@ from click.testing import CliRunner
 from dspark._ext import cpu_features
 from dspark.cli.main import cli
 from dspark.paths import project_root
-from dspark.triton.server import (
-    API_KEY_HEADER,
-    DEFAULT_HEADER_PATTERN,
-    GRPC_API_KEY_HEADER,
-    ServerError,
-    ServerPorts,
-    TritonServer,
-    build_backend_directory,
-    KEY_FD_ENV,
-    KEY_MARKER,
-    SERVER_UMASK,
-    find_server,
-    header_forward_args,
-)
+from dspark.triton.server import ServerPorts, TritonServer
+from dspark.triton.access import API_KEY_HEADER, DEFAULT_HEADER_PATTERN, GRPC_API_KEY_HEADER, ServerError, KEY_FD_ENV, KEY_MARKER, SERVER_UMASK, header_forward_args
+from dspark.triton.install import build_backend_directory, find_server
 
 # A stand-in for tritonserver: listens where --http-address/--http-port say, answers the
 # readiness check, refuses GET /v2/logging without the key its --http-restricted-api names (as

@@ -5,8 +5,9 @@ from hypothesis import given, settings, strategies as st
 
 from dspark.decoding.adaptive import best_k
 from dspark.decoding.engine import PromptTooLong, SpeculativeEngine
-from dspark.decoding.lm import KernelLM, OnnxLM
-from dspark.decoding.onnx_lm import LMConfig, build_lm_onnx, random_weights
+from dspark.runtimes.protocol import TargetRuntime
+from dspark.runtimes.toy_lm.runtime import KernelLM, OnnxLM
+from dspark.runtimes.toy_lm.graph import LMConfig, build_lm_onnx, random_weights
 from dspark.decoding.proposers import standard_proposers
 from dspark.decoding.rejection import accept_among
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams, distribution
@@ -340,9 +341,9 @@ def test_one_slow_wide_pass_does_not_switch_speculation_off():
     assert best_prefix([1.0, 1.0], cost) == 2
 
 
-class InexactTrees:
-    """The same target, declaring (as the SmolLM2 runtime does) that its tree rows are not bit
-    for bit the chains': records the shape of every verify pass."""
+class InexactTrees(TargetRuntime):
+    """The same target, declaring that its tree rows are not bit for bit the chains': records
+    the shape of every verify pass."""
 
     exact_trees = False
 

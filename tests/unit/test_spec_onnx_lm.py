@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dspark.decoding.lm import KernelLM, OnnxLM
-from dspark.decoding.onnx_lm import LMConfig, alibi_slopes, build_lm_onnx, random_weights
+from dspark.runtimes.toy_lm.runtime import KernelLM, OnnxLM
+from dspark.runtimes.toy_lm.graph import LMConfig, alibi_slopes, build_lm_onnx, random_weights
 
 CFG = LMConfig(n_layer=2, d_model=32, n_head=2, vocab=24, ctx=96)
 

@@ -6,28 +6,33 @@ import time
 
 import pytest
 
-from dspark.decoding.serving import RequestPool, ServingConfig
+from dspark.params import parse_parameters
+from dspark.triton import unload_watch
+from dspark.triton.params import SpeculativeParameters
+from dspark.triton.request_pool import RequestPool
 from dspark.decoding.text import Detokenizer
 from dspark.errors import ConfigError, UnavailableError
 from dspark.triton.response_sender import GuardedSender, StreamLedger
 
 
-@pytest.mark.parametrize("params,field", [
-    ({"max_concurrent_requests": "0"}, "parameters.max_concurrent_requests"),
-    ({"max_concurrent_requests": "many"}, "parameters.max_concurrent_requests"),
-    ({"draft_runtime": "gpu"}, "parameters.draft_runtime"),
-    ({"batch_verification": "sometimes"}, "parameters.batch_verification"),
-    ({"tree_widht": "2"}, "parameters.tree_widht"),
+@pytest.mark.parametrize("params,field,words", [
+    ({"max_concurrent_requests": "0"}, "max_concurrent_requests", "greater than or equal to 1"),
+    ({"max_concurrent_requests": "many"}, "max_concurrent_requests", "valid integer"),
+    ({"draft_runtime": "gpu"}, "draft_runtime", "'kernel' or 'onnxruntime'"),
+    ({"llm_runtime": "onnxruntime"}, "llm_runtime", "'kernel'"),  # the retired ONNX Runtime path
+    ({"batch_verification": "sometimes"}, "batch_verification", "valid boolean"),
+    ({"tree_widht": "2"}, "tree_widht", "did you mean 'tree_width'?"),
 ])
-def test_bad_config_parameters_name_the_parameter(params, field):
+def test_bad_config_parameters_name_the_parameter(params, field, words):
     with pytest.raises(ConfigError) as info:
-        ServingConfig.from_parameters(params, "config.pbtxt")
-    assert info.value.field == field and "config.pbtxt" in str(info.value)
+        parse_parameters(SpeculativeParameters, params, path="config.pbtxt")
+    assert info.value.field == f"parameter '{field}'" and "config.pbtxt" in str(info.value)
+    assert words in str(info.value)
 
 
 def test_config_parameters_are_converted_from_strings():
-    config = ServingConfig.from_parameters({"max_concurrent_requests": "2", "batch_verification": "true",
-                                            "tree_width": ""})
+    config = parse_parameters(SpeculativeParameters, {"max_concurrent_requests": "2", "batch_verification": "true",
+                                                      "tree_width": ""})
     assert config.max_concurrent_requests == 2 and config.batch_verification is True
     assert config.tree_width == 4  # an empty parameter keeps the default
 
@@ -81,19 +86,13 @@ class _Bytes:
     def encode(self, text):
         return list(text.encode())
 
-    def decode(self, ids):
-        return bytes(ids).decode("utf-8", errors="replace")
-
-
-class _ExactBytes(_Bytes):
     def decode_bytes(self, ids):
         return bytes(ids)
 
 
-@pytest.mark.parametrize("tokenizer", [_Bytes(), _ExactBytes()])
-def test_streamed_text_never_splits_a_character(tokenizer):
+def test_streamed_text_never_splits_a_character():
     text = "naïve café → 東京 🚀 done"
-    detok = Detokenizer(tokenizer)
+    detok = Detokenizer(_Bytes())
     pieces = [detok.add([b]) for b in text.encode()] + [detok.flush()]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
@@ -108,37 +107,18 @@ def test_the_servers_http_endpoint_is_read_from_its_command_line():
     assert server_http_url(["tritonserver", "--allow-http=false"]) is None
 
 
-def _speculative_adapter(monkeypatch, logged: list):
-    """backends/speculative/model.py over a stand-in for Triton's pb_utils that records log lines."""
-    import importlib.util
-    import sys
-    import types
-
-    from dspark.paths import project_root
-
-    fake = types.ModuleType("triton_python_backend_utils")
-    fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
-    fake.Logger = types.SimpleNamespace(log_info=lambda m: logged.append(("info", m)),
-                                        log_warn=lambda m: logged.append(("warn", m)))
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
-    spec = importlib.util.spec_from_file_location("speculative_adapter_under_test",
-                                                  project_root() / "backends" / "speculative" / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _watch(logged: list, url: str, pool: RequestPool, streams: StreamLedger) -> unload_watch.UnloadWatch:
+    """The unload watcher of model spec_x version 1, its log lines recorded."""
+    return unload_watch.UnloadWatch("spec_x", "1", pool, streams, lambda m: logged.append(("info", m)),
+                                    lambda m: logged.append(("warn", m)), base_url=url)
 
 
 @pytest.mark.parametrize("finalized", [False, True])
 def test_an_unload_that_finalize_does_not_follow_is_reported_with_the_thread_stacks(monkeypatch, capfd, finalized):
     logged = []
-    adapter = _speculative_adapter(monkeypatch, logged)
-    monkeypatch.setattr(adapter, "UNLOAD_REPORT_S", 0.2)
-    monkeypatch.setattr(adapter, "server_http_url", lambda: "127.0.0.1:1")
-    model = adapter.TritonPythonModel()
-    model.name, model.version, model.finalizing = "spec_x", "1", threading.Event()
-    model.streams = StreamLedger()
+    monkeypatch.setattr(unload_watch, "UNLOAD_REPORT_S", 0.2)
+    model = _watch(logged, "127.0.0.1:1", RequestPool(1, 0, 5.0, name="stuck-worker"), StreamLedger())
     GuardedSender(object(), final_flag=1, ledger=model.streams)  # one request, never answered
-    model.pool = RequestPool(1, 0, 5.0, name="stuck-worker")
     release = threading.Event()
     model.pool.submit(lambda: release.wait(10), lambda error: None)  # a request that does not end
     try:
@@ -148,7 +128,7 @@ def test_an_unload_that_finalize_does_not_follow_is_reported_with_the_thread_sta
         model.pool.closing.set()  # the unload began
         if finalized:
             model.finalizing.set()
-        model._watch_unload()
+        model.watch()
     finally:
         release.set()
         model.pool.close(2)
@@ -195,16 +175,10 @@ LIVE, SERVER_READY, MODEL_READY = "/v2/health/live", "/v2/health/ready", "/v2/mo
 
 
 def _watched_model(monkeypatch, logged, health):
-    adapter = _speculative_adapter(monkeypatch, logged)
-    monkeypatch.setattr(adapter, "UNLOAD_REPORT_S", 0.3)
-    monkeypatch.setattr(adapter, "IDLE_POLL_S", 0.05)
-    monkeypatch.setattr(adapter, "UNLOAD_POLL_S", 0.02)
-    monkeypatch.setattr(adapter, "server_http_url", lambda: health.url)
-    model = adapter.TritonPythonModel()
-    model.name, model.version, model.finalizing = "spec_x", "1", threading.Event()
-    model.streams = StreamLedger()
-    model.pool = RequestPool(1, 0, 5.0, name="watched-worker")
-    return model
+    monkeypatch.setattr(unload_watch, "UNLOAD_REPORT_S", 0.3)
+    monkeypatch.setattr(unload_watch, "IDLE_POLL_S", 0.05)
+    monkeypatch.setattr(unload_watch, "UNLOAD_POLL_S", 0.02)
+    return _watch(logged, health.url, RequestPool(1, 0, 5.0, name="watched-worker"), StreamLedger())
 
 
 def _asked(health, path: str, times: int) -> bool:
@@ -218,7 +192,7 @@ def _asked(health, path: str, times: int) -> bool:
 @contextlib.contextmanager
 def _watching(model, health, finalize: bool = True):
     """The model's unload watcher runs inside; finalize (unless not) and clean up after."""
-    watcher = threading.Thread(target=model._watch_unload, daemon=True)
+    watcher = threading.Thread(target=model.watch, daemon=True)
     watcher.start()
     try:
         yield watcher

@@ -6,18 +6,18 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dspark.decoding.engine import SpeculativeEngine
-from dspark.decoding.lm import OnnxLM
-from dspark.decoding.onnx_lm import LMConfig, build_lm_onnx, random_weights
+from dspark.runtimes.toy_lm.runtime import OnnxLM
+from dspark.runtimes.toy_lm.graph import LMConfig, build_lm_onnx, random_weights
 from dspark.decoding.proposers import standard_proposers
 from dspark.decoding.request import parse_sampling_parameters
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.decoding.text import TextGenerator, send_coalesced
-from dspark.decoding.tokenizer import BPETokenizer
+from dspark.runtimes.toy_lm.tokenizer import BPETokenizer
 from dspark.errors import RequestError
 from dspark.paths import project_root
 
 METHODS = ("none", "draft", "ngram", "suffix", "hybrid", "tree")
-TOKENIZER = BPETokenizer.load(project_root() / "tools" / "weights" / "spec_bpe.json")
+TOKENIZER = BPETokenizer.load(project_root() / "tests" / "fixtures" / "toy_lm" / "spec_bpe.json")
 
 
 @settings(max_examples=60, deadline=None)

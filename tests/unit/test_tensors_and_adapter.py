@@ -7,10 +7,13 @@ import time
 import numpy as np
 import pytest
 
-from dspark.engines.onnx_session import GraphInput, batch_groups
-from dspark.triton.adapter import ConfigError, parameter_bool, parameter_int, parameter_list, parse_parameters
-from dspark.triton.backend_parameters import FusedTransformerParameters, OnnxParameters
-from dspark.triton.tensors import RequestError, TensorSpec, check_inputs
+from dspark.runtimes.onnx_session import GraphInput, batch_groups
+from dspark.errors import ConfigError
+from dspark.params import parse_parameters
+from dspark.runtimes.accel.providers import ProviderParameters
+from dspark.runtimes.accel.tensorrt_engine import TensorRTParameters
+from dspark.triton.params import FusedTransformerParameters, OnnxParameters
+from dspark.tensors import RequestError, TensorSpec, check_inputs
 
 FEATURES = TensorSpec("features", "TYPE_FP32", (16,))
 
@@ -33,16 +36,15 @@ def test_bad_requests_name_the_tensor_and_what_was_expected(arrays, words):
         assert word in str(raised.value)
 
 
-def test_parameters_parse_or_name_the_parameter():
-    params = {"threads": "4", "spin": "off", "providers": "CUDAExecutionProvider, CPUExecutionProvider"}
-    assert parameter_int(params, "threads", 1) == 4
-    assert parameter_int(params, "absent", 7) == 7
-    assert parameter_bool(params, "spin", True) is False
-    assert parameter_list(params, "providers") == ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    with pytest.raises(ConfigError, match="'threads'"):
-        parameter_int({"threads": "many"}, "threads", 1)
-    with pytest.raises(ConfigError, match="'spin'"):
-        parameter_bool({"spin": "maybe"}, "spin", False)
+def test_a_parameter_no_schema_knows_is_refused_with_the_name_it_was_likely_meant_as():
+    with pytest.raises(ConfigError) as raised:
+        parse_parameters(FusedTransformerParameters, _config(threads="2", numa_nod="0"), path="m/config.pbtxt")
+    assert str(raised.value) == ("m/config.pbtxt: parameter 'numa_nod': is not a parameter of this backend; "
+                                 "did you mean 'numa_node'?")
+    with pytest.raises(ConfigError, match="parameter 'engine'"):  # TensorRT's, not the session's
+        parse_parameters(OnnxParameters, _config(engine="tensorrt"), ProviderParameters)
+    assert parse_parameters(OnnxParameters, _config(engine="tensorrt"), ProviderParameters,
+                            TensorRTParameters) == OnnxParameters()
 
 
 def test_requests_batch_only_with_matching_shapes():
@@ -58,7 +60,8 @@ def _config(**parameters) -> dict:
 def test_backend_parameters_parse_with_defaults_and_types():
     onnx = parse_parameters(OnnxParameters, _config(execution_providers="CUDAExecutionProvider, CPUExecutionProvider",
                                                     intra_op_threads="2", allow_spinning="on",
-                                                    graph_optimization_level="", EXECUTION_ENV_PATH="x"))
+                                                    graph_optimization_level="", EXECUTION_ENV_PATH="x"),
+                            ProviderParameters)
     assert onnx == OnnxParameters(intra_op_threads=2, inter_op_threads=1, allow_spinning=True,
                                   graph_optimization_level="all")
     fused = parse_parameters(FusedTransformerParameters, _config(numa_node="0", use_pool="false"))
