@@ -143,11 +143,11 @@ class LlamaCppPeer:
 def resident_memory(gguf: Path, threads: int, context: int) -> dict:
     """In a fresh process: RSS after loading the model and filling one `context`-row cache."""
     code = f"""
-import json, numpy as np, resource
+import json, numpy as np
 from dspark.llm.kernel_runtime import KernelRuntime
-def rss():
+def rss(field='VmRSS'):  # VmHWM: this process's peak (ru_maxrss keeps the parent's across exec)
     for line in open('/proc/self/status'):
-        if line.startswith('VmRSS'):
+        if line.startswith(field):
             return int(line.split()[1]) / 1024
 rt = KernelRuntime({str(gguf)!r}, threads={threads}, max_context={context})
 loaded = rss()
@@ -158,7 +158,7 @@ for start in range(0, {context} - 1, 512):
     rt.forward(cache, rng.integers(0, rt.config.vocab, n), np.arange(start, start + n), logit_rows=[n - 1])
 rt.forward(cache, [1], [cache.length])
 print(json.dumps({{"model_loaded_mb": loaded, "with_cache_mb": rss(),
-                  "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "peak_mb": rss('VmHWM'),
                   "cache_mb": cache.nbytes / 2**20, "cache_rows": cache.length}}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -218,6 +218,27 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+PACK_CHUNK_ROWS = 8192  # a multiple of 16: each chunk is whole tiles, contiguous in the packed bytes
+
+
+def _in_chunks(pack, raw: np.ndarray, fmt: str, k: int) -> "_llama.PackedMatrix":
+    """``pack(raw, fmt, rows, k)`` a chunk of rows at a time into one buffer: packing a large
+    head (Gemma 3's 262144 rows) holds a chunk's temporaries, not the whole matrix's three times."""
+    n = raw.shape[0]
+    if n <= PACK_CHUNK_ROWS:
+        return pack(raw, fmt, n, k)
+    first = pack(raw[:PACK_CHUNK_ROWS], fmt, PACK_CHUNK_ROWS, k).data
+    per_tile = first.nbytes // (PACK_CHUNK_ROWS // 16)
+    padded = n + -n % 16
+    out = np.empty(padded // 16 * per_tile, np.uint8)
+    out[:first.nbytes] = first
+    for start in range(PACK_CHUNK_ROWS, n, PACK_CHUNK_ROWS):
+        chunk = raw[start:start + PACK_CHUNK_ROWS]
+        out[start // 16 * per_tile:(start + -(-len(chunk) // 16) * 16) // 16 * per_tile] = \
+            pack(chunk, fmt, len(chunk), k).data
+    return _llama.PackedMatrix(out, fmt, padded, k)
+
+
 def pack_matrix(model: GGUFModel, name: str, rows: np.ndarray | None = None) -> "_llama.PackedMatrix":
     """One GGUF matrix (only its ``rows`` when given) in the kernels' layout. Q4_0/Q4_1/Q8_0/Q5_0
     and Q4_K/Q5_K/Q6_K blocks run as stored; the other types (F32/F16/BF16, Q5_1) are
@@ -228,7 +249,7 @@ def pack_matrix(model: GGUFModel, name: str, rows: np.ndarray | None = None) -> 
         raw = np.asarray(model.raw(name)).reshape(n, -1)  # [n, k / block * block bytes]
         raw = raw if rows is None else raw[rows]
         pack = pack_k_blocks if kind in K_BLOCK_BYTES else pack_blocks
-        return pack(raw, kind, raw.shape[0], k)
+        return _in_chunks(pack, raw, kind, k)
     weights = model.dequantized(name)  # [n, k]
     return pack_float(weights if rows is None else weights[rows])
 

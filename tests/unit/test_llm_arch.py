@@ -22,6 +22,7 @@ from gguf.quants import dequantize, quantize
 from dspark._ext import llama as ext
 from dspark.errors import ConfigError
 from dspark.llm.gguf_model import GGUFModel
+from dspark.llm import kernel_runtime
 from dspark.llm.importer import import_source
 from dspark.llm.kernel_runtime import KernelRuntime, gather_columns, pack_blocks, pack_k_blocks, pack_matrix
 from dspark.paths import project_root
@@ -109,6 +110,21 @@ def test_k_quant_embedding_rows_and_column_subsets(tmp_path, kind):
     hidden = np.random.default_rng(2).standard_normal((3, WIDE["hidden"])).astype(np.float32)
     full = rt.project(hidden)
     assert np.array_equal(rt.project(hidden, head=rt.head_subset(ids))[:, :len(ids)], full[:, ids])
+
+
+@pytest.mark.parametrize("kind", ("Q8_0", "Q5_0") + K_TYPES)
+def test_a_matrix_packed_in_chunks_is_the_same_bytes(tmp_path, monkeypatch, kind):
+    """Large matrices (a 262144-row head) are packed a chunk of rows at a time; the result is
+    the whole matrix packed at once, also for a drafter's vocabulary subset (143 rows) whose
+    last chunk ends in a part tile."""
+    model = GGUFModel(write_llama_gguf(tmp_path / "m.gguf", kind, head_type=kind, tied=True, **WIDE))
+    whole = pack_matrix(model, "token_embd.weight")
+    ids = np.arange(3, WIDE["vocab"], 2)
+    subset = pack_matrix(model, "token_embd.weight", ids)
+    monkeypatch.setattr(kernel_runtime, "PACK_CHUNK_ROWS", 32)
+    assert np.array_equal(pack_matrix(model, "token_embd.weight").data, whole.data)
+    assert np.array_equal(pack_matrix(model, "token_embd.weight", ids).data, subset.data)
+    assert whole.n == 288 and subset.n == 144
 
 
 @pytest.fixture(scope="module")
