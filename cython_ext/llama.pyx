@@ -18,7 +18,7 @@ cdef extern from "llama_kernels.h" nogil:
         const uint8_t *data
     ctypedef struct llama_kernels:
         const char *name
-    int LLAMA_Q4_0, LLAMA_Q4_1, LLAMA_Q8_0, LLAMA_Q5_0, LLAMA_Q4_K, LLAMA_Q5_K, LLAMA_Q6_K, LLAMA_ISA_COUNT
+    int LLAMA_Q4_0, LLAMA_Q4_1, LLAMA_Q8_0, LLAMA_Q5_0, LLAMA_Q5_1, LLAMA_Q4_K, LLAMA_Q5_K, LLAMA_Q6_K, LLAMA_ISA_COUNT
     float llama_half_to_float(uint16_t h)
     uint16_t llama_float_to_half(float f)
     size_t llama_block_bytes(int fmt)
@@ -89,7 +89,7 @@ cdef extern from "llama_forward.h" nogil:
                       float *logits)
 
 
-FORMATS = {"Q4_0": LLAMA_Q4_0, "Q4_1": LLAMA_Q4_1, "Q8_0": LLAMA_Q8_0, "Q5_0": LLAMA_Q5_0,
+FORMATS = {"Q4_0": LLAMA_Q4_0, "Q4_1": LLAMA_Q4_1, "Q8_0": LLAMA_Q8_0, "Q5_0": LLAMA_Q5_0, "Q5_1": LLAMA_Q5_1,
            "Q4_K": LLAMA_Q4_K, "Q5_K": LLAMA_Q5_K, "Q6_K": LLAMA_Q6_K}
 MAX_POSITION = 2 ** 31 - 1
 

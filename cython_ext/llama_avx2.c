@@ -57,7 +57,7 @@ AI void half_kernel(const uint8_t *w0, size_t kb, const int fmt, int half, const
                     isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones));
                 }
             }
-        } else if (fmt == LLAMA_Q5_0) {
+        } else if (llama_has_plane(fmt)) {
             /* 5-bit quants: a pair of products reaches 2 x 31 x 127, so each group's two goes
              * to 32 bits at once (8 groups in 16 bits would overflow) */
             const __m256i plane = _mm256_loadu_si256((const __m256i *)(blk + 256)), bit4 = _mm256_set1_epi8(0x10);
@@ -95,7 +95,7 @@ AI void half_kernel(const uint8_t *w0, size_t kb, const int fmt, int half, const
                 isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(llama_zero_point(fmt) * a->sum[ab]));
             const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[ab]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
-            if (fmt == LLAMA_Q4_1)
+            if (llama_has_m(fmt))
                 acc[r] = _mm256_fmadd_ps(load_half8(blk - 32 * half + so + 32 + 16 * half),
                                          _mm256_set1_ps(a->s[ab]), acc[r]);
         }
@@ -215,6 +215,7 @@ DEFINE_RUN(LLAMA_Q4_0, run_q4_0)
 DEFINE_RUN(LLAMA_Q4_1, run_q4_1)
 DEFINE_RUN(LLAMA_Q8_0, run_q8_0)
 DEFINE_RUN(LLAMA_Q5_0, run_q5_0)
+DEFINE_RUN(LLAMA_Q5_1, run_q5_1)
 DEFINE_RUN(LLAMA_Q4_K, run_q4_k)
 DEFINE_RUN(LLAMA_Q5_K, run_q5_k)
 DEFINE_RUN(LLAMA_Q6_K, run_q6_k)
@@ -223,9 +224,9 @@ static void matmul(const llama_matrix *w, size_t tile0, size_t tile1, const llam
                    size_t rows, float *out, size_t ldo) {
     /* kb: blocks per tile (of 32 inputs, or K-quant super-blocks) */
     const size_t kb = w->k / llama_block_inputs(w->fmt), tb = llama_tile_bytes(w);
-    void (*const runs[])(const uint8_t *, size_t, int, const llama_qact *, size_t, int, float *, size_t) = {
+    void (*const runs[LLAMA_FORMATS])(const uint8_t *, size_t, int, const llama_qact *, size_t, int, float *, size_t) = {
         [LLAMA_Q4_0] = run_q4_0, [LLAMA_Q4_1] = run_q4_1, [LLAMA_Q8_0] = run_q8_0, [LLAMA_Q5_0] = run_q5_0,
-        [LLAMA_Q4_K] = run_q4_k, [LLAMA_Q5_K] = run_q5_k, [LLAMA_Q6_K] = run_q6_k};
+        [LLAMA_Q4_K] = run_q4_k, [LLAMA_Q5_K] = run_q5_k, [LLAMA_Q6_K] = run_q6_k, [LLAMA_Q5_1] = run_q5_1};
     void (*run)(const uint8_t *, size_t, int, const llama_qact *, size_t, int, float *, size_t) = runs[w->fmt];
     for (size_t t = tile0; t < tile1; t += 4) {  /* 4 tiles stay in cache across row groups */
         const size_t chunk = tile1 - t < 4 ? tile1 - t : 4;

@@ -60,13 +60,13 @@ AI void tile_kernel(const uint8_t *w0, size_t kb, const int fmt, const llama_qac
                 }
             }
         } else {
-            const __m512i plane = fmt == LLAMA_Q5_0 ? _mm512_loadu_si512(blk + 256) : _mm512_setzero_si512();
+            const __m512i plane = llama_has_plane(fmt) ? _mm512_loadu_si512(blk + 256) : _mm512_setzero_si512();
             const __m512i bit4 = _mm512_set1_epi8(0x10);
             for (int l = 0; l < 4; l++) {
                 const __m512i v = _mm512_loadu_si512(blk + 64 * l);
                 __m512i lo = _mm512_and_si512(v, nib);
                 __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-                if (fmt == LLAMA_Q5_0) {  /* the fifth bits: bit l (low nibbles) and 4 + l (high) to bit 4 */
+                if (llama_has_plane(fmt)) {  /* the fifth bits: bit l (low nibbles) and 4 + l (high) to bit 4 */
                     lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(plane, 4 - l), bit4));
                     hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(plane, l), bit4));
                 }
@@ -86,7 +86,7 @@ AI void tile_kernel(const uint8_t *w0, size_t kb, const int fmt, const llama_qac
             if (zero) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(zero * a->sum[ab]));
             const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[ab]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
-            if (fmt == LLAMA_Q4_1)
+            if (llama_has_m(fmt))
                 acc[r] = _mm512_fmadd_ps(load_half16(blk + so + 32), _mm512_set1_ps(a->s[ab]), acc[r]);
         }
     }
@@ -190,6 +190,7 @@ DEFINE_RUN(LLAMA_Q4_0, run_q4_0)
 DEFINE_RUN(LLAMA_Q4_1, run_q4_1)
 DEFINE_RUN(LLAMA_Q8_0, run_q8_0)
 DEFINE_RUN(LLAMA_Q5_0, run_q5_0)
+DEFINE_RUN(LLAMA_Q5_1, run_q5_1)
 DEFINE_RUN(LLAMA_Q4_K, run_q4_k)
 DEFINE_RUN(LLAMA_Q5_K, run_q5_k)
 DEFINE_RUN(LLAMA_Q6_K, run_q6_k)
@@ -198,9 +199,9 @@ static void matmul(const llama_matrix *w, size_t tile0, size_t tile1, const llam
                    size_t rows, float *out, size_t ldo) {
     /* kb: blocks per tile (of 32 inputs, or K-quant super-blocks) */
     const size_t kb = w->k / llama_block_inputs(w->fmt), tb = llama_tile_bytes(w);
-    void (*const runs[])(const uint8_t *, size_t, const llama_qact *, size_t, int, float *, size_t) = {
+    void (*const runs[LLAMA_FORMATS])(const uint8_t *, size_t, const llama_qact *, size_t, int, float *, size_t) = {
         [LLAMA_Q4_0] = run_q4_0, [LLAMA_Q4_1] = run_q4_1, [LLAMA_Q8_0] = run_q8_0, [LLAMA_Q5_0] = run_q5_0,
-        [LLAMA_Q4_K] = run_q4_k, [LLAMA_Q5_K] = run_q5_k, [LLAMA_Q6_K] = run_q6_k};
+        [LLAMA_Q4_K] = run_q4_k, [LLAMA_Q5_K] = run_q5_k, [LLAMA_Q6_K] = run_q6_k, [LLAMA_Q5_1] = run_q5_1};
     void (*run)(const uint8_t *, size_t, const llama_qact *, size_t, int, float *, size_t) = runs[w->fmt];
     for (size_t t = tile0; t < tile1; t += 4) {  /* 4 tiles stay in cache across row groups */
         const size_t chunk = tile1 - t < 4 ? tile1 - t : 4;

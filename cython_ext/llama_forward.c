@@ -250,7 +250,7 @@ static void embed_dequant(const llama_matrix *w, size_t col, float *x) {
         memcpy(&h, blk + so + 2 * c, 2);
         const float d = llama_half_to_float(h);
         float m = 0.0f;
-        if (w->fmt == LLAMA_Q4_1) {
+        if (llama_has_m(w->fmt)) {
             memcpy(&h, blk + so + 32 + 2 * c, 2);
             m = llama_half_to_float(h);
         }

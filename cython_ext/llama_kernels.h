@@ -1,13 +1,13 @@
 /* Per-instruction-set kernels of the llama-architecture decoder (llama_forward.c).
  *
- * Weights stay in their GGUF block formats (Q4_0, Q4_1, Q8_0, Q5_0 and the K-quants Q4_K,
+ * Weights stay in their GGUF block formats (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and the K-quants Q4_K,
  * Q5_K, Q6_K), repacked once at load into column tiles of LLAMA_TILE output features: for
  * each tile, its blocks in order, each block holding the quants of 16 columns x 32 inputs
  * laid out as the int8 dot-product instructions read them (group g of 4 inputs: 16 columns x
- * 4 bytes, 64 bytes), then the 16 fp16 scales d and, for Q4_1, the 16 fp16 offsets m. The
+ * 4 bytes, 64 bytes), then the 16 fp16 scales d and, for Q4_1/Q5_1, the 16 fp16 offsets m. The
  * bytes per weight are the GGUF's. Q8_0 quants are stored offset by +128 (unsigned), 4-bit
  * quants as nibbles: byte (L, col, i) of the first 256 holds input 4L+i in its low and
- * 16+4L+i in its high nibble, the same pairing as GGUF's own Q4 blocks. Q5_0 adds, after those
+ * 16+4L+i in its high nibble, the same pairing as GGUF's own Q4 blocks. Q5_0/Q5_1 add, after those
  * 256 bytes, a 64-byte plane of the fifth bits: byte (col, i) holds in bit g that of input
  * 4g + i (g = 0..7), so group L's low nibbles take bit L and its high nibbles bit 4 + L.
  *
@@ -23,8 +23,8 @@
  * Activations are quantized per block of 32 to int8 (scale d = max|x|/127, q = rint(x/d)),
  * as llama.cpp does for its Q4/Q8 dot products. A weight block's contribution to output
  * column n of a row is then, with the integer I = sum(u * q) - zero * sum(q):
- *     acc = fma((float)I, d_w * d_a, acc);  and for Q4_1: acc = fma(m_w, d_a * sum(q), acc)
- * where zero is 8 (Q4_0), 16 (Q5_0), 0 (Q4_1) or 128 (Q8_0). A K-quant sub-block s against
+ *     acc = fma((float)I, d_w * d_a, acc);  and for Q4_1/Q5_1: acc = fma(m_w, d_a * sum(q), acc)
+ * where zero is 8 (Q4_0), 16 (Q5_0), 0 (Q4_1, Q5_1) or 128 (Q8_0). A K-quant sub-block s against
  * activation block b contributes, with I = sum(u * q):
  *     Q4_K, Q5_K: acc = fma((float)I, (d * sc_s) * d_a, acc); acc = fma(-(dmin * m_s), d_a * sum(q), acc)
  *     Q6_K: I = sc_2s * (sum_lo(u * q) - 32 sum_lo(q)) + sc_2s+1 * (sum_hi(u * q) - 32 sum_hi(q))
@@ -53,10 +53,16 @@
 #define LLAMA_Q4_K 4
 #define LLAMA_Q5_K 5
 #define LLAMA_Q6_K 6
+#define LLAMA_Q5_1 7
+#define LLAMA_FORMATS 8
 #define LLAMA_QK_K 256  /* inputs per K-quant super-block */
 #define LLAMA_KSUB 8    /* sub-blocks of 32 per super-block */
 
-static inline int llama_is_k(int fmt) { return fmt >= LLAMA_Q4_K; }
+static inline int llama_is_k(int fmt) { return fmt >= LLAMA_Q4_K && fmt <= LLAMA_Q6_K; }
+/* Legacy blocks with an fp16 offset m per column after the scales. */
+static inline int llama_has_m(int fmt) { return fmt == LLAMA_Q4_1 || fmt == LLAMA_Q5_1; }
+/* Legacy blocks with a plane of fifth bits after the nibbles. */
+static inline int llama_has_plane(int fmt) { return fmt == LLAMA_Q5_0 || fmt == LLAMA_Q5_1; }
 /* Inputs of one packed block: 32, or a super-block of 256. */
 static inline size_t llama_block_inputs(int fmt) { return llama_is_k(fmt) ? LLAMA_QK_K : LLAMA_QK; }
 /* Bytes of one packed K-quant sub-block's quants (16 columns x 32 inputs). */
@@ -70,11 +76,12 @@ static inline size_t llama_kfield_bytes(int fmt) { return fmt == LLAMA_Q6_K ? 25
 /* Bytes of one packed block (16 columns x llama_block_inputs inputs). */
 static inline size_t llama_block_bytes(int fmt) {
     if (llama_is_k(fmt)) return llama_kfield_bytes(fmt) + LLAMA_KSUB * llama_ksub_bytes(fmt);
-    return fmt == LLAMA_Q8_0 ? 512 + 32 : fmt == LLAMA_Q4_1 ? 256 + 64 : fmt == LLAMA_Q5_0 ? 256 + 64 + 32 : 256 + 32;
+    if (fmt == LLAMA_Q8_0) return 512 + 32;
+    return 256 + (llama_has_plane(fmt) ? 64 : 0) + (llama_has_m(fmt) ? 64 : 32);
 }
-/* Offset of the fp16 scales inside a block (the fp16 offsets m follow for Q4_1). */
+/* Offset of the fp16 scales inside a block (the fp16 offsets m follow for Q4_1, Q5_1). */
 static inline size_t llama_scale_offset(int fmt) {
-    return fmt == LLAMA_Q8_0 ? 512 : fmt == LLAMA_Q5_0 ? 320 : 256;
+    return fmt == LLAMA_Q8_0 ? 512 : llama_has_plane(fmt) ? 320 : 256;
 }
 static inline int llama_zero_point(int fmt) {
     return fmt == LLAMA_Q8_0 ? 128 : fmt == LLAMA_Q4_0 ? 8 : fmt == LLAMA_Q5_0 ? 16 : 0;
@@ -89,11 +96,11 @@ static inline int llama_quant_at(const uint8_t *blk, int fmt, int c, int k) {
     const uint8_t byte = blk[64 * (g & 3) + 4 * c + i];
     const int u = g < 4 ? byte & 15 : byte >> 4;
     if (fmt == LLAMA_Q6_K) return u | (((blk[256 + 64 * (g >> 2) + 4 * c + i] >> (2 * (g & 3))) & 3) << 4);
-    return fmt == LLAMA_Q5_0 || fmt == LLAMA_Q5_K ? u | (((blk[256 + 4 * c + i] >> g) & 1) << 4) : u;
+    return llama_has_plane(fmt) || fmt == LLAMA_Q5_K ? u | (((blk[256 + 4 * c + i] >> g) & 1) << 4) : u;
 }
 
 typedef struct {
-    int fmt;                /* LLAMA_Q4_0 ... LLAMA_Q6_K */
+    int fmt;                /* LLAMA_Q4_0 ... LLAMA_Q5_1 */
     size_t n, k;            /* output columns (multiple of 16), inputs (multiple of the block's) */
     const uint8_t *data;    /* n / 16 tiles of k / llama_block_inputs blocks */
 } llama_matrix;

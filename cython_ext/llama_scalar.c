@@ -57,7 +57,7 @@ static void matmul(const llama_matrix *w, size_t tile0, size_t tile1, const llam
     const size_t kb = w->k / LLAMA_QK, bb = llama_block_bytes(w->fmt);
     const size_t so = llama_scale_offset(w->fmt);
     const int zero = llama_zero_point(w->fmt), fmt = w->fmt;
-    const int has_m = w->fmt == LLAMA_Q4_1;
+    const int has_m = llama_has_m(w->fmt);
     for (size_t t = tile0; t < tile1; t++) {
         const uint8_t *tile = w->data + t * kb * bb;
         for (size_t r = 0; r < rows; r++) {

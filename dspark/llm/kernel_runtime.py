@@ -37,13 +37,13 @@ from dspark.llm.taps import TAP_LAYERS
 
 DEFAULT_MAX_CONTEXT = 2048  # new_cache()'s default capacity
 # the kernels' weight formats, run as stored (pack_matrix: the others)
-PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22}  # GGUF bytes per 32 weights
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24}  # GGUF bytes per 32 weights
 K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # GGUF bytes per 256-weight super-block
 # A packed block's fields in order, each (rows, bytes per column): a field is rows x 16 columns
 # x that many bytes (llama_kernels.h); K-quant blocks repeat their sub-blocks' fields 8 times.
 BLOCK_FIELDS = {"Q4_0": ((4, 4), (1, 2)), "Q4_1": ((4, 4), (2, 2)), "Q8_0": ((8, 4), (1, 2)),
-                "Q5_0": ((5, 4), (1, 2)), "Q4_K": ((16, 1), (2, 2), (32, 4)),
+                "Q5_0": ((5, 4), (1, 2)), "Q5_1": ((5, 4), (2, 2)), "Q4_K": ((16, 1), (2, 2), (32, 4)),
                 "Q5_K": ((16, 1), (2, 2), (40, 4)), "Q6_K": ((16, 1), (1, 2), (48, 4))}
 
 
@@ -67,17 +67,17 @@ def pack_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> "_llama.PackedMatr
         quants = q.transpose(0, 2, 3, 1, 4).reshape(nt, kb, 512)
         parts = [quants, per_column(raw[:, :, 0:2], 2)]
     else:
-        off = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6}[fmt]
+        off = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[fmt]  # GGUF: d, m (Q4_1, Q5_1), qh (Q5), qs
         q = raw[:, :, off:off + 16].reshape(nt, 16, kb, 4, 4)  # byte j = input j | input j+16 << 4
         quants = q.transpose(0, 2, 3, 1, 4).reshape(nt, kb, 256)
         parts = [quants]
-        if fmt == "Q5_0":  # the fifth bits: bit g of plane byte (column, i) is input 4g + i's
-            high = np.ascontiguousarray(raw[:, :, 2:6]).view("<u4")[..., 0]  # [rows, kb], bit j: input j
+        if fmt in ("Q5_0", "Q5_1"):  # the fifth bits: bit g of plane byte (column, i) is input 4g + i's
+            high = np.ascontiguousarray(raw[:, :, off - 4:off]).view("<u4")[..., 0]  # [rows, kb], bit j: input j
             bits = (high[..., None] >> np.arange(32, dtype=np.uint32)) & 1  # [rows, kb, 32]
             plane = (bits.reshape(-1, kb, 8, 4) << np.arange(8, dtype=np.uint32)[:, None]).sum(2).astype(np.uint8)
             parts.append(per_column(plane, 4))
         parts.append(per_column(raw[:, :, 0:2], 2))
-        if fmt == "Q4_1":
+        if fmt in ("Q4_1", "Q5_1"):
             parts.append(per_column(raw[:, :, 2:4], 2))
     packed = np.ascontiguousarray(np.concatenate(parts, axis=2))
     return _llama.PackedMatrix(packed, fmt, n + pad, k)
@@ -240,9 +240,9 @@ def _in_chunks(pack, raw: np.ndarray, fmt: str, k: int) -> "_llama.PackedMatrix"
 
 
 def pack_matrix(model: GGUFModel, name: str, rows: np.ndarray | None = None) -> "_llama.PackedMatrix":
-    """One GGUF matrix (only its ``rows`` when given) in the kernels' layout. Q4_0/Q4_1/Q8_0/Q5_0
-    and Q4_K/Q5_K/Q6_K blocks run as stored; the other types (F32/F16/BF16, Q5_1) are
-    dequantized and quantized to Q8_0 at load, so every product runs on the int8 kernels."""
+    """One GGUF matrix (only its ``rows`` when given) in the kernels' layout. Q4_0/Q4_1/Q8_0/
+    Q5_0/Q5_1 and Q4_K/Q5_K/Q6_K blocks run as stored; F32/F16/BF16 are quantized to Q8_0 at
+    load, so every product runs on the int8 kernels."""
     kind = model.tensor_type(name)
     n, k = model.shape(name)
     if kind in PACKED_TYPES:

@@ -15,7 +15,7 @@ import numpy as np
 from dspark.llm.gguf_model import GGUFModel
 
 # Types the kernels take as Q8_0 blocks produced by quantizing the dequantized weights.
-_REQUANTIZED = ("F32", "F16", "BF16", "Q5_1")
+_REQUANTIZED = ("F32", "F16", "BF16")
 
 
 def int8_blocks(x: np.ndarray) -> np.ndarray:

@@ -49,13 +49,23 @@ def on_every_isa(rt, run):
 
 # -- blocks ----------------------------------------------------------------------------------
 
-def test_q5_0_blocks_are_held_as_stored():
-    """Q5_0 runs on its own kernels: 22 bytes per 32 weights in the GGUF, 352 per 16 x 32 packed
-    (the nibbles, the fifth bits' plane, the scales), no conversion."""
-    w = np.random.default_rng(0).standard_normal((48, 256)).astype(np.float32)
-    raw = quantize(w, GGMLQuantizationType.Q5_0)
-    packed = pack_blocks(raw, "Q5_0", 48, 256)
-    assert packed.fmt == "Q5_0" and packed.data.nbytes == 3 * 8 * 352
+@pytest.mark.parametrize("kind, packed_bytes", [("Q5_0", 352), ("Q5_1", 384)])
+def test_q5_blocks_are_held_as_stored(wide_rt, kind, packed_bytes):
+    """Q5_0 and Q5_1 run on their own kernels: 22 / 24 bytes per 32 weights in the GGUF, 352 /
+    384 per 16 x 32 packed (the nibbles, the fifth bits' plane, the scales and Q5_1's offsets),
+    no conversion; every product equals gguf's dequantization against the int8 activations,
+    the same bits on every instruction set."""
+    rng = np.random.default_rng(0)
+    raw = quantize(rng.standard_normal((40, 256)).astype(np.float32) + 0.3, GGMLQuantizationType[kind])
+    packed = pack_blocks(raw, kind, 40, 256)
+    assert packed.fmt == kind and packed.data.nbytes == 3 * 8 * packed_bytes
+    weights = dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64)
+    for rows in (1, 5, 11):
+        x = rng.standard_normal((rows, 256)).astype(np.float32)
+        got = on_every_isa(wide_rt, lambda: wide_rt.project(x, head=packed, norm=False))
+        act = int8_blocks(x)
+        assert np.all(np.abs(got[:, :40] - act @ weights.T) <= 1e-6 * (np.abs(act) @ np.abs(weights).T) + 1e-30)
+        assert np.all(got[:, 40:] == 0)
 
 
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
