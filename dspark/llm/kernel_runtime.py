@@ -234,8 +234,8 @@ def _in_chunks(pack, raw: np.ndarray, fmt: str, k: int) -> "_llama.PackedMatrix"
     out[:first.nbytes] = first
     for start in range(PACK_CHUNK_ROWS, n, PACK_CHUNK_ROWS):
         chunk = raw[start:start + PACK_CHUNK_ROWS]
-        out[start // 16 * per_tile:(start + -(-len(chunk) // 16) * 16) // 16 * per_tile] = \
-            pack(chunk, fmt, len(chunk), k).data
+        data = pack(chunk, fmt, len(chunk), k).data  # the last chunk's rows padded to a tile
+        out[start // 16 * per_tile:start // 16 * per_tile + data.nbytes] = data
     return _llama.PackedMatrix(out, fmt, padded, k)
 
 
