@@ -21,10 +21,11 @@ cdef extern from "llama_kernels.h" nogil:
         const uint8_t *data
     ctypedef struct llama_kernels:
         const char *name
-    int LLAMA_Q4_0, LLAMA_Q4_1, LLAMA_Q8_0, LLAMA_Q5_0
+    int LLAMA_Q4_0, LLAMA_Q4_1, LLAMA_Q8_0, LLAMA_Q5_0, LLAMA_Q5_1, LLAMA_Q4_K, LLAMA_Q5_K, LLAMA_Q6_K
     float llama_half_to_float(uint16_t h)
     uint16_t llama_float_to_half(float f)
     size_t llama_block_bytes(int fmt)
+    size_t llama_block_inputs(int fmt)
     const dspark_isa_family llama_paths
     const llama_kernels *llama_isa_kernels(int isa)
 
@@ -86,7 +87,8 @@ cdef extern from "llama_forward.h" nogil:
                       float *logits)
 
 
-FORMATS = {"Q4_0": LLAMA_Q4_0, "Q4_1": LLAMA_Q4_1, "Q8_0": LLAMA_Q8_0, "Q5_0": LLAMA_Q5_0}
+FORMATS = {"Q4_0": LLAMA_Q4_0, "Q4_1": LLAMA_Q4_1, "Q8_0": LLAMA_Q8_0, "Q5_0": LLAMA_Q5_0, "Q5_1": LLAMA_Q5_1,
+           "Q4_K": LLAMA_Q4_K, "Q5_K": LLAMA_Q5_K, "Q6_K": LLAMA_Q6_K}
 MAX_POSITION = 2 ** 31 - 1
 
 
@@ -142,13 +144,14 @@ cdef class PackedMatrix:
     def __cinit__(self, data, str fmt, size_t n, size_t k):
         if fmt not in FORMATS:
             raise ConfigError("fmt", f"{fmt!r} is not one of {sorted(FORMATS)}")
-        if n == 0 or n % 16 or k == 0 or k % 32:
-            raise ConfigError("shape", f"{n} x {k}: need a positive multiple of 16 x 32")
+        cdef size_t inputs = llama_block_inputs(FORMATS[fmt])
+        if n == 0 or n % 16 or k == 0 or k % inputs:
+            raise ConfigError("shape", f"{n} x {k}: need a positive multiple of 16 x {inputs} for {fmt}")
         if n > MAX_ROWS or k > MAX_ROWS:  # row and column indices are int32 in the kernels
             raise ConfigError("shape", f"{n} x {k}: at most {MAX_ROWS} rows and columns")
         arr = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
         # in Python integers: a product of size_t would wrap for huge n and k
-        expected = (int(n) // 16) * (int(k) // 32) * int(llama_block_bytes(FORMATS[fmt]))
+        expected = (int(n) // 16) * (int(k) // int(inputs)) * int(llama_block_bytes(FORMATS[fmt]))
         if arr.shape[0] != expected:
             raise ConfigError("data", f"{arr.shape[0]} bytes for a {fmt} {n} x {k} matrix, "
                                       f"expected {expected}")

@@ -1,6 +1,8 @@
-"""Benchmark of dspark's llama kernels (dspark.llm.kernel_runtime) on SmolLM2-135M-Instruct.
+"""Benchmark of dspark's llama kernels (dspark.llm.kernel_runtime) on SmolLM2-135M-Instruct or
+another GGUF (--gguf: a .gguf file or an imported model's folder, e.g. the demo's Gemma 3 270M
+Q4_K_M in model_repository/gemma_lm/1/model).
 
-  python tools/bench_llm_kernel.py [--threads 2] [--json out.json]
+  python tools/bench_llm_kernel.py [--gguf PATH] [--threads 2] [--json out.json]
 
 Prints markdown tables (docs/llm_kernels.md quotes them) and writes the numbers, the settings
 and the CPU model as JSON:
@@ -53,13 +55,21 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def product_matrices(weights) -> dict:
+    """The first layer's matrix of each block type (in L2) and the head (read from memory)."""
+    picked = {}
+    for key in ("blk.0.ffn_gate", "blk.0.attn_q", "blk.0.attn_v", "blk.0.attn_output", "blk.0.ffn_down", "head"):
+        matrix = weights[key]
+        if key == "head" or matrix.fmt not in {m.fmt for m in picked.values()}:
+            picked[f"{matrix.fmt} {matrix.n}x{matrix.k} ({key.removeprefix('blk.0.')})"] = matrix
+    return picked
+
+
 def products(rt, weights, rows_list, repeats, clock) -> dict:
-    """Median ms of single products (no norm): a layer's gate (Q4_1 1536x576, fits L2) and the
-    head (Q8_0 49152x576, read from memory), for each row count."""
+    """Median ms of single products (no norm) of product_matrices(), for each row count."""
     rng = np.random.default_rng(1)
     out = {}
-    for name, key in (("Q4_1 1536x576 (ffn_gate, in L2)", "blk.0.ffn_gate"), ("Q8_0 49152x576 (head)", "head")):
-        matrix = weights[key]
+    for name, matrix in product_matrices(weights).items():
         for rows in rows_list:
             hidden = rng.standard_normal((rows, matrix.k)).astype(np.float32)
             logits = np.empty((rows, matrix.n), np.float32)
@@ -133,11 +143,11 @@ class LlamaCppPeer:
 def resident_memory(gguf: Path, threads: int, context: int) -> dict:
     """In a fresh process: RSS after loading the model and filling one `context`-row cache."""
     code = f"""
-import json, numpy as np, resource
+import json, numpy as np
 from dspark.llm.kernel_runtime import KernelRuntime
-def rss():
+def rss(field='VmRSS'):  # VmHWM: this process's peak (ru_maxrss keeps the parent's across exec)
     for line in open('/proc/self/status'):
-        if line.startswith('VmRSS'):
+        if line.startswith(field):
             return int(line.split()[1]) / 1024
 rt = KernelRuntime({str(gguf)!r}, threads={threads}, max_context={context})
 loaded = rss()
@@ -148,7 +158,7 @@ for start in range(0, {context} - 1, 512):
     rt.forward(cache, rng.integers(0, rt.config.vocab, n), np.arange(start, start + n), logit_rows=[n - 1])
 rt.forward(cache, [1], [cache.length])
 print(json.dumps({{"model_loaded_mb": loaded, "with_cache_mb": rss(),
-                  "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "peak_mb": rss('VmHWM'),
                   "cache_mb": cache.nbytes / 2**20, "cache_rows": cache.length}}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -223,6 +233,8 @@ def print_memory(mem: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gguf", type=Path, help="a .gguf file or an imported model's folder "
+                        "(default: the installed SmolLM2-135M-Instruct)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
@@ -242,15 +254,17 @@ def main(argv: list[str] | None = None) -> None:
 
     from dspark._ext import llama as ext
     from dspark.llm.gguf_model import GGUFModel, installed_smollm2
+    from dspark.llm.importer import import_source
     from dspark.llm.kernel_runtime import KernelRuntime
     from dspark.llm.tokenizer import LlamaTokenizer
 
-    gguf_path = installed_smollm2()
+    gguf_path = installed_smollm2() if args.gguf is None else (
+        args.gguf if args.gguf.suffix == ".gguf" else import_source(args.gguf))
     model = GGUFModel(gguf_path)
     rt = KernelRuntime(model, threads=args.threads, max_context=max(args.contexts) + max(args.rows) + 64)
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     result = {"cpu": cpu_name(), "isa": rt.isa, "threads": rt.threads, "model": gguf_path.name,
-              "settings": vars(args) | {"json": str(args.json) if args.json else None},
+              "settings": vars(args) | {"json": str(args.json) if args.json else None, "gguf": str(gguf_path)},
               "isa_info": ext.isa_info()}
     print(f"# {gguf_path.name} on {result['cpu']}, {rt.threads} threads, kernels: {rt.isa}, "
           f"clock: {args.clock}\n")

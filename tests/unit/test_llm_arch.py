@@ -1,8 +1,10 @@
 """The architectures and weight types beside plain llama, on small synthetic GGUFs: what a user
 importing a Qwen, Llama 3 or Gemma 3 K-quant file relies on.
 
-* every block type runs as stated (Q4_0/Q4_1/Q8_0/Q5_0 as stored, Q4_K as Q4_1 with fp16
-  sub-block scales, the others through Q8_0) and multiplies the same on every instruction set;
+* every block type runs as stated (Q4_0/Q4_1/Q8_0/Q5_0 and the K-quants Q4_K/Q5_K/Q6_K as
+  stored, the others through Q8_0) and multiplies the same on every instruction set; the K-quant
+  products equal gguf's own dequantization against the int8 activations, block by block, on
+  random super-blocks and on the real Gemma 3 file;
 * each architecture's logits equal a float64 forward pass written from the model's definition
   (rounded where the kernels round), the same bits on every instruction set;
 * a file dspark cannot run, or a hostile one, is refused in well under a second with one line
@@ -20,9 +22,12 @@ from gguf.quants import dequantize, quantize
 from dspark._ext import llama as ext
 from dspark.errors import ConfigError
 from dspark.llm.gguf_model import GGUFModel
-from dspark.llm.kernel_runtime import KernelRuntime, pack_blocks, pack_matrix, q4_k_as_q4_1
+from dspark.llm import kernel_runtime
+from dspark.llm.importer import import_source
+from dspark.llm.kernel_runtime import KernelRuntime, gather_columns, pack_blocks, pack_k_blocks, pack_matrix
+from dspark.paths import project_root
 from dspark.llm.reference import int8_blocks, kernel_matrix, reference_logits
-from tests.unit.llm_gguf_factory import random_k_blocks, write_llama_gguf
+from tests.unit.llm_gguf_factory import K_QUANT_BYTES, random_k_blocks, write_llama_gguf
 
 ISAS = [isa for isa in ext.isa_info()["supported"] if isa in ext.isa_info()["compiled"]]
 WIDE = dict(hidden=256, ffn=512, n_head=4, n_kv_head=2, vocab=288)  # rows of 256: K-quant super-blocks
@@ -44,31 +49,122 @@ def on_every_isa(rt, run):
 
 # -- blocks ----------------------------------------------------------------------------------
 
-def test_q5_0_blocks_are_held_as_stored():
-    """Q5_0 runs on its own kernels: 22 bytes per 32 weights in the GGUF, 352 per 16 x 32 packed
-    (the nibbles, the fifth bits' plane, the scales), no conversion."""
-    w = np.random.default_rng(0).standard_normal((48, 256)).astype(np.float32)
-    raw = quantize(w, GGMLQuantizationType.Q5_0)
-    packed = pack_blocks(raw, "Q5_0", 48, 256)
-    assert packed.fmt == "Q5_0" and packed.data.nbytes == 3 * 8 * 352
+@pytest.mark.parametrize("kind, packed_bytes", [("Q5_0", 352), ("Q5_1", 384)])
+def test_q5_blocks_are_held_as_stored(wide_rt, kind, packed_bytes):
+    """Q5_0 and Q5_1 run on their own kernels: 22 / 24 bytes per 32 weights in the GGUF, 352 /
+    384 per 16 x 32 packed (the nibbles, the fifth bits' plane, the scales and Q5_1's offsets),
+    no conversion; every product equals gguf's dequantization against the int8 activations,
+    the same bits on every instruction set."""
+    rng = np.random.default_rng(0)
+    raw = quantize(rng.standard_normal((40, 256)).astype(np.float32) + 0.3, GGMLQuantizationType[kind])
+    packed = pack_blocks(raw, kind, 40, 256)
+    assert packed.fmt == kind and packed.data.nbytes == 3 * 8 * packed_bytes
+    weights = dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64)
+    for rows in (1, 5, 11):
+        x = rng.standard_normal((rows, 256)).astype(np.float32)
+        got = on_every_isa(wide_rt, lambda: wide_rt.project(x, head=packed, norm=False))
+        act = int8_blocks(x)
+        assert np.all(np.abs(got[:, :40] - act @ weights.T) <= 1e-6 * (np.abs(act) @ np.abs(weights).T) + 1e-30)
+        assert np.all(got[:, 40:] == 0)
 
 
-def test_q4_k_runs_as_q4_1_with_fp16_scales():
-    raw = random_k_blocks(np.random.default_rng(1), "Q4_K", (32, 512))
-    want = dequantize(raw, GGMLQuantizationType.Q4_K)
-    got = dequantize(q4_k_as_q4_1(raw), GGMLQuantizationType.Q4_1)
-    assert got.shape == want.shape
-    # each sub-block's scale and offset rounded to fp16: at most 2**-11 of |scale * q| + |offset|
-    assert np.abs(got - want).max() <= 2.0 ** -10 * np.abs(want).max()
-    assert np.abs(got - want).max() > 0  # the rounding is real, and said so in the docs
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+# packed bytes per 16 columns x 256 inputs: the GGUF's 144 / 176 / 210 per column and super-block,
+# plus, for Q4_K/Q5_K, their 12 bytes of six-bit scales and mins held as 16 whole bytes
+K_PACKED_BYTES = {"Q4_K": 16 * 148, "Q5_K": 16 * 180, "Q6_K": 16 * 210}
 
 
-def test_q4_k_scales_that_overflow_fp16_are_refused():
-    raw = random_k_blocks(np.random.default_rng(2), "Q4_K", (16, 256))
-    raw[0, 0:2] = np.array([60000.0], np.float16).view(np.uint8)  # d * sc (<= 63) overflows fp16
-    raw[0, 4] = 63
-    with pytest.raises(ConfigError, match="blk.0.ffn_up.weight: Q4_K block scales overflow fp16"):
-        q4_k_as_q4_1(raw, "blk.0.ffn_up.weight")
+@pytest.fixture(scope="module")
+def wide_rt(tmp_path_factory):
+    """A runtime of hidden size 256 whose project() multiplies any [n, 256] packed matrix."""
+    path = write_llama_gguf(tmp_path_factory.mktemp("k") / "m.gguf", "Q8_0", head_type="Q8_0", **WIDE)
+    return KernelRuntime(GGUFModel(path), threads=1)
+
+
+@pytest.mark.parametrize("kind", K_TYPES)
+def test_k_quant_blocks_are_held_as_stored(kind):
+    raw = random_k_blocks(np.random.default_rng(1), kind, (48, 512))
+    packed = pack_k_blocks(raw, kind, 48, 512)
+    assert packed.fmt == kind and packed.data.nbytes == 3 * 2 * K_PACKED_BYTES[kind]
+    assert raw.nbytes == 48 * 2 * K_QUANT_BYTES[kind]
+
+
+@pytest.mark.parametrize("kind", K_TYPES)
+def test_k_quant_products_equal_gguf_dequantization_block_by_block(wide_rt, kind):
+    """One super-block per output (256 inputs): every output of every row count (the kernels
+    block rows by up to 4 / 8) equals int8 activations times gguf's dequantized weights up to
+    float32 rounding of its 256 terms, and is the same bits on every instruction set."""
+    rng = np.random.default_rng(5)
+    raw = random_k_blocks(rng, kind, (40, 256))  # 40 columns: the last tile padded
+    weights = dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64)
+    packed = pack_k_blocks(raw, kind, 40, 256)
+    for rows in (1, 3, 8, 11):
+        x = (rng.standard_normal((rows, 256)) * rng.uniform(0.1, 10, (rows, 1))).astype(np.float32)
+        got = on_every_isa(wide_rt, lambda: wide_rt.project(x, head=packed, norm=False))
+        assert np.all(got[:, 40:] == 0)  # padding columns
+        act = int8_blocks(x)
+        want, bound = act @ weights.T, np.abs(act) @ np.abs(weights).T
+        assert np.all(np.abs(got[:, :40] - want) <= 1e-6 * bound + 1e-30), (kind, rows)
+
+
+@pytest.mark.parametrize("kind", K_TYPES)
+def test_k_quant_embedding_rows_and_column_subsets(tmp_path, kind):
+    """A K-quant embedding's rows are gguf's dequantized rows bit for bit, and a head restricted
+    to some vocabulary ids (a drafter's) gives those ids' logits bit for bit."""
+    model = GGUFModel(write_llama_gguf(tmp_path / "m.gguf", kind, head_type=kind, tied=True, **WIDE))
+    rt = KernelRuntime(model, threads=1)
+    assert rt.weights["embed"].fmt == kind and rt.weights["blk.0.ffn_up"].fmt == kind
+    ids = np.array([0, 5, 17, WIDE["vocab"] - 1])
+    want = dequantize(np.asarray(model.raw("token_embd.weight"))[ids], GGMLQuantizationType[kind])
+    assert np.array_equal(rt._model.embed(ids), want.reshape(len(ids), -1))
+    hidden = np.random.default_rng(2).standard_normal((3, WIDE["hidden"])).astype(np.float32)
+    full = rt.project(hidden)
+    assert np.array_equal(rt.project(hidden, head=rt.head_subset(ids))[:, :len(ids)], full[:, ids])
+
+
+@pytest.mark.parametrize("kind", ("Q8_0", "Q5_0") + K_TYPES)
+def test_a_matrix_packed_in_chunks_is_the_same_bytes(tmp_path, monkeypatch, kind):
+    """Large matrices (a 262144-row head) are packed a chunk of rows at a time; the result is
+    the whole matrix packed at once, also for a drafter's vocabulary subset (143 rows) whose
+    last chunk ends in a part tile."""
+    model = GGUFModel(write_llama_gguf(tmp_path / "m.gguf", kind, head_type=kind, tied=True, **WIDE))
+    whole = pack_matrix(model, "token_embd.weight")
+    ids = np.arange(3, WIDE["vocab"], 2)
+    subset = pack_matrix(model, "token_embd.weight", ids)
+    monkeypatch.setattr(kernel_runtime, "PACK_CHUNK_ROWS", 32)
+    assert np.array_equal(pack_matrix(model, "token_embd.weight").data, whole.data)
+    assert np.array_equal(pack_matrix(model, "token_embd.weight", ids).data, subset.data)
+    assert whole.n == 288 and subset.n == 144
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf():
+    return GGUFModel(import_source(project_root() / "model_repository/gemma_lm/1/model"))
+
+
+def test_the_real_gemma_files_k_quant_matrices_equal_gguf_dequantization(gemma_gguf, tmp_path):
+    """Gemma 3 270M Q4_K_M holds Q4_K and Q6_K matrices (beside Q5_0/Q8_0): each kept as stored,
+    its products equal gguf's dequantization against the int8 activations, the same bits on
+    every instruction set."""
+    model = gemma_gguf
+    kinds = {}
+    for i in range(model.config.n_layer):
+        for matrix in ("attn_output", "ffn_down"):
+            kinds.setdefault(model.tensor_type(f"blk.{i}.{matrix}.weight"), f"blk.{i}.{matrix}.weight")
+    assert {"Q4_K", "Q6_K"} <= set(kinds), kinds
+    rng = np.random.default_rng(4)
+    for kind in ("Q4_K", "Q6_K"):
+        name = kinds[kind]
+        n, k = model.shape(name)
+        packed = pack_matrix(model, name)
+        assert packed.fmt == kind
+        # project() multiplies matrices of the model's hidden size: a small model of hidden size k
+        rt = KernelRuntime(GGUFModel(write_llama_gguf(tmp_path / f"{k}.gguf", "Q8_0", n_layer=1, hidden=k,
+                                                      ffn=256, n_head=k // 128, n_kv_head=1, vocab=32)), threads=1)
+        x = rng.standard_normal((4, k)).astype(np.float32)
+        got = on_every_isa(rt, lambda: rt.project(x, head=packed, norm=False))[:, :n]
+        act, weights = int8_blocks(x), model.dequantized(name).astype(np.float64)
+        assert np.all(np.abs(got - act @ weights.T) <= 1e-6 * (np.abs(act) @ np.abs(weights).T) + 1e-30), name
 
 
 @pytest.mark.parametrize("weight_type", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16"])

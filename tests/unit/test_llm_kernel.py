@@ -5,7 +5,8 @@ GGUF; greedy identity of speculation (a row's logits bitwise the same whether de
 a chain, in a tree, in a batch with other requests, or after the cache is compacted); the same
 bits on every instruction set this CPU runs; and a clear error, never a crash, for bad input.
 Small GGUFs (llm-core's test factory) cover every weight format (Q4_0, Q4_1, Q8_0, F16 run as
-Q8_0), tied and untied heads; the real SmolLM2 covers the shipped model.
+Q8_0), tied and untied heads; the real SmolLM2 (Q4_1) and Gemma 3 270M (Q4_K_M: Q4_K, Q6_K,
+Q5_0 and Q8_0 blocks) cover the shipped models.
 """
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.errors import ConfigError, RequestError
 from dspark.llm.evaluate import heldout_text, perplexity, runtime_logits
 from dspark.llm.gguf_model import GGUFModel, installed_smollm2
+from dspark.llm.importer import import_source
 from dspark.llm.kernel_runtime import KernelRuntime
 from dspark.llm.tokenizer import LlamaTokenizer
+from dspark.paths import project_root
 from tests.unit.llm_gguf_factory import write_llama_gguf
 
 ISAS = [isa for isa in ext.isa_info()["supported"] if isa in ext.isa_info()["compiled"]]
@@ -130,6 +133,12 @@ def smol(smol_gguf):
     return KernelRuntime(smol_gguf)
 
 
+@pytest.fixture(scope="module")
+def gemma():
+    """The demo's Gemma 3 270M Q4_K_M, its K-quant blocks run as stored."""
+    return KernelRuntime(GGUFModel(import_source(project_root() / "model_repository/gemma_lm/1/model")))
+
+
 def plain_decode(rt, prefix, tokens, start):
     """Logits of decoding ``tokens`` one by one after ``prefix`` (fresh cache)."""
     cache = rt.new_cache(64)
@@ -199,15 +208,17 @@ def test_every_isa_gives_the_same_bits(tiny, isa):
         tiny.isa = "auto"
 
 
-def test_smollm2_isas_agree_bitwise(smol):
-    tokens = [1, 504, 3458]
-    want = smol.forward(smol.new_cache(8), tokens, np.arange(3))
+@pytest.mark.parametrize("fixture", ["smol", "gemma"])
+def test_real_models_isas_agree_bitwise(fixture, request):
+    rt = request.getfixturevalue(fixture)
+    tokens = [2, 504, 3458, 9, 77]
+    want = rt.forward(rt.new_cache(8), tokens, np.arange(len(tokens)))
     for isa in ISAS:
-        smol.isa = isa
+        rt.isa = isa
         try:
-            assert np.array_equal(smol.forward(smol.new_cache(8), tokens, np.arange(3)), want), isa
+            assert np.array_equal(rt.forward(rt.new_cache(8), tokens, np.arange(len(tokens))), want), isa
         finally:
-            smol.isa = "auto"
+            rt.isa = "auto"
 
 
 def test_simd_override_and_bad_isa(monkeypatch, tiny_model):
@@ -233,7 +244,7 @@ def test_hidden_isas_are_not_chosen_nor_forced(monkeypatch, tiny_model):
 
 # -- greedy identity: a row's logits do not depend on how it is computed ---------------------
 
-@pytest.mark.parametrize("fixture", ["tiny", "gemma_tiny", "smol"])
+@pytest.mark.parametrize("fixture", ["tiny", "gemma_tiny", "smol", "gemma"])
 def test_plain_chain_tree_and_batch_rows_are_bitwise_equal(fixture, request):
     rt = request.getfixturevalue(fixture)
     prefix = [1, 9, 33, 120, 7, 64, 2, 88, 31]
