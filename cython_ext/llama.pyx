@@ -3,7 +3,8 @@
 
 Wrapped by dspark.llm.kernel_runtime.KernelRuntime. Every entry point checks its arguments and
 raises dspark.errors.RequestError / ConfigError naming the argument: a bad token id, short
-positions or a cache of another shape never reach the C code."""
+positions or a cache of another shape never reach the C code. One module (~500 lines) because
+it is one extension: the packed matrices, the model and its caches share C declarations."""
 import numpy as np
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t

@@ -1,5 +1,9 @@
 /* The llama decoder step over the per-ISA kernels, run by a small pthread pool.
  *
+ * One file on purpose (~800 lines): the pool, the phases of a step and the architecture's
+ * options share one work-item scheme and ordering rules that make every row count and thread
+ * schedule give the same bits; split up, those rules would be spread over several files.
+ *
  * Threads: the pool holds `threads - 1` workers; the calling thread is thread 0. A forward is
  * one parallel region made of phases (per layer: QKV product, attention, output product,
  * gate/up product, down product). Each phase is a list of work items (a few column tiles of a
