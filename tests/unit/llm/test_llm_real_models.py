@@ -16,7 +16,7 @@ from dspark.llm.kernel_runtime import KernelRuntime
 from dspark.llm.tokenizer import LlamaTokenizer
 from dspark.paths import project_root
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 MODELS = {"smollm2": ("model_repository/spec_lm/1/smollm2", "smollm2_llama_cpp.json"),
           "gemma3": ("model_repository/gemma_lm/1/model", "gemma3_270m_llama_cpp.json")}
 

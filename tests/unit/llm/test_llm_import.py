@@ -11,7 +11,7 @@ from dspark.errors import ConfigError
 from dspark.llm.gguf_model import GGUFModel
 from dspark.llm.importer import import_gguf
 from dspark.llm.tokenizer import LlamaTokenizer
-from tests.unit.llm_gguf_factory import write_llama_gguf
+from tests.unit.llm.llm_gguf_factory import write_llama_gguf
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from dspark.cli.main import cli
 from dspark.errors import ConfigError, UnavailableError
 from dspark.routing.config import TierPolicy
 from dspark.routing.runtime import RouterCore
-from tests.unit.test_routing_runtime import Client, FakeTarget, Recorder, config, eventually
+from tests.unit.routing.test_routing_runtime import Client, FakeTarget, Recorder, config, eventually
 
 
 def test_arrivals_are_seeded_follow_the_bursts_and_draw_the_tier_mix():

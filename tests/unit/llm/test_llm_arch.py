@@ -27,7 +27,7 @@ from dspark.llm.importer import import_source
 from dspark.llm.kernel_runtime import KernelRuntime, gather_columns, pack_blocks, pack_k_blocks, pack_matrix
 from dspark.paths import project_root
 from dspark.llm.reference import int8_blocks, kernel_matrix, reference_logits
-from tests.unit.llm_gguf_factory import K_QUANT_BYTES, random_k_blocks, write_llama_gguf
+from tests.unit.llm.llm_gguf_factory import K_QUANT_BYTES, random_k_blocks, write_llama_gguf
 
 ISAS = [isa for isa in ext.isa_info()["supported"] if isa in ext.isa_info()["compiled"]]
 WIDE = dict(hidden=256, ffn=512, n_head=4, n_kv_head=2, vocab=288)  # rows of 256: K-quant super-blocks

@@ -15,9 +15,9 @@ from dspark.decoding.stats import DecodeStats
 from dspark.decoding.tree import DraftTree
 from dspark.llm.kernel_runtime import KernelRuntime
 from dspark.llm.taps import TAP_LAYERS
-from tests.unit.llm_gguf_factory import write_llama_gguf
-from tests.unit.test_dspark_drafter import tiny_weights
-from tests.unit.test_spec_engine import g_test_p_value
+from tests.unit.llm.llm_gguf_factory import write_llama_gguf
+from tests.unit.decoding.test_dspark_drafter import tiny_weights
+from tests.unit.decoding.test_spec_engine import g_test_p_value
 
 # head dim 64, as the drafter's kernels need; the target deep enough for every tapped block
 HIDDEN, VOCAB, TARGET_LAYERS = 128, 288, max(TAP_LAYERS) + 1

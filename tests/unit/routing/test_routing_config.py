@@ -129,7 +129,7 @@ def test_watcher_survives_any_file_and_applies_the_next_valid_one(tmp_path, garb
     assert watcher.poll().version == 9 and watcher.config.shares == {2: 100.0}
 
 
-DEMO_ROUTING = (Path(__file__).parents[2] / "model_repository" / "router_demo" / "routing.yaml").read_bytes()
+DEMO_ROUTING = (Path(__file__).parents[3] / "model_repository" / "router_demo" / "routing.yaml").read_bytes()
 
 
 @pytest.mark.parametrize("text, why", [

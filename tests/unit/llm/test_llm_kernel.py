@@ -24,7 +24,7 @@ from dspark.llm.importer import import_source
 from dspark.llm.kernel_runtime import KernelRuntime
 from dspark.llm.tokenizer import LlamaTokenizer
 from dspark.paths import project_root
-from tests.unit.llm_gguf_factory import write_llama_gguf
+from tests.unit.llm.llm_gguf_factory import write_llama_gguf
 
 ISAS = [isa for isa in ext.isa_info()["supported"] if isa in ext.isa_info()["compiled"]]
 
