@@ -31,7 +31,7 @@ import tritonclient.grpc as grpcclient
 
 from dspark.bench.machine import this_machine
 from dspark.bench.resources import ResourceSampler, model_stubs, resident_mib, stub_processes
-from dspark.bench.spec import load_prompts
+from dspark.bench.spec_inprocess import load_prompts
 from dspark.paths import demo_repositories, project_root
 from dspark.triton.server import TritonServer
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from dspark.bench.client import GrpcStreamTransport
 from dspark.bench.inputs import ModelInfo
-from dspark.bench.spec import reload_model
+from dspark.bench.spec_served import reload_model
 from dspark.errors import UnavailableError
 from dspark.paths import demo_repositories, project_root
 from dspark.triton.server import TritonServer

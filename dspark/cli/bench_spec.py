@@ -42,7 +42,8 @@ def spec(model: str, max_tokens: int, per_kind: int, repeats: int, threads: int,
     """Plain decoding vs every speculative method of MODEL (default spec_lm, SmolLM2-135M-Instruct) on
     held-out prompts; llama.cpp's plain and prompt-lookup decoding of the same GGUF beside it.
     Exits non-zero when a greedy output differs from plain decoding."""
-    from dspark.bench.spec import SpecBenchSettings, mismatched, run_spec_bench
+    from dspark.bench.spec import run_spec_bench
+    from dspark.bench.spec_inprocess import SpecBenchSettings, mismatched
 
     settings = SpecBenchSettings(
         max_tokens=max_tokens, per_kind=per_kind, repeats=repeats, threads=threads,

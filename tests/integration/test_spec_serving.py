@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from dspark.bench.spec import reload_model
+from dspark.bench.spec_served import reload_model
 from dspark.paths import project_root
 from dspark.triton.server import TritonServer
 from tests.conftest import dump_log_on_failure
