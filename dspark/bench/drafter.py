@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark.decoding.dspark_drafter import BACKENDS, DSparkDrafter, default_weights
+from dspark.drafters.dspark.model import BACKENDS, DSparkDrafter, default_weights
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.proposers import standard_proposers
 from dspark.decoding.proposers.dspark import DSparkProposer

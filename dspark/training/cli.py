@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from dspark.decoding.dspark_drafter import default_weights
+from dspark.drafters.dspark.model import default_weights
 from dspark.training.data import DATA
 
 

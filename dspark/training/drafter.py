@@ -1,5 +1,5 @@
 """The DSpark drafter in torch (training only; torch from requirements-train.txt, imported
-inside the functions): the model (dspark/decoding/dspark_drafter.py documents the architecture;
+inside the functions): the model (dspark/drafters/dspark/model.py documents the architecture;
 `build_model` is the same maths in torch), its training for a wall-clock budget with a fixed
 seed, validation, and the export to the float16 .npz that serving loads."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dspark.training.data import (DATA, HIDDEN, N_TAPS, TAP_CLIP, Batcher, load_
 
 # ---------------------------------------------------------------------------------- model
 def build_model(torch, cfg: dict, target_tensors: dict | None):
-    """The drafter in torch; same maths as dspark/decoding/dspark_drafter.py (numpy)."""
+    """The drafter in torch; same maths as dspark/drafters/dspark/model.py (numpy)."""
     import torch.nn.functional as F
     from dspark.training.target import rope_pairs
 
@@ -312,9 +312,9 @@ def save_checkpoint(torch, model, cfg, vocab, args) -> None:
 # ---------------------------------------------------------------------------------- export
 def export(args) -> None:
     """drafter.pt -> tools/weights/dspark_smollm2.npz (float16; the format of
-    dspark/decoding/dspark_drafter.py)."""
+    dspark/drafters/dspark/model.py)."""
     torch = torch_with_threads(1)
-    from dspark.decoding.dspark_drafter import FORMAT
+    from dspark.drafters.dspark.model import FORMAT
 
     ck = torch.load(args.checkpoint)
     cfg = {k: v for k, v in ck["cfg"].items() if k not in ("init_blocks", "draft_vocab")}
@@ -338,7 +338,7 @@ def export(args) -> None:
 def check_export(torch, ck, path: Path) -> None:
     """The serving drafter (numpy) on the exported file computes what the torch model computes,
     on a gathered sequence: same block hidden states up to float16 rounding of the weights."""
-    from dspark.decoding.dspark_drafter import DSparkDrafter
+    from dspark.drafters.dspark.model import DSparkDrafter
     from dspark.llm.gguf_model import installed_smollm2
     from dspark.training.target import read_gguf
 

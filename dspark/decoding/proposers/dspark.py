@@ -1,5 +1,5 @@
-"""``dspark``: DSpark's block drafter (dspark.decoding.dspark_drafter) with confidence-scheduled
-verification (dspark.decoding.dspark_schedule).
+"""``dspark``: DSpark's block drafter (dspark.drafters.dspark.model) with confidence-scheduled
+verification (dspark.drafters.dspark.schedule).
 
 Each round the drafter reads the target's tapped hidden states of the rows committed since the
 last round (the engine hands them over: ``wants_taps``), drafts a block of k tokens in one pass
@@ -23,8 +23,8 @@ from typing import ClassVar, Optional
 
 import numpy as np
 
-from dspark.decoding.dspark_drafter import DSparkDrafter, default_weights, drafter_target
-from dspark.decoding.dspark_schedule import CostCurve, DraftGate, choose_verify_length
+from dspark.drafters.dspark.model import DSparkDrafter, default_weights, drafter_target
+from dspark.drafters.dspark.schedule import CostCurve, DraftGate, choose_verify_length
 from dspark.decoding.proposers.base import BaseDrafter, DraftRequest
 from dspark.decoding.tree import DraftTree
 from dspark.llm.importer import import_source

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from dspark.decoding.dspark_drafter import FORMAT, DrafterConfig, DSparkDrafter
-from dspark.decoding.dspark_schedule import CostCurve, DraftGate, choose_verify_length, expected_tokens
+from dspark.drafters.dspark.model import FORMAT, DrafterConfig, DSparkDrafter
+from dspark.drafters.dspark.schedule import CostCurve, DraftGate, choose_verify_length, expected_tokens
 from dspark.errors import ConfigError, RequestError
 
 TARGET_VOCAB = 100

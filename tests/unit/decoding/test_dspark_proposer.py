@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark.decoding.dspark_drafter import DrafterConfig, DSparkDrafter
+from dspark.drafters.dspark.model import DrafterConfig, DSparkDrafter
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.proposers import standard_proposers
 from dspark.decoding.proposers.dspark import DSparkProposer

@@ -487,7 +487,7 @@ def test_the_drafters_embedding_rows_are_the_ggufs_dequantized_rows(tmp_path, we
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from dspark.decoding.dspark_drafter import gguf_embedding
+    from dspark.drafters.dspark.model import gguf_embedding
 
     model = tiny_gguf(tmp_path / "m.gguf", weight_type, head_type=weight_type)
     ids = np.array([0, 7, TINY["vocab"] - 1, 7])

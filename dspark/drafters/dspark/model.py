@@ -25,7 +25,7 @@ DSpark (Cheng et al., arXiv 2607.05147) on a DFlash-style block-parallel backbon
 - **Confidence head**: ``sigmoid(w . [hidden_j, W1[prev_j]] + b)``, two outputs: the
   probability that the target's greedy token equals the draft (used at temperature 0) and the
   expected acceptance ``sum min(p, q)`` of rejection sampling (used when sampling). They feed
-  dspark.decoding.dspark_schedule, which picks how many draft rows to verify.
+  dspark.drafters.dspark.schedule, which picks how many draft rows to verify.
 
 Weights: tools/weights/dspark_smollm2.npz (tools/train_dspark.py export), float16 on disk,
 float32 in memory; the embedding rows come from the target's GGUF (shared, not stored).
@@ -172,7 +172,7 @@ class DSparkDrafter:
 
     def __init__(self, cfg: DrafterConfig, weights: dict[str, np.ndarray], vocab_ids: np.ndarray,
                  embed_rows: EmbedRows, backend: str = "numpy", head=None, threads: int = 1):
-        """``backend``: "numpy" (float32, the reference) or "kernel" (dspark_kernel: dspark's C
+        """``backend``: "numpy" (float32, the reference) or "kernel" (kernel.py: dspark's C
         kernels, 8-bit weights; ``head`` a PackedMatrix of the draft vocabulary's embedding rows,
         default those rows quantized to 8 bits)."""
         if backend not in BACKENDS:
@@ -221,7 +221,7 @@ class DSparkDrafter:
         self.q_dim, self.kv_dim = nh * hd, nkv * hd
         self.kernel = None
         if backend == "kernel":
-            from dspark.decoding.dspark_kernel import KernelDrafterPasses
+            from dspark.drafters.dspark.kernel import KernelDrafterPasses
             from dspark.llm.kernel_runtime import pack_float
 
             self.kernel = KernelDrafterPasses(cfg, w, head if head is not None else pack_float(self.head_t.T),

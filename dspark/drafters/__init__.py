@@ -1,0 +1,1 @@
+"""Drafters: small networks that propose tokens for a target (one folder per drafter)."""
