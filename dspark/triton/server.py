@@ -303,11 +303,13 @@ class ServerPorts:
 
     @classmethod
     def free(cls) -> "ServerPorts":
-        ports: set[int] = set()
-        while len(ports) < 3:
-            ports.add(_free_port())
-        http, grpc, metrics = sorted(ports)
-        return cls(http=http, grpc=grpc, metrics=metrics)
+        """Three free consecutive ports, Triton's layout (HTTP, gRPC = HTTP + 1, metrics = HTTP + 2),
+        which clients given only the HTTP URL assume (the rollout controller loads models over gRPC)."""
+        for _ in range(100):
+            http = _free_port()
+            if http + 2 < 65536 and not any(port_in_use(LOOPBACK, p) for p in (http + 1, http + 2)):
+                return cls(http=http, grpc=http + 1, metrics=http + 2)
+        raise ServerError("no three consecutive free ports found for HTTP, gRPC and metrics")
 
 
 def _listening_ports(pid: int) -> set[int]:

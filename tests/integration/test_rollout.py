@@ -51,7 +51,7 @@ def site(request, tmp_path_factory):
     load = demo.LoadGenerator([server.http_url], threads_per_server=3).start()
     site = type("Site", (), {})()
     site.root, site.repo, site.server, site.load = root, repo, server, load
-    site.endpoint = Endpoint.parse(server.http_url, server.metrics_url)
+    site.endpoint = Endpoint.parse(server.http_url, server.metrics_url, server.grpc_url)
     site.state_path = root / "state.sqlite"
     site.artifacts = iter(range(1, 100))
     try:
