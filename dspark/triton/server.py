@@ -28,6 +28,7 @@ import re2
 
 from dspark import _ext
 from dspark.paths import backends_dir
+from dspark.triton import stub_priority
 
 SERVER_ENV_VAR = "TRITONSERVER"
 INSTALL_HINT = (
@@ -418,6 +419,7 @@ class TritonServer:
         self._log_file = None
         self._stop_requested = False
         self._finalizer: Optional[weakref.finalize] = None
+        self._keeper: Optional[stub_priority.PriorityKeeper] = None
 
     @property
     def http_url(self) -> str:
@@ -493,6 +495,9 @@ class TritonServer:
         self._finalizer = weakref.finalize(self, _clean_up, started)
         backend_directory = self._workdir / "backends"
         build_backend_directory(install, backend_directory, backends_dir())
+        start_nice = stub_priority.start_nice()  # new stubs start lower (stub_priority's docstring)
+        if start_nice:
+            stub_priority.wrap_stub(backend_directory / "python" / STUB_NAME, start_nice)
         if self.log_path is None:
             self.log_path = self._workdir / LOG_NAME
         self._log_file = open(self.log_path, "wb")
@@ -512,6 +517,8 @@ class TritonServer:
         finally:
             os.close(key_read)
         started["process"] = self._process
+        if start_nice:
+            self._keeper = stub_priority.PriorityKeeper(self._process.pid, self.log_path).start()
         try:
             self._wait_ready(timeout_s)
         except BaseException as error:
@@ -654,6 +661,9 @@ class TritonServer:
             if self._regions:
                 self.left_shm_regions = remove_left_regions(self._regions)
                 self._regions = set()
+        if self._keeper is not None:
+            self._keeper.stop()
+            self._keeper = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
