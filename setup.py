@@ -37,7 +37,7 @@ def cython_extension(name: str, sources: list[str], **kwargs) -> Extension:
 
 # The fused kernel's elementwise part, one translation unit per instruction set, each built as a
 # static library with its own flags (build_clib) and linked into dspark._ext.fused; the run-time
-# choice is in cython_ext/simd_dispatch.c. Non-x86 machines get the scalar one only.
+# choice is the common dispatcher's (cython_ext/isa_dispatch.c; the family: simd_dispatch.c). Non-x86 machines get the scalar one only.
 SIMD_FLAGS = {
     "scalar": ["-O2", "-fno-tree-vectorize"],
     "avx2": ["-O3", "-mavx2", "-mfma"],
@@ -50,7 +50,7 @@ SIMD_LIBRARIES = [
     for isa, flags in SIMD_FLAGS.items() if X86 or isa == "scalar"
 ]
 # The llama decoder's kernels (docs/llm_kernels.md), the same scheme: one translation unit per
-# instruction set, linked into dspark._ext.llama, chosen at run time (cython_ext/llama_dispatch.c).
+# instruction set, linked into dspark._ext.llama, chosen at run time by the same dispatcher (the family: cython_ext/llama_dispatch.c).
 # -ffp-contract=off everywhere: every fused multiply-add is written out, so all paths and all
 # row counts round alike.
 LLAMA_FLAGS = {
@@ -75,7 +75,7 @@ OPENBLAS = dict(
 
 # The GemmEx shim (docs/accelerators.md): its bf16/int8 kernels, one translation unit per
 # instruction set with its own flags, linked with cython_ext/hcblas.c into a plain C shared
-# library, dspark/_ext/libhcblas.so (C programs link it; dspark.accel.gemm loads it with ctypes).
+# library, dspark/_ext/libhcblas.so (C programs link it; dspark.runtimes.accel.gemm loads it with ctypes).
 HCBLAS_FLAGS = {
     "avx512bf16": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma"],
     "amx": ["-O3", "-mavx512f", "-mavx512bw", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
@@ -94,7 +94,7 @@ class BuildExtAndSharedLibrary(build_ext):
     def run(self) -> None:
         super().run()
         objects = self.compiler.compile(
-            ["cython_ext/hcblas.c"], output_dir=self.build_temp, extra_postargs=["-O3", "-fPIC"],
+            ["cython_ext/hcblas.c", "cython_ext/isa_dispatch.c"], output_dir=self.build_temp, extra_postargs=["-O3", "-fPIC"],
             include_dirs=["cython_ext", scipy_openblas32.get_include_dir()])
         target = Path(self.get_ext_fullpath("dspark._ext.fused")).parent / "libhcblas.so"
         self.compiler.link_shared_object(
@@ -111,14 +111,14 @@ class BuildExtAndSharedLibrary(build_ext):
 
 EXTENSIONS = [
     cython_extension("cpu_features", ["cpu_features.pyx"]),
-    cython_extension("fused", ["fused.pyx", "simd_dispatch.c", "fused_layer.c"],
+    cython_extension("fused", ["fused.pyx", "simd_dispatch.c", "isa_dispatch.c", "fused_layer.c"],
                      libraries=[name for name, _ in SIMD_LIBRARIES] + [scipy_openblas32.get_library()],
                      extra_compile_args=["-O3"], **OPENBLAS),
     cython_extension("pool", ["pool.pyx", "bfc_pool.c"], extra_compile_args=["-O3"]),
     cython_extension("lm_step", ["lm_step.pyx", "lm_forward.c"],
                      libraries=[scipy_openblas32.get_library()], extra_compile_args=["-O3"],
                      **OPENBLAS),
-    cython_extension("llama", ["llama.pyx", "llama_forward.c", "llama_dispatch.c"],
+    cython_extension("llama", ["llama.pyx", "llama_forward.c", "llama_dispatch.c", "isa_dispatch.c"],
                      libraries=[name for name, _ in LLAMA_LIBRARIES],
                      extra_compile_args=["-O3", "-ffp-contract=off", "-pthread"],
                      extra_link_args=["-pthread"]),

@@ -62,7 +62,7 @@ static inline dspark_cpu_features dspark_detect_cpu_features(void) {
     return f;
 }
 
-/* The rules for running a kernel path, shared by dspark info and the fused kernel's dispatch. */
+/* The fused kernel family's rules for its paths (simd_dispatch.c), also what dspark info reports. */
 static inline int dspark_cpu_runs_avx2(void) {
     dspark_cpu_features f = dspark_detect_cpu_features();
     return f.avx2 && f.fma && f.os_avx;
@@ -70,21 +70,6 @@ static inline int dspark_cpu_runs_avx2(void) {
 static inline int dspark_cpu_runs_avx512(void) {
     dspark_cpu_features f = dspark_detect_cpu_features();
     return f.avx512f && f.os_avx512;
-}
-
-/* Whether the ISA `name` is listed in DSPARK_SIMD_HIDE (comma separated): every dispatcher then
- * treats it as unsupported (tests of the refusal on a CPU that has everything, or a look at what
- * an older CPU would run). */
-static inline int dspark_isa_hidden(const char *name) {
-    const char *p = getenv("DSPARK_SIMD_HIDE");
-    const size_t len = strlen(name);
-    while (p && *p) {
-        const char *end = strchr(p, ',');
-        const size_t n = end ? (size_t)(end - p) : strlen(p);
-        if (n == len && strncmp(p, name, len) == 0) return 1;
-        p = end ? end + 1 : NULL;
-    }
-    return 0;
 }
 
 /* Which ISA macros the compiler defined for this translation unit (the package's default flags). */

@@ -10,19 +10,17 @@ cdef extern from "stdlib.h" nogil:
     int posix_memalign(void **memptr, size_t alignment, size_t size)
 
 
+include "isa_dispatch.pxi"
+
+
 cdef extern from "dspark_simd.h" nogil:
     ctypedef struct dspark_simd_kernels:
         const char *name
         void (*ln_gelu_rows)(const float *x, size_t x_stride, size_t rows, size_t d,
                              const float *gamma, const float *beta, float eps,
                              int gelu_kind, float *out, size_t out_stride) noexcept nogil
-    int DSPARK_ISA_COUNT
     int DSPARK_NR
-    const char *dspark_isa_name(int isa)
-    int dspark_isa_compiled(int isa)
-    int dspark_isa_supported(int isa)
-    int dspark_isa_best()
-    int dspark_isa_select(char *err, size_t err_len)
+    const dspark_isa_family dspark_fused_paths
     const dspark_simd_kernels *dspark_isa_kernels(int isa)
 
 
@@ -47,7 +45,7 @@ cdef extern from "fused_layer.h" nogil:
 
 cdef const dspark_simd_kernels *_selected() except NULL:
     cdef char err[256]
-    cdef int isa = dspark_isa_select(err, sizeof(err))
+    cdef int isa = dspark_path_select(&dspark_fused_paths, err, sizeof(err))
     if isa < 0:
         raise ValueError(err.decode())
     return dspark_isa_kernels(isa)
@@ -55,17 +53,11 @@ cdef const dspark_simd_kernels *_selected() except NULL:
 
 def simd_info():
     """Build-time (compiled) and run-time (supported) ISAs, the best one and the one in use."""
-    names = [dspark_isa_name(i).decode() for i in range(DSPARK_ISA_COUNT)]
     try:
         chosen = _selected().name.decode()
     except ValueError as exc:
         chosen = f"error: {exc}"
-    return {
-        "compiled": [n for i, n in enumerate(names) if dspark_isa_compiled(i)],
-        "supported": [n for i, n in enumerate(names) if dspark_isa_supported(i)],
-        "best": dspark_isa_name(dspark_isa_best()).decode(),
-        "chosen": chosen,
-    }
+    return _paths_info(&dspark_fused_paths, chosen)
 
 
 def blas_info():

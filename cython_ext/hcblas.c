@@ -11,6 +11,7 @@
 #include "cpu_features.h"
 #include "hcblas.h"
 #include "hcblas_kernels.h"
+#include "isa_dispatch.h"
 
 #if defined(__linux__) && defined(__x86_64__)
 #include <sys/syscall.h>
@@ -56,7 +57,7 @@ static int amx_permitted(void) {
 #endif
 }
 
-static int path_supported(int path) {
+static int path_runs(int path) {
     if (path == HCBLAS_PATH_CONVERT) return 1;
 #if HCBLAS_HAVE_X86_TUS
     dspark_cpu_features f = dspark_detect_cpu_features();
@@ -70,33 +71,10 @@ static int path_supported(int path) {
 
 static int path_compiled(int path) { return path == HCBLAS_PATH_CONVERT || HCBLAS_HAVE_X86_TUS; }
 
-static int path_best(void) {
-    for (int path = HCBLAS_PATH_COUNT - 1; path > 0; path--)
-        if (path_compiled(path) && path_supported(path)) return path;
-    return HCBLAS_PATH_CONVERT;
-}
-
-/* DSPARK_GEMM_SIMD is read on every call, like DSPARK_SIMD for the fused kernel, so tests can
- * force each path. Returns -1 with a sentence in err for an unknown or unrunnable value. */
-static int path_select(char *err, size_t err_len) {
-    const char *want = getenv("DSPARK_GEMM_SIMD");
-    if (!want || !*want || strcmp(want, "auto") == 0) return path_best();
-    for (int path = 0; path < HCBLAS_PATH_COUNT; path++) {
-        if (strcmp(want, path_names[path]) != 0) continue;
-        if (!path_compiled(path)) {
-            snprintf(err, err_len, "DSPARK_GEMM_SIMD=%s: this build has no %s kernels", want, want);
-            return -1;
-        }
-        if (!path_supported(path)) {
-            snprintf(err, err_len, "DSPARK_GEMM_SIMD=%s: this CPU or OS cannot run %s (best here: %s)", want,
-                     want, path_names[path_best()]);
-            return -1;
-        }
-        return path;
-    }
-    snprintf(err, err_len, "DSPARK_GEMM_SIMD=%s: expected one of auto, convert, avx512bf16, amx", want);
-    return -1;
-}
+/* The GemmEx family of the common dispatcher (isa_dispatch.h). DSPARK_GEMM_SIMD is read on every
+ * call, like DSPARK_SIMD for the fused kernel, so tests can force each path. */
+static const dspark_isa_family gemm_paths = {"GemmEx", "DSPARK_GEMM_SIMD", HCBLAS_PATH_COUNT, path_names,
+                                             path_compiled, path_runs};
 
 static const hcblas_kernels *path_kernels(int path) {
 #if HCBLAS_HAVE_X86_TUS
@@ -108,24 +86,13 @@ static const hcblas_kernels *path_kernels(int path) {
 }
 
 const char *hcblasKernelPath(char *err, int err_len) {
-    int path = path_select(err, err_len > 0 ? (size_t)err_len : 0);
+    int path = dspark_path_select(&gemm_paths, err, err_len > 0 ? (size_t)err_len : 0);
     return path < 0 ? NULL : path_names[path];
 }
 
-static const char *path_list(int (*keep)(int)) {
-    static __thread char text[64];
-    text[0] = '\0';
-    for (int path = 0; path < HCBLAS_PATH_COUNT; path++) {
-        if (!keep(path)) continue;
-        if (text[0]) strcat(text, ",");
-        strcat(text, path_names[path]);
-    }
-    return text;
-}
-
-static int path_runnable(int path) { return path_compiled(path) && path_supported(path); }
-const char *hcblasCompiledPaths(void) { return path_list(path_compiled); }
-const char *hcblasSupportedPaths(void) { return path_list(path_runnable); }
+static __thread char path_text[64];
+const char *hcblasCompiledPaths(void) { return dspark_path_list(&gemm_paths, 0, path_text, sizeof path_text); }
+const char *hcblasSupportedPaths(void) { return dspark_path_list(&gemm_paths, 1, path_text, sizeof path_text); }
 
 /* --- element conversions ---------------------------------------------------------------------- */
 static float half_to_float(uint16_t h) {
@@ -349,7 +316,7 @@ static int gemm_ex(const void *handle, int transa, int transb, int m, int n, int
     if (m == 0 || n == 0) return ST_SUCCESS;
     if (!C || (k > 0 && (!A || !B))) return fail(ST_INVALID_VALUE, "A, B and C must not be NULL");
     char err[160];
-    int path = path_select(err, sizeof err);
+    int path = dspark_path_select(&gemm_paths, err, sizeof err);
     if (path < 0) return fail(ST_NOT_SUPPORTED, "%s", err);
     transa = transa != 0; /* OP_C is OP_T for real types */
     transb = transb != 0;

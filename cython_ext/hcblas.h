@@ -57,7 +57,7 @@ struct hcblasContext; /* opaque; one handle type behind every vendor's name */
                           void *C, p##Datatype_t Ctype, int ldc,                                 \
                           p##ComputeType_t computeType, p##GemmAlgo_t algo);
 
-HCBLAS_DECLARE_VENDOR(hcblas, HCBLAS, HCBLAS)  /* the seed's name */
+HCBLAS_DECLARE_VENDOR(hcblas, HCBLAS, HCBLAS)  /* the library's own name */
 HCBLAS_DECLARE_VENDOR(cublas, CUBLAS, CUDA)    /* NVIDIA cuBLAS */
 HCBLAS_DECLARE_VENDOR(hipblas, HIPBLAS, HIP)   /* AMD hipBLAS */
 HCBLAS_DECLARE_VENDOR(mcblas, MCBLAS, MACA)    /* MetaX mcBLAS (MACA) */

@@ -3,13 +3,17 @@
 
 Wrapped by dspark.llm.kernel_runtime.KernelRuntime. Every entry point checks its arguments and
 raises dspark.errors.RequestError / ConfigError naming the argument: a bad token id, short
-positions or a cache of another shape never reach the C code."""
+positions or a cache of another shape never reach the C code. One module (~500 lines) because
+it is one extension: the packed matrices, the model and its caches share C declarations."""
 import numpy as np
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t
 from libc.stdlib cimport calloc, free
 
 from dspark.errors import ConfigError, RequestError
+
+include "isa_dispatch.pxi"
+
 
 cdef extern from "llama_kernels.h" nogil:
     ctypedef struct llama_matrix:
@@ -18,16 +22,12 @@ cdef extern from "llama_kernels.h" nogil:
         const uint8_t *data
     ctypedef struct llama_kernels:
         const char *name
-    int LLAMA_Q4_0, LLAMA_Q4_1, LLAMA_Q8_0, LLAMA_Q5_0, LLAMA_ISA_COUNT
+    int LLAMA_Q4_0, LLAMA_Q4_1, LLAMA_Q8_0, LLAMA_Q5_0, LLAMA_Q5_1, LLAMA_Q4_K, LLAMA_Q5_K, LLAMA_Q6_K
     float llama_half_to_float(uint16_t h)
     uint16_t llama_float_to_half(float f)
     size_t llama_block_bytes(int fmt)
-    const char *llama_isa_name(int isa)
-    int llama_isa_compiled(int isa)
-    int llama_isa_supported(int isa)
-    int llama_isa_best()
-    int llama_isa_by_name(const char *name, char *err, size_t err_len)
-    int llama_isa_select(char *err, size_t err_len)
+    size_t llama_block_inputs(int fmt)
+    const dspark_isa_family llama_paths
     const llama_kernels *llama_isa_kernels(int isa)
 
 
@@ -88,21 +88,17 @@ cdef extern from "llama_forward.h" nogil:
                       float *logits)
 
 
-FORMATS = {"Q4_0": LLAMA_Q4_0, "Q4_1": LLAMA_Q4_1, "Q8_0": LLAMA_Q8_0, "Q5_0": LLAMA_Q5_0}
+FORMATS = {"Q4_0": LLAMA_Q4_0, "Q4_1": LLAMA_Q4_1, "Q8_0": LLAMA_Q8_0, "Q5_0": LLAMA_Q5_0, "Q5_1": LLAMA_Q5_1,
+           "Q4_K": LLAMA_Q4_K, "Q5_K": LLAMA_Q5_K, "Q6_K": LLAMA_Q6_K}
 MAX_POSITION = 2 ** 31 - 1
 
 
 def isa_info():
     """Compiled and supported instruction sets of the llama kernels, the best and the chosen."""
     cdef char err[256]
-    names = [llama_isa_name(i).decode() for i in range(LLAMA_ISA_COUNT)]
-    isa = llama_isa_select(err, sizeof(err))
-    return {
-        "compiled": [n for i, n in enumerate(names) if llama_isa_compiled(i)],
-        "supported": [n for i, n in enumerate(names) if llama_isa_supported(i)],
-        "best": names[llama_isa_best()],
-        "chosen": names[isa] if isa >= 0 else "error: " + err.decode(),
-    }
+    isa = dspark_path_select(&llama_paths, err, sizeof(err))
+    return _paths_info(&llama_paths, dspark_path_name(&llama_paths, isa).decode() if isa >= 0
+                       else "error: " + err.decode())
 
 
 def half_bits(values):
@@ -131,9 +127,7 @@ def half_values(bits):
 
 cdef int _isa_index(object name) except -1:
     cdef char err[256]
-    cdef bytes raw = b"" if name is None else str(name).encode()
-    cdef int isa = llama_isa_select(err, sizeof(err)) if name is None else \
-        llama_isa_by_name(raw, err, sizeof(err))
+    cdef int isa = _path_index(&llama_paths, name, err, sizeof(err))
     if isa < 0:
         raise ConfigError("isa", err.decode())
     return isa
@@ -151,13 +145,14 @@ cdef class PackedMatrix:
     def __cinit__(self, data, str fmt, size_t n, size_t k):
         if fmt not in FORMATS:
             raise ConfigError("fmt", f"{fmt!r} is not one of {sorted(FORMATS)}")
-        if n == 0 or n % 16 or k == 0 or k % 32:
-            raise ConfigError("shape", f"{n} x {k}: need a positive multiple of 16 x 32")
+        cdef size_t inputs = llama_block_inputs(FORMATS[fmt])
+        if n == 0 or n % 16 or k == 0 or k % inputs:
+            raise ConfigError("shape", f"{n} x {k}: need a positive multiple of 16 x {inputs} for {fmt}")
         if n > MAX_ROWS or k > MAX_ROWS:  # row and column indices are int32 in the kernels
             raise ConfigError("shape", f"{n} x {k}: at most {MAX_ROWS} rows and columns")
         arr = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
         # in Python integers: a product of size_t would wrap for huge n and k
-        expected = (int(n) // 16) * (int(k) // 32) * int(llama_block_bytes(FORMATS[fmt]))
+        expected = (int(n) // 16) * (int(k) // int(inputs)) * int(llama_block_bytes(FORMATS[fmt]))
         if arr.shape[0] != expected:
             raise ConfigError("data", f"{arr.shape[0]} bytes for a {fmt} {n} x {k} matrix, "
                                       f"expected {expected}")

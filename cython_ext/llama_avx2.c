@@ -10,6 +10,9 @@
 #ifndef LLAMA_PF_BLOCKS
 #define LLAMA_PF_BLOCKS 8  /* software prefetch distance in blocks of a tile */
 #endif
+#ifndef LLAMA_PF_SUPER
+#define LLAMA_PF_SUPER 4   /* the same in K-quant super-blocks (1 and 2 were 15-25 % slower on Zen 5) */
+#endif
 
 AI __m256i bcast4(const int8_t *p) {
     int32_t v;
@@ -54,7 +57,7 @@ AI void half_kernel(const uint8_t *w0, size_t kb, const int fmt, int half, const
                     isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones));
                 }
             }
-        } else if (fmt == LLAMA_Q5_0) {
+        } else if (llama_has_plane(fmt)) {
             /* 5-bit quants: a pair of products reaches 2 x 31 x 127, so each group's two goes
              * to 32 bits at once (8 groups in 16 bits would overflow) */
             const __m256i plane = _mm256_loadu_si256((const __m256i *)(blk + 256)), bit4 = _mm256_set1_epi8(0x10);
@@ -92,7 +95,7 @@ AI void half_kernel(const uint8_t *w0, size_t kb, const int fmt, int half, const
                 isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(llama_zero_point(fmt) * a->sum[ab]));
             const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[ab]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
-            if (fmt == LLAMA_Q4_1)
+            if (llama_has_m(fmt))
                 acc[r] = _mm256_fmadd_ps(load_half8(blk - 32 * half + so + 32 + 16 * half),
                                          _mm256_set1_ps(a->s[ab]), acc[r]);
         }
@@ -100,8 +103,106 @@ AI void half_kernel(const uint8_t *w0, size_t kb, const int fmt, int half, const
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (r0 + r) * ldo + 8 * half, acc[r]);
 }
 
+AI __m256 bytes_ps(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* R rows x one half of a tile of K-quant super-blocks, as half_kernel; the integer sums of a
+ * sub-block's first and second 16 inputs stay apart for Q6_K (two products of one group sum
+ * below 2 x 63 x 127 per 16-bit lane, so pairs of groups go to 32 bits). */
+AI void half_kernel_k(const uint8_t *w0, size_t nsb, const int fmt, int half, const llama_qact *a,
+                      size_t r0, const int R, float *out, size_t ldo) {
+    const size_t bb = llama_block_bytes(fmt), sb = llama_ksub_bytes(fmt), fb = llama_kfield_bytes(fmt);
+    const __m256i nib = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (size_t B = 0; B < nsb; B++) {
+        const uint8_t *f = w0 + B * bb, *blk = f + fb;
+        const __m256 d = load_half8(f + 256 + 16 * half);
+        const __m256 dmin = fmt == LLAMA_Q6_K ? d : load_half8(f + 288 + 16 * half);
+        for (int s = 0; s < LLAMA_KSUB; s++) {
+            const uint8_t *sub = blk + s * sb + 32 * half;
+#if LLAMA_PF_BLOCKS
+            /* an eighth of the super-block LLAMA_PF_SUPER ahead per sub-block */
+            if (half == 0 && R > 1)
+                for (size_t off = 0; off < bb / LLAMA_KSUB; off += 64)
+                    _mm_prefetch((const char *)f + LLAMA_PF_SUPER * bb + s * (bb / LLAMA_KSUB) + off, _MM_HINT_T0);
+#endif
+            const size_t b = B * LLAMA_KSUB + s;
+            const int8_t *aq[4];
+            for (int r = 0; r < R; r++) aq[r] = a->q + (r0 + r) * a->k + b * LLAMA_QK;
+            __m256i lo[4], hi[4];
+            for (int l = 0; l < 4; l++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(sub + 64 * l));
+                lo[l] = _mm256_and_si256(v, nib);
+                hi[l] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                if (fmt == LLAMA_Q5_K) {
+                    const __m256i plane = _mm256_loadu_si256((const __m256i *)(sub + 256)), bit4 = _mm256_set1_epi8(0x10);
+                    lo[l] = _mm256_or_si256(lo[l], _mm256_and_si256(_mm256_slli_epi16(plane, 4 - l), bit4));
+                    hi[l] = _mm256_or_si256(hi[l], _mm256_and_si256(_mm256_srli_epi16(plane, l), bit4));
+                } else if (fmt == LLAMA_Q6_K) {
+                    const __m256i p0 = _mm256_loadu_si256((const __m256i *)(sub + 256));
+                    const __m256i p1 = _mm256_loadu_si256((const __m256i *)(sub + 320)), bits = _mm256_set1_epi8(0x30);
+                    const __m256i s0 = l < 2 ? _mm256_slli_epi16(p0, 4 - 2 * l) : _mm256_srli_epi16(p0, 2 * l - 4);
+                    const __m256i s1 = l < 2 ? _mm256_slli_epi16(p1, 4 - 2 * l) : _mm256_srli_epi16(p1, 2 * l - 4);
+                    lo[l] = _mm256_or_si256(lo[l], _mm256_and_si256(s0, bits));
+                    hi[l] = _mm256_or_si256(hi[l], _mm256_and_si256(s1, bits));
+                }
+            }
+            if (fmt == LLAMA_Q6_K) {
+                const __m256i sa = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(f + 32 * s + 8 * half)));
+                const __m256i sbv = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(f + 32 * s + 16 + 8 * half)));
+                for (int r = 0; r < R; r++) {
+                    __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+                    for (int l = 0; l < 4; l += 2) {
+                        i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo[l], bcast4(aq[r] + 4 * l)),
+                            _mm256_maddubs_epi16(lo[l + 1], bcast4(aq[r] + 4 * l + 4))), ones));
+                        i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(_mm256_add_epi16(
+                            _mm256_maddubs_epi16(hi[l], bcast4(aq[r] + 16 + 4 * l)),
+                            _mm256_maddubs_epi16(hi[l + 1], bcast4(aq[r] + 20 + 4 * l))), ones));
+                    }
+                    const size_t ab = (r0 + r) * a->kb + b;
+                    const int32_t lo_sum = a->sum_lo[ab], hi_sum = a->sum[ab] - lo_sum;
+                    i0 = _mm256_sub_epi32(i0, _mm256_set1_epi32(32 * lo_sum));
+                    i1 = _mm256_sub_epi32(i1, _mm256_set1_epi32(32 * hi_sum));
+                    const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(i0, sa), _mm256_mullo_epi32(i1, sbv));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(a->d[ab])), acc[r]);
+                }
+            } else {
+                const __m256 dsc = _mm256_mul_ps(d, bytes_ps(f + 16 * s + 8 * half));
+                const __m256 dm = _mm256_mul_ps(dmin, bytes_ps(f + 128 + 16 * s + 8 * half));
+                for (int r = 0; r < R; r++) {
+                    __m256i isum;
+                    if (fmt == LLAMA_Q4_K) {  /* 8 products of 2 x 15 x 127 fit 16 bits */
+                        __m256i i16 = _mm256_setzero_si256();
+                        for (int l = 0; l < 4; l++) {
+                            i16 = _mm256_add_epi16(i16, _mm256_maddubs_epi16(lo[l], bcast4(aq[r] + 4 * l)));
+                            i16 = _mm256_add_epi16(i16, _mm256_maddubs_epi16(hi[l], bcast4(aq[r] + 16 + 4 * l)));
+                        }
+                        isum = _mm256_madd_epi16(i16, ones);
+                    } else {
+                        isum = _mm256_setzero_si256();
+                        for (int l = 0; l < 4; l++)
+                            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_add_epi16(
+                                _mm256_maddubs_epi16(lo[l], bcast4(aq[r] + 4 * l)),
+                                _mm256_maddubs_epi16(hi[l], bcast4(aq[r] + 16 + 4 * l))), ones));
+                    }
+                    const size_t ab = (r0 + r) * a->kb + b;
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dsc, _mm256_set1_ps(a->d[ab])), acc[r]);
+                    acc[r] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(a->s[ab]), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (r0 + r) * ldo + 8 * half, acc[r]);
+}
+
 #define KERNEL_CASE(FMT, R)                                                                 \
-    case R: half_kernel(w0, kb, FMT, half, a, r0, R, out, ldo); break;
+    case R:                                                                                 \
+        if (llama_is_k(FMT)) half_kernel_k(w0, kb, FMT, half, a, r0, R, out, ldo);          \
+        else half_kernel(w0, kb, FMT, half, a, r0, R, out, ldo);                            \
+        break;
 
 #define DEFINE_RUN(FMT, NAME)                                                               \
     static void NAME(const uint8_t *w0, size_t kb, int half, const llama_qact *a, size_t r0, \
@@ -114,12 +215,19 @@ DEFINE_RUN(LLAMA_Q4_0, run_q4_0)
 DEFINE_RUN(LLAMA_Q4_1, run_q4_1)
 DEFINE_RUN(LLAMA_Q8_0, run_q8_0)
 DEFINE_RUN(LLAMA_Q5_0, run_q5_0)
+DEFINE_RUN(LLAMA_Q5_1, run_q5_1)
+DEFINE_RUN(LLAMA_Q4_K, run_q4_k)
+DEFINE_RUN(LLAMA_Q5_K, run_q5_k)
+DEFINE_RUN(LLAMA_Q6_K, run_q6_k)
 
 static void matmul(const llama_matrix *w, size_t tile0, size_t tile1, const llama_qact *a,
                    size_t rows, float *out, size_t ldo) {
-    const size_t kb = w->k / LLAMA_QK, tb = llama_tile_bytes(w);
-    void (*run)(const uint8_t *, size_t, int, const llama_qact *, size_t, int, float *, size_t) =
-        w->fmt == LLAMA_Q8_0 ? run_q8_0 : w->fmt == LLAMA_Q4_1 ? run_q4_1 : w->fmt == LLAMA_Q5_0 ? run_q5_0 : run_q4_0;
+    /* kb: blocks per tile (of 32 inputs, or K-quant super-blocks) */
+    const size_t kb = w->k / llama_block_inputs(w->fmt), tb = llama_tile_bytes(w);
+    void (*const runs[LLAMA_FORMATS])(const uint8_t *, size_t, int, const llama_qact *, size_t, int, float *, size_t) = {
+        [LLAMA_Q4_0] = run_q4_0, [LLAMA_Q4_1] = run_q4_1, [LLAMA_Q8_0] = run_q8_0, [LLAMA_Q5_0] = run_q5_0,
+        [LLAMA_Q4_K] = run_q4_k, [LLAMA_Q5_K] = run_q5_k, [LLAMA_Q6_K] = run_q6_k, [LLAMA_Q5_1] = run_q5_1};
+    void (*run)(const uint8_t *, size_t, int, const llama_qact *, size_t, int, float *, size_t) = runs[w->fmt];
     for (size_t t = tile0; t < tile1; t += 4) {  /* 4 tiles stay in cache across row groups */
         const size_t chunk = tile1 - t < 4 ? tile1 - t : 4;
         for (size_t r0 = 0; r0 < rows; r0 += 4) {
@@ -159,11 +267,16 @@ static void quantize(const float *x, size_t ldx, size_t rows, llama_qact *a) {
             s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
             s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
             const int32_t sum = _mm_cvtsi128_si32(s);
+            const __m256i l2 = _mm256_add_epi32(q[0], q[1]);
+            __m128i sl = _mm_add_epi32(_mm256_castsi256_si128(l2), _mm256_extracti128_si256(l2, 1));
+            sl = _mm_add_epi32(sl, _mm_unpackhi_epi64(sl, sl));
+            sl = _mm_add_epi32(sl, _mm_shuffle_epi32(sl, 1));
             const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
             _mm256_storeu_si256((__m256i *)(a->q + r * a->k + b * LLAMA_QK),
                                 _mm256_permutevar8x32_epi32(packed, order));
             a->d[r * a->kb + b] = d;
             a->sum[r * a->kb + b] = sum;
+            a->sum_lo[r * a->kb + b] = _mm_cvtsi128_si32(sl);
             a->s[r * a->kb + b] = d * (float)sum;
         }
     }

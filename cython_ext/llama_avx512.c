@@ -9,6 +9,9 @@
 #ifndef LLAMA_PF_BLOCKS
 #define LLAMA_PF_BLOCKS 8  /* software prefetch distance in blocks of a tile */
 #endif
+#ifndef LLAMA_PF_SUPER
+#define LLAMA_PF_SUPER 4   /* the same in K-quant super-blocks (1 and 2 were 15-25 % slower on Zen 5) */
+#endif
 #ifndef LLAMA_PF_HINT
 #define LLAMA_PF_HINT _MM_HINT_T0
 #endif
@@ -57,13 +60,13 @@ AI void tile_kernel(const uint8_t *w0, size_t kb, const int fmt, const llama_qac
                 }
             }
         } else {
-            const __m512i plane = fmt == LLAMA_Q5_0 ? _mm512_loadu_si512(blk + 256) : _mm512_setzero_si512();
+            const __m512i plane = llama_has_plane(fmt) ? _mm512_loadu_si512(blk + 256) : _mm512_setzero_si512();
             const __m512i bit4 = _mm512_set1_epi8(0x10);
             for (int l = 0; l < 4; l++) {
                 const __m512i v = _mm512_loadu_si512(blk + 64 * l);
                 __m512i lo = _mm512_and_si512(v, nib);
                 __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-                if (fmt == LLAMA_Q5_0) {  /* the fifth bits: bit l (low nibbles) and 4 + l (high) to bit 4 */
+                if (llama_has_plane(fmt)) {  /* the fifth bits: bit l (low nibbles) and 4 + l (high) to bit 4 */
                     lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(plane, 4 - l), bit4));
                     hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(plane, l), bit4));
                 }
@@ -83,15 +86,96 @@ AI void tile_kernel(const uint8_t *w0, size_t kb, const int fmt, const llama_qac
             if (zero) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(zero * a->sum[ab]));
             const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[ab]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
-            if (fmt == LLAMA_Q4_1)
+            if (llama_has_m(fmt))
                 acc[r] = _mm512_fmadd_ps(load_half16(blk + so + 32), _mm512_set1_ps(a->s[ab]), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + (r0 + r) * ldo, acc[r]);
 }
 
+/* The unsigned quants of group L's low (first 16 inputs) and high (second 16) nibbles of a
+ * K-quant sub-block, the fifth bits (Q5_K) or two high bits (Q6_K) merged in. */
+AI void k_quants(const uint8_t *sub, const int fmt, int l, __m512i *lo, __m512i *hi) {
+    const __m512i nib = _mm512_set1_epi8(0x0f), v = _mm512_loadu_si512(sub + 64 * l);
+    *lo = _mm512_and_si512(v, nib);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    if (fmt == LLAMA_Q5_K) {
+        const __m512i plane = _mm512_loadu_si512(sub + 256), bit4 = _mm512_set1_epi8(0x10);
+        *lo = _mm512_or_si512(*lo, _mm512_and_si512(_mm512_slli_epi16(plane, 4 - l), bit4));
+        *hi = _mm512_or_si512(*hi, _mm512_and_si512(_mm512_srli_epi16(plane, l), bit4));
+    } else if (fmt == LLAMA_Q6_K) {  /* bits 2l, 2l+1 of each plane to bits 4, 5 */
+        const __m512i p0 = _mm512_loadu_si512(sub + 256), p1 = _mm512_loadu_si512(sub + 320);
+        const __m512i bits = _mm512_set1_epi8(0x30);
+        const __m512i s0 = l < 2 ? _mm512_slli_epi16(p0, 4 - 2 * l) : _mm512_srli_epi16(p0, 2 * l - 4);
+        const __m512i s1 = l < 2 ? _mm512_slli_epi16(p1, 4 - 2 * l) : _mm512_srli_epi16(p1, 2 * l - 4);
+        *lo = _mm512_or_si512(*lo, _mm512_and_si512(s0, bits));
+        *hi = _mm512_or_si512(*hi, _mm512_and_si512(s1, bits));
+    }
+}
+
+AI __m512 bytes_ps(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+
+/* R rows x one tile of K-quant super-blocks: per sub-block, the integer sums of its first and
+ * second 16 inputs (i0, i1), then the float steps of llama_kernels.h. */
+AI void tile_kernel_k(const uint8_t *w0, size_t nsb, const int fmt, const llama_qact *a, size_t r0,
+                      const int R, float *out, size_t ldo) {
+    const size_t bb = llama_block_bytes(fmt), sb = llama_ksub_bytes(fmt), fb = llama_kfield_bytes(fmt);
+    __m512 acc[8];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (size_t B = 0; B < nsb; B++) {
+        const uint8_t *f = w0 + B * bb, *blk = f + fb;
+        const __m512 d = load_half16(f + 256);
+        const __m512 dmin = fmt == LLAMA_Q6_K ? d : load_half16(f + 288);
+        for (int s = 0; s < LLAMA_KSUB; s++) {
+            const uint8_t *sub = blk + s * sb;
+#if LLAMA_PF_BLOCKS
+            /* an eighth of the super-block LLAMA_PF_SUPER ahead per sub-block */
+            for (size_t off = 0; off < bb / LLAMA_KSUB; off += 64)
+                _mm_prefetch((const char *)f + LLAMA_PF_SUPER * bb + s * (bb / LLAMA_KSUB) + off, LLAMA_PF_HINT);
+#endif
+            const size_t b = B * LLAMA_KSUB + s;
+            __m512i i0[8], i1[8];
+            for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm512_setzero_si512();
+            for (int l = 0; l < 4; l++) {
+                __m512i lo, hi;
+                k_quants(sub, fmt, l, &lo, &hi);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *aq = a->q + (r0 + r) * a->k + b * LLAMA_QK;
+                    i0[r] = _mm512_dpbusd_epi32(i0[r], lo, bcast4(aq + 4 * l));
+                    i1[r] = _mm512_dpbusd_epi32(i1[r], hi, bcast4(aq + 16 + 4 * l));
+                }
+            }
+            if (fmt == LLAMA_Q6_K) {
+                const __m512i sa = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(f + 32 * s)));
+                const __m512i sbv = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(f + 32 * s + 16)));
+                for (int r = 0; r < R; r++) {
+                    const size_t ab = (r0 + r) * a->kb + b;
+                    const int32_t lo_sum = a->sum_lo[ab], hi_sum = a->sum[ab] - lo_sum;
+                    const __m512i lo = _mm512_sub_epi32(i0[r], _mm512_set1_epi32(32 * lo_sum));
+                    const __m512i hi = _mm512_sub_epi32(i1[r], _mm512_set1_epi32(32 * hi_sum));
+                    const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(lo, sa), _mm512_mullo_epi32(hi, sbv));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(a->d[ab])), acc[r]);
+                }
+            } else {
+                const __m512 dsc = _mm512_mul_ps(d, bytes_ps(f + 16 * s));
+                const __m512 dm = _mm512_mul_ps(dmin, bytes_ps(f + 128 + 16 * s));
+                for (int r = 0; r < R; r++) {
+                    const size_t ab = (r0 + r) * a->kb + b;
+                    const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(i0[r], i1[r]));
+                    acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(dsc, _mm512_set1_ps(a->d[ab])), acc[r]);
+                    acc[r] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(a->s[ab]), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + (r0 + r) * ldo, acc[r]);
+}
+
 #define KERNEL_CASE(FMT, R)                                                                 \
-    case R: tile_kernel(w0, kb, FMT, a, r0, R, out, ldo); break;
+    case R:                                                                                 \
+        if (llama_is_k(FMT)) tile_kernel_k(w0, kb, FMT, a, r0, R, out, ldo);                \
+        else tile_kernel(w0, kb, FMT, a, r0, R, out, ldo);                                  \
+        break;
 
 #define DEFINE_RUN(FMT, NAME)                                                               \
     static void NAME(const uint8_t *w0, size_t kb, const llama_qact *a, size_t r0, int R,    \
@@ -106,12 +190,19 @@ DEFINE_RUN(LLAMA_Q4_0, run_q4_0)
 DEFINE_RUN(LLAMA_Q4_1, run_q4_1)
 DEFINE_RUN(LLAMA_Q8_0, run_q8_0)
 DEFINE_RUN(LLAMA_Q5_0, run_q5_0)
+DEFINE_RUN(LLAMA_Q5_1, run_q5_1)
+DEFINE_RUN(LLAMA_Q4_K, run_q4_k)
+DEFINE_RUN(LLAMA_Q5_K, run_q5_k)
+DEFINE_RUN(LLAMA_Q6_K, run_q6_k)
 
 static void matmul(const llama_matrix *w, size_t tile0, size_t tile1, const llama_qact *a,
                    size_t rows, float *out, size_t ldo) {
-    const size_t kb = w->k / LLAMA_QK, tb = llama_tile_bytes(w);
-    void (*run)(const uint8_t *, size_t, const llama_qact *, size_t, int, float *, size_t) =
-        w->fmt == LLAMA_Q8_0 ? run_q8_0 : w->fmt == LLAMA_Q4_1 ? run_q4_1 : w->fmt == LLAMA_Q5_0 ? run_q5_0 : run_q4_0;
+    /* kb: blocks per tile (of 32 inputs, or K-quant super-blocks) */
+    const size_t kb = w->k / llama_block_inputs(w->fmt), tb = llama_tile_bytes(w);
+    void (*const runs[LLAMA_FORMATS])(const uint8_t *, size_t, const llama_qact *, size_t, int, float *, size_t) = {
+        [LLAMA_Q4_0] = run_q4_0, [LLAMA_Q4_1] = run_q4_1, [LLAMA_Q8_0] = run_q8_0, [LLAMA_Q5_0] = run_q5_0,
+        [LLAMA_Q4_K] = run_q4_k, [LLAMA_Q5_K] = run_q5_k, [LLAMA_Q6_K] = run_q6_k, [LLAMA_Q5_1] = run_q5_1};
+    void (*run)(const uint8_t *, size_t, const llama_qact *, size_t, int, float *, size_t) = runs[w->fmt];
     for (size_t t = tile0; t < tile1; t += 4) {  /* 4 tiles stay in cache across row groups */
         const size_t chunk = tile1 - t < 4 ? tile1 - t : 4;
         for (size_t r0 = 0; r0 < rows; r0 += 8) {
@@ -136,9 +227,11 @@ static void quantize(const float *x, size_t ldx, size_t rows, llama_qact *a) {
             int8_t *q = a->q + r * a->k + b * LLAMA_QK;
             _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
             _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(q1));
-            const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            const int32_t sum_lo = _mm512_reduce_add_epi32(q0);
+            const int32_t sum = sum_lo + _mm512_reduce_add_epi32(q1);
             a->d[r * a->kb + b] = d;
             a->sum[r * a->kb + b] = sum;
+            a->sum_lo[r * a->kb + b] = sum_lo;
             a->s[r * a->kb + b] = d * (float)sum;
         }
     }

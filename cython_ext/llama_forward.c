@@ -1,5 +1,9 @@
 /* The llama decoder step over the per-ISA kernels, run by a small pthread pool.
  *
+ * One file on purpose (~800 lines): the pool, the phases of a step and the architecture's
+ * options share one work-item scheme and ordering rules that make every row count and thread
+ * schedule give the same bits; split up, those rules would be spread over several files.
+ *
  * Threads: the pool holds `threads - 1` workers; the calling thread is thread 0. A forward is
  * one parallel region made of phases (per layer: QKV product, attention, output product,
  * gate/up product, down product). Each phase is a list of work items (a few column tiles of a
@@ -211,7 +215,36 @@ static long phase_claim(phase *p) {
 
 static void phase_finish(phase *p) { atomic_fetch_add(&p->done, 1); }
 
+/* A K-quant column as GGUF dequantizes it: (d * sc) * u - dmin * m, (d * sc) * (u - 32). */
+static void embed_dequant_k(const llama_matrix *w, size_t col, float *x) {
+    const int fmt = w->fmt, c = (int)(col % LLAMA_TILE);
+    const size_t nsb = w->k / LLAMA_QK_K, bb = llama_block_bytes(fmt), sb = llama_ksub_bytes(fmt);
+    const uint8_t *tile = w->data + (col / LLAMA_TILE) * llama_tile_bytes(w);
+    for (size_t B = 0; B < nsb; B++) {
+        const uint8_t *f = tile + B * bb, *blk = f + llama_kfield_bytes(fmt);
+        uint16_t h;
+        memcpy(&h, f + 256 + 2 * c, 2);
+        const float d = llama_half_to_float(h);
+        memcpy(&h, f + 288 + 2 * c, 2);
+        const float dmin = fmt == LLAMA_Q6_K ? 0.0f : llama_half_to_float(h);
+        for (int s = 0; s < LLAMA_KSUB; s++) {
+            float *xs = x + (B * LLAMA_KSUB + s) * LLAMA_QK;
+            for (int k = 0; k < LLAMA_QK; k++) {
+                const int u = llama_quant_at(blk + s * sb, fmt, c, k);
+                if (fmt == LLAMA_Q6_K)
+                    xs[k] = d * (float)((const int8_t *)f)[32 * s + 16 * (k >> 4) + c] * (float)(u - 32);
+                else
+                    xs[k] = d * (float)f[16 * s + c] * (float)u - dmin * (float)f[128 + 16 * s + c];
+            }
+        }
+    }
+}
+
 static void embed_dequant(const llama_matrix *w, size_t col, float *x) {
+    if (llama_is_k(w->fmt)) {
+        embed_dequant_k(w, col, x);
+        return;
+    }
     const size_t kb = w->k / LLAMA_QK, bb = llama_block_bytes(w->fmt), so = llama_scale_offset(w->fmt);
     const uint8_t *tile = w->data + (col / LLAMA_TILE) * llama_tile_bytes(w);
     const int c = (int)(col % LLAMA_TILE), zero = llama_zero_point(w->fmt);
@@ -221,7 +254,7 @@ static void embed_dequant(const llama_matrix *w, size_t col, float *x) {
         memcpy(&h, blk + so + 2 * c, 2);
         const float d = llama_half_to_float(h);
         float m = 0.0f;
-        if (w->fmt == LLAMA_Q4_1) {
+        if (llama_has_m(w->fmt)) {
             memcpy(&h, blk + so + 32 + 2 * c, 2);
             m = llama_half_to_float(h);
         }
@@ -683,6 +716,7 @@ static char *alloc_state(fwd_state *st, int nt, size_t qrows) {
             TAKE(ts.qa.d, float, qrows * (wide / LLAMA_QK));
             TAKE(ts.qa.s, float, qrows * (wide / LLAMA_QK));
             TAKE(ts.qa.sum, int32_t, qrows * (wide / LLAMA_QK));
+            TAKE(ts.qa.sum_lo, int32_t, qrows * (wide / LLAMA_QK));
             TAKE(ts.scores, float, ATT_ROWS * group * st->max_slots);
             TAKE(ts.probs, float, group * st->max_slots);
             TAKE(ts.idx, int32_t, st->max_slots);

@@ -10,12 +10,54 @@ static inline float h2f(const uint8_t *p) {
     return llama_half_to_float(h);
 }
 
+/* K-quant super-blocks: the sub-block formulas of llama_kernels.h. */
+static void matmul_k(const llama_matrix *w, size_t tile0, size_t tile1, const llama_qact *a,
+                     size_t rows, float *out, size_t ldo) {
+    const int fmt = w->fmt;
+    const size_t nsb = w->k / LLAMA_QK_K, bb = llama_block_bytes(fmt), sb = llama_ksub_bytes(fmt);
+    const size_t fb = llama_kfield_bytes(fmt), kb = w->k / LLAMA_QK;
+    for (size_t t = tile0; t < tile1; t++) {
+        const uint8_t *tile = w->data + t * nsb * bb;
+        for (size_t r = 0; r < rows; r++) {
+            for (int c = 0; c < LLAMA_TILE; c++) {
+                float acc = 0.0f;
+                for (size_t B = 0; B < nsb; B++) {
+                    const uint8_t *f = tile + B * bb, *blk = f + fb;
+                    for (int s = 0; s < LLAMA_KSUB; s++) {
+                        const size_t b = B * LLAMA_KSUB + s, ab = r * kb + b;
+                        const int8_t *x = a->q + r * a->k + b * LLAMA_QK;
+                        int32_t lo = 0, hi = 0;
+                        for (int k = 0; k < 16; k++) lo += llama_quant_at(blk + s * sb, fmt, c, k) * x[k];
+                        for (int k = 16; k < 32; k++) hi += llama_quant_at(blk + s * sb, fmt, c, k) * x[k];
+                        if (fmt == LLAMA_Q6_K) {
+                            const int8_t *sc = (const int8_t *)f + 32 * s + c;
+                            const int32_t isum = sc[0] * (lo - 32 * a->sum_lo[ab]) +
+                                                 sc[16] * (hi - 32 * (a->sum[ab] - a->sum_lo[ab]));
+                            acc = fmaf((float)isum, h2f(f + 256 + 2 * c) * a->d[ab], acc);
+                        } else {
+                            const float dsc = h2f(f + 256 + 2 * c) * (float)f[16 * s + c];
+                            const float dm = h2f(f + 288 + 2 * c) * (float)f[128 + 16 * s + c];
+                            acc = fmaf((float)(lo + hi), dsc * a->d[ab], acc);
+                            acc = fmaf(-dm, a->s[ab], acc);
+                        }
+                    }
+                }
+                out[r * ldo + t * LLAMA_TILE + c] = acc;
+            }
+        }
+    }
+}
+
 static void matmul(const llama_matrix *w, size_t tile0, size_t tile1, const llama_qact *a,
                    size_t rows, float *out, size_t ldo) {
+    if (llama_is_k(w->fmt)) {
+        matmul_k(w, tile0, tile1, a, rows, out, ldo);
+        return;
+    }
     const size_t kb = w->k / LLAMA_QK, bb = llama_block_bytes(w->fmt);
     const size_t so = llama_scale_offset(w->fmt);
     const int zero = llama_zero_point(w->fmt), fmt = w->fmt;
-    const int has_m = w->fmt == LLAMA_Q4_1;
+    const int has_m = llama_has_m(w->fmt);
     for (size_t t = tile0; t < tile1; t++) {
         const uint8_t *tile = w->data + t * kb * bb;
         for (size_t r = 0; r < rows; r++) {
@@ -44,13 +86,15 @@ static void quantize(const float *x, size_t ldx, size_t rows, llama_qact *a) {
             for (int k = 0; k < LLAMA_QK; k++) amax = fmaxf(amax, fabsf(xb[k]));
             const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
             int8_t *q = a->q + r * a->k + b * LLAMA_QK;
-            int32_t sum = 0;
+            int32_t sum = 0, sum_lo = 0;
             for (int k = 0; k < LLAMA_QK; k++) {
                 q[k] = (int8_t)(int)rintf(xb[k] * id);
                 sum += q[k];
+                if (k == 15) sum_lo = sum;
             }
             a->d[r * a->kb + b] = d;
             a->sum[r * a->kb + b] = sum;
+            a->sum_lo[r * a->kb + b] = sum_lo;
             a->s[r * a->kb + b] = d * (float)sum;
         }
     }

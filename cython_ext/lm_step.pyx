@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""The speculative LM's forward pass in C (lm_forward.c); wrapped by dspark.decoding.lm.KernelLM."""
+"""The speculative LM's forward pass in C (lm_forward.c); wrapped by dspark.runtimes.toy_lm.runtime.KernelLM."""
 import numpy as np
 cimport numpy as cnp
 

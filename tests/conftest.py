@@ -8,9 +8,17 @@ from typing import Iterator, Sequence
 import pytest
 
 from dspark.paths import demo_repositories
-from dspark.triton.server import DEFAULT_HEADER_PATTERN, TritonServer, header_forward_args
+from dspark.triton.server import TritonServer
+from dspark.triton.access import DEFAULT_HEADER_PATTERN, header_forward_args
 
 LOG_TAIL_LINES = 200
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The test fixture LM pair's graphs (tests/fixtures/toy_lm), built once from its weights."""
+    from tests.fixtures.toy_lm.build import build_all
+
+    build_all()
 # Triton waits this long at shutdown for clients' idle keep-alive connections; tests need no drain.
 TEST_EXIT_TIMEOUT_S = 2
 

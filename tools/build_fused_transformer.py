@@ -6,7 +6,7 @@ from pathlib import Path
 
 import onnx
 
-from dspark.engines.fused_transformer import TransformerConfig, make_weights, save_weights, to_onnx
+from dspark.runtimes.fused_transformer import TransformerConfig, make_weights, save_weights, to_onnx
 
 ROOT = Path(__file__).resolve().parent.parent
 REPOSITORY = ROOT / "model_repository"

@@ -2,12 +2,12 @@
 run through the fused LayerNorm+GELU+MatMul kernel, activations from the BFC pool.
 
 The weights file is `default_model_filename` or weights.npz in the version folder.
-Config parameters (all optional; dspark.triton.backend_parameters.FusedTransformerParameters):
+Config parameters (all optional; dspark.triton.params.FusedTransformerParameters):
 threads (BLAS threads, 1), numa_node (pin this instance's threads and its pool's first touch to
 that node; unset = no pinning), use_pool (true), pool_bytes (67108864), lock_pages (false: mlock
 the pool), huge_pages (true: MADV_HUGEPAGE on the pool).
 matmul (fused | gemm): gemm runs every matrix product through the GemmEx shim instead
-(dspark.accel.gemm_transformer), with gemm_vendor (hcblas | cublas | hipblas | mcblas | mublas),
+(dspark.runtimes.accel.gemm_transformer), with gemm_vendor (hcblas | cublas | hipblas | mcblas | mublas),
 gemm_device (auto: a GPU through CuPy where one is usable, else the CPU | cpu | cuda) and
 gemm_compute (fp32 | bf16).
 """
@@ -16,13 +16,14 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from dspark.accel.gemm_transformer import GemmTransformer
-from dspark.engines.fused_transformer import OUTPUT_NAME, FusedTransformer
+from dspark.runtimes.accel.gemm_transformer import GemmTransformer
+from dspark.runtimes.fused_transformer import OUTPUT_NAME, FusedTransformer
 from dspark.kernels.dispatch import dispatch_report
 from dspark.kernels.pool import PoolError
-from dspark.triton.adapter import parse_parameters, triton_error
-from dspark.triton.backend_parameters import FusedTransformerParameters
-from dspark.triton.tensors import TensorSpec, check_inputs
+from dspark.params import parse_parameters
+from dspark.triton.adapter import triton_error
+from dspark.triton.params import FusedTransformerParameters
+from dspark.tensors import TensorSpec, check_inputs
 
 
 class TritonPythonModel:

@@ -3,9 +3,9 @@
 Config parameters (all optional): execution_providers (ordered preference, comma separated, e.g.
 CUDA,CPU), execution_provider_options (JSON: provider -> {option: value}, names checked),
 disable_cpu_ep_fallback (false: an unusable provider is skipped with a warning; true: it fails the
-load), ep_plugin_libraries (JSON: plugin provider name -> library path) (dspark.accel.providers);
+load), ep_plugin_libraries (JSON: plugin provider name -> library path) (dspark.runtimes.accel.providers);
 intra_op_threads (1), inter_op_threads (1), allow_spinning (false), graph_optimization_level
-(all|extended|basic|disable) (dspark.triton.backend_parameters.OnnxParameters); engine
+(all|extended|basic|disable) (dspark.triton.params.OnnxParameters); engine
 (onnxruntime | tensorrt: a TensorRT engine built from the ONNX file and cached, where TensorRT
 and a GPU are present; trt_cache_dir, trt_fp16, trt_max_batch, trt_max_dynamic). See
 docs/accelerators.md. The model file is `default_model_filename` or model.onnx in the version folder.
@@ -15,13 +15,15 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from dspark.accel.providers import ProviderRequest
-from dspark.accel.tensorrt_engine import open_model_runner
-from dspark.engines.onnx_session import OnnxRunner, batch_groups, read_graph_signature
+from dspark.runtimes.accel.providers import ProviderParameters, ProviderRequest
+from dspark.runtimes.accel.tensorrt_engine import TensorRTParameters, open_model_runner
+from dspark.runtimes.onnx_session import OnnxRunner, batch_groups, read_graph_signature
 from dspark.errors import RequestError
-from dspark.triton.adapter import config_parameters, parse_parameters, stub_version_dir, triton_error
-from dspark.triton.backend_parameters import OnnxParameters
-from dspark.triton.tensors import TensorSpec, check_inputs
+from dspark.params import config_parameters, parse_parameters
+from dspark.triton.adapter import stub_version_dir, triton_error
+from dspark.triton.metrics import OnnxMetrics
+from dspark.triton.params import OnnxParameters
+from dspark.tensors import TensorSpec, check_inputs
 
 DEFAULT_FILENAME = "model.onnx"
 AUTO_MAX_BATCH_SIZE = 8
@@ -66,7 +68,7 @@ class TritonPythonModel:
 
     def initialize(self, args):
         self.model_config = json.loads(args["model_config"])
-        params = parse_parameters(OnnxParameters, self.model_config)
+        params = parse_parameters(OnnxParameters, self.model_config, ProviderParameters, TensorRTParameters)
         filename = self.model_config.get("default_model_filename") or DEFAULT_FILENAME
         model_path = Path(args["model_repository"]) / args["model_version"] / filename
         if not model_path.is_file():
@@ -95,33 +97,7 @@ class TritonPythonModel:
                     if isinstance(self.runner, OnnxRunner) else self.runner.describe())
         logger.log_info(f"onnx backend: loaded {args['model_name']} version {args['model_version']} from {model_path} "
                         f"on {choice.describe()}, {settings}")
-        labels = {"model": args["model_name"], "version": args["model_version"]}
-        # Families must outlive their metrics, so both are kept on the instance.
-        self.metric_families = [
-            pb_utils.MetricFamily(name="dspark_onnx_batches_total", kind=pb_utils.MetricFamily.COUNTER,
-                                  description="ONNX Runtime runs (one per batch of requests)"),
-            pb_utils.MetricFamily(name="dspark_onnx_batch_rows_total", kind=pb_utils.MetricFamily.COUNTER,
-                                  description="Rows run through ONNX Runtime; divided by runs it is the mean batch"),
-        ]
-        self.batches_metric, self.rows_metric = (family.Metric(labels=labels) for family in self.metric_families)
-        self._provider_metrics(labels, choice)
-
-    def _provider_metrics(self, labels: dict, choice) -> None:
-        """The chosen provider and why (a gauge set to 1), and one count per skipped provider."""
-        chosen = pb_utils.MetricFamily(
-            name="dspark_execution_provider", kind=pb_utils.MetricFamily.GAUGE,
-            description="1 for the execution provider a model runs on; reason: first_preference or fallback")
-        fallback = pb_utils.MetricFamily(
-            name="dspark_execution_provider_fallback_total", kind=pb_utils.MetricFamily.COUNTER,
-            description="Preferred execution providers skipped at load because they are not usable here")
-        self.metric_families += [chosen, fallback]
-        reason = "fallback" if choice.fell_back else "first_preference"
-        self.provider_metrics = [chosen.Metric(labels={**labels, "provider": choice.chosen, "reason": reason})]
-        self.provider_metrics[0].set(1)
-        for skipped in choice.skipped:
-            metric = fallback.Metric(labels={**labels, "requested": skipped, "chosen": choice.chosen})
-            metric.increment(1)
-            self.provider_metrics.append(metric)
+        self.metrics = OnnxMetrics(pb_utils, args["model_name"], args["model_version"], choice)
 
     def _request_feeds(self, request) -> dict:
         feeds = {}
@@ -151,8 +127,7 @@ class TritonPythonModel:
                     responses[valid[i]] = pb_utils.InferenceResponse(
                         error=triton_error(pb_utils, error, "onnxruntime failed"))
                 continue
-            self.batches_metric.increment(1)
-            self.rows_metric.increment(sum(_rows(feeds[i]) for i in group) if self.batched else len(group))
+            self.metrics.batch(sum(_rows(feeds[i]) for i in group) if self.batched else len(group))
             for i, outputs in zip(group, results):
                 responses[valid[i]] = pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor(spec.name, outputs[spec.name]) for spec in self.output_specs]

@@ -31,7 +31,8 @@ from dspark.errors import ConfigError, RequestError
 from dspark.routing.config import ConfigWatcher, router_parameters, target_instances
 from dspark.routing.request import parse_parameters
 from dspark.routing.runtime import Job, RouterCore, RouterMetrics, StageTimes
-from dspark.triton.adapter import config_parameters, triton_error
+from dspark.params import config_parameters
+from dspark.triton.adapter import triton_error
 
 LATENCY_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0,
                    5.0, 10.0]

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dspark.triton.adapter import config_parameters
+from dspark.params import config_parameters
 
 
 class TritonPythonModel:

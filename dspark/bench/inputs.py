@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from dspark.errors import ConfigError
-from dspark.triton.tensors import TRITON_TO_NUMPY, wire_name
+from dspark.tensors import TRITON_TO_NUMPY, wire_name
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ interleaved pairs (so the machine's drift hits both) over keep-alive HTTP: Trito
 ``/v2/models/M/generate`` against ``/v1/completions``, then streamed, ``generate_stream`` against
 ``/v1/completions`` with ``stream: true``, both read to the end. Reported: the medians, the median
 of the pairs' differences per request at one token, and per streamed token at ``stream_tokens``
-(the per-request difference taken off first).
+(the per-request difference taken off first), and the CPU the API's process spent on each, which
+the machine's noise does not move as much as latency.
 """
 from __future__ import annotations
 
@@ -54,23 +55,26 @@ def _serve(model: str) -> tuple[subprocess.Popen, str, str]:
     raise UnavailableError("dspark serve did not become ready: " + "".join(lines[-5:]))
 
 
-def _timed(call: Callable[[], int]) -> tuple[float, int]:
-    start = time.perf_counter()
+def _timed(call: Callable[[], int], api_process) -> tuple[float, int, float]:
+    """Seconds, tokens, and the CPU seconds of the process that runs the API (user + system)."""
+    cpu_before, start = sum(api_process.cpu_times()[:2]), time.perf_counter()
     tokens = call()
-    return time.perf_counter() - start, tokens
+    return time.perf_counter() - start, tokens, sum(api_process.cpu_times()[:2]) - cpu_before
 
 
 def run_openai_bench(settings: OpenAIBenchSettings, log: Callable[[str], None] = lambda _: None) -> BenchResult:
+    import psutil
     import requests
 
     prompt = _prompt()
     process, triton, api = _serve(settings.model)
+    api_process = psutil.Process(process.pid)  # `dspark serve`: the API's thread; Triton is its child
     http = requests.Session()
     model = settings.model
 
     def triton_call(tokens: int, stream: bool) -> int:
-        body = {"text_input": prompt, "exclude_input_in_output": True, "sampling_parameters": json.dumps(
-            {"max_tokens": tokens, "temperature": 0, "speculative": {"method": "none"}})}
+        body = {"text_input": prompt, "exclude_input_in_output": True, "stream": stream, "sampling_parameters":
+                json.dumps({"max_tokens": tokens, "temperature": 0, "speculative": {"method": "none"}})}
         if not stream:
             reply = http.post(f"{triton}/v2/models/{model}/generate", json=body, timeout=120)
             reply.raise_for_status()
@@ -100,7 +104,7 @@ def run_openai_bench(settings: OpenAIBenchSettings, log: Callable[[str], None] =
 
     rows = []
     try:
-        per_request = 0.0
+        per_request = per_request_cpu = 0.0
         for label, tokens, stream in (("per request, 1 token", 1, False),
                                       (f"streamed, {settings.stream_tokens} tokens", settings.stream_tokens, True)):
             for _ in range(settings.warmup):
@@ -110,23 +114,26 @@ def run_openai_bench(settings: OpenAIBenchSettings, log: Callable[[str], None] =
                 calls = [("triton", triton_call), ("openai", openai_call)]
                 if i % 2:
                     calls.reverse()
-                timed = {name: _timed(lambda: call(tokens, stream)) for name, call in calls}
+                timed = {name: _timed(lambda: call(tokens, stream), api_process) for name, call in calls}
                 if timed["triton"][1] != timed["openai"][1]:
                     raise UnavailableError(f"the two endpoints generated {timed['triton'][1]} and "
                                            f"{timed['openai'][1]} tokens for the same greedy request")
                 if timed["triton"][1] < tokens:
                     raise UnavailableError(f"the model stopped after {timed['triton'][1]} of {tokens} tokens; "
                                            "the comparison needs the full count")
-                pairs.append((timed["triton"][0], timed["openai"][0], timed["triton"][1]))
+                pairs.append((timed["triton"][0], timed["openai"][0], timed["triton"][1],
+                              timed["openai"][2] - timed["triton"][2]))
             triton_s = statistics.median(p[0] for p in pairs)
             openai_s = statistics.median(p[1] for p in pairs)
             delta_ms = statistics.median(p[1] - p[0] for p in pairs) * 1e3
+            cpu_ms = statistics.mean(p[3] for p in pairs) * 1e3  # CPU clock ticks: a mean, not a median
             row = {"case": label, "tokens": pairs[0][2], "triton_ms": triton_s * 1e3, "openai_ms": openai_s * 1e3,
-                   "added_ms": delta_ms}
+                   "added_ms": delta_ms, "api_cpu_ms": cpu_ms}
             if stream:
                 row["added_ms_per_token"] = (delta_ms - per_request) / max(1, pairs[0][2])
+                row["api_cpu_ms_per_token"] = (cpu_ms - per_request_cpu) / max(1, pairs[0][2])
             else:
-                per_request = delta_ms
+                per_request, per_request_cpu = delta_ms, cpu_ms
             rows.append(row)
             log(f"{label}: Triton {row['triton_ms']:.2f} ms, OpenAI {row['openai_ms']:.2f} ms, added {delta_ms:.2f} ms")
     finally:
@@ -134,9 +141,11 @@ def run_openai_bench(settings: OpenAIBenchSettings, log: Callable[[str], None] =
         process.wait(timeout=60)
     columns = [Column("case"), Column("tokens", "tokens", "d"), Column("triton_ms", "Triton generate ms p50", ".2f"),
                Column("openai_ms", "OpenAI API ms p50", ".2f"), Column("added_ms", "added ms (p50 of pairs)", ".2f"),
-               Column("added_ms_per_token", "added ms per token", ".3f")]
+               Column("added_ms_per_token", "added ms per token", ".3f"),
+               Column("api_cpu_ms", "API CPU ms", ".2f"), Column("api_cpu_ms_per_token", "API CPU ms per token", ".3f")]
     return BenchResult("openai", asdict(settings), rows, columns, key_fields=["case"],
-                       metrics=[Metric("added_ms", "lower"), Metric("added_ms_per_token", "lower")],
+                       metrics=[Metric("added_ms", "lower"), Metric("added_ms_per_token", "lower"), Metric("api_cpu_ms", "lower")],
                        notes=[f"{model}, greedy, method none, {settings.pairs} interleaved pairs per case over "
                               "keep-alive HTTP (requests); streamed cases read every event to the end; per token: "
-                              "(added ms - the per-request figure) / tokens"])
+                              "(added ms - the per-request figure) / tokens; API CPU: the `dspark serve` process's "
+                              "CPU per OpenAI request minus per Triton request (mean)"])

@@ -10,8 +10,8 @@ import click
 
 def model_provider_choices(repositories: Sequence[Path]) -> list[tuple[str, str]]:
     """(model, its provider choice and why) for every `onnx`-backend model in the repositories."""
-    from dspark.accel import tensorrt_engine
-    from dspark.accel.providers import ProviderRequest, choose
+    from dspark.runtimes.accel import tensorrt_engine
+    from dspark.runtimes.accel.providers import ProviderRequest, choose
     from dspark.errors import ConfigError
     from dspark.repository.repo import load_entries
 
@@ -35,8 +35,8 @@ def model_provider_choices(repositories: Sequence[Path]) -> list[tuple[str, str]
 
 
 def echo_accelerator_info(repositories: Sequence[Path]) -> None:
-    from dspark.accel import gemm
-    from dspark.accel.providers import probe_all
+    from dspark.runtimes.accel import gemm
+    from dspark.runtimes.accel.providers import probe_all
 
     report = gemm.kernel_report()
     click.echo(f"GemmEx shim   {gemm.library_path().name}: paths built {', '.join(report.compiled)}; this CPU+OS runs "

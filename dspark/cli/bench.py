@@ -1,9 +1,10 @@
 """`dspark bench`: thin commands over dspark/bench. `model` and `system` drive any Triton server,
 `compare` checks a result against a baseline, `profile` attaches profilers, `all` re-measures the
-docs' tables; the micro benchmarks are in dspark/cli/kernels.py."""
+docs' tables. The group's other commands live in their own modules (micro benchmarks:
+kernels.py; LLM: bench_spec.py; router: bench_router.py; rollouts: bench_rollout.py) and are
+added to the group here, in one place (COMMANDS at the end)."""
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -12,64 +13,14 @@ from typing import Optional
 
 import click
 
-from dspark.errors import DsparkError
-from dspark.triton.server import API_KEY_ENV, API_KEY_HEADER, repository_headers
+from dspark.cli import bench_rollout, bench_router, bench_spec, kernels
+from dspark.cli.bench_common import bench_errors, emit, print_checks, progress_log
+from dspark.triton.access import API_KEY_ENV, API_KEY_HEADER, repository_headers
 
 
 @click.group()
 def bench() -> None:
     """Benchmarks: micro (operators), model and system (a running server), compare, profile, all."""
-
-
-def bench_errors(command):
-    """Errors of dspark's model (bad settings, files, results) as one-line CLI errors."""
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except DsparkError as error:
-            raise click.ClickException(str(error)) from None
-    return wrapper
-
-
-def progress_log(text: str) -> None:
-    click.echo(text, err=True)
-
-
-def emit(result, json_path: Optional[Path]) -> None:
-    """Print the one table (with the machine line and notes); write the JSON."""
-    from dspark.bench.results import header_line
-
-    click.echo(header_line(result))
-    for note in result.notes:
-        click.echo(note)
-    click.echo(result.table())
-    if json_path:
-        click.echo(f"wrote {result.save(json_path)}")
-
-
-def print_checks(checks, title: str) -> list:
-    """The checks' table and one line naming those that failed; returns them."""
-    from dspark.bench.compare import format_checks
-
-    click.echo(f"{title}:")
-    click.echo(format_checks(checks))
-    failed = [c for c in checks if c.failed]
-    if failed:
-        def measured(c) -> str:  # a bound on the value alone has no ratio
-            return f"{c.new:.4g}" if c.ratio != c.ratio else f"{c.ratio:.3f}x, band ±{c.band:.1%}"
-        click.echo(f"FAIL: {len(failed)} of {len(checks)} checks: " + "; ".join(
-            f"{c.point} {c.metric} {c.verdict} ({measured(c)}{', target ' + c.target if c.target else ''})"
-            for c in failed))
-    else:
-        click.echo(f"PASS: {len(checks)} checks within their bands and targets")
-    unsure = [c for c in checks if c.verdict == "unsure"]
-    if unsure:
-        click.echo(f"NOTE: BASE and NEW are one run each: their bands are the spread of windows inside each run, "
-                   f"not between runs, so {len(unsure)} changes beyond them are 'unsure', not regressions; "
-                   "compare folders of repeated runs (or pass --min-band with the noise you know between runs) "
-                   "to judge them")
-    return failed
 
 
 # --- bench model / bench system -----------------------------------------------------------------
@@ -169,7 +120,7 @@ def _run_load(kind: str, models, url, protocol, concurrency, request_rate, arriv
             click.echo(f"wrote {path}")
 
 
-@bench.command("model")
+@click.command("model")
 @click.argument("model")
 @click.option("--input-data", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
               help="JSON in perf_analyzer's input-data format  [default: generated from the model's config]")
@@ -182,7 +133,7 @@ def model(model: str, input_data: Optional[Path], **options) -> None:
     _run_load("model", [ModelSpec(model, 1.0, input_data)], **options)
 
 
-@bench.command("system")
+@click.command("system")
 @click.argument("models", nargs=-1, required=True, metavar="NAME[:WEIGHT[:INPUT_DATA.json]]...")
 @load_options
 @bench_errors
@@ -194,7 +145,7 @@ def system(models: tuple[str, ...], **options) -> None:
 
 
 # --- bench compare ------------------------------------------------------------------------------
-@bench.command("compare")
+@click.command("compare")
 @click.argument("base", type=click.Path(path_type=Path, exists=True))
 @click.argument("new", type=click.Path(path_type=Path, exists=True))
 @click.option("--target", "targets", multiple=True, metavar="METRIC=+N%|METRIC<=Rx|METRIC>=V",
@@ -235,7 +186,7 @@ def compare(base: Path, new: Path, targets, metrics, min_band: float, ignore_key
 
 
 # --- bench profile ------------------------------------------------------------------------------
-@bench.command("profile")
+@click.command("profile")
 @click.argument("model", required=False)
 @click.option("--url", default="127.0.0.1:8000", show_default=True, help="The server's HTTP address (to find it).")
 @click.option("--server-pid", type=int, default=None, help="The server's pid  [default: the process on --url]")
@@ -299,7 +250,7 @@ def profile(model: Optional[str], url: str, server_pid: Optional[int], duration_
 
 
 # --- bench all ----------------------------------------------------------------------------------
-@bench.command("all")
+@click.command("all")
 @click.option("--table", "tables", multiple=True, help="Only these docs tables (repeatable)  [default: all]")
 @click.option("--measure/--no-measure", default=True, show_default=True,
               help="--no-measure re-renders the docs from the results already in --results.")
@@ -317,11 +268,11 @@ def bench_all(tables, measure: bool, results_dir: Path, list_only: bool) -> None
             click.echo(f"{table.name:<14} {table.doc:<22} dspark {' '.join(docs.args_for(table, results_dir))}")
         return
 
-    def run(args: list[str]) -> None:
-        from dspark.cli.main import cli
+    root = click.get_current_context().find_root().command  # the `dspark` group
 
+    def run(args: list[str]) -> None:
         try:
-            cli.main(args=args, prog_name="dspark", standalone_mode=False)
+            root.main(args=args, prog_name="dspark", standalone_mode=False)
         except click.ClickException as error:
             raise click.ClickException(f"dspark {' '.join(args)}: {error.format_message()}") from None
 
@@ -330,7 +281,7 @@ def bench_all(tables, measure: bool, results_dir: Path, list_only: bool) -> None
 
 
 # --- bench crosscheck ---------------------------------------------------------------------------
-@bench.command("crosscheck")
+@click.command("crosscheck")
 @click.option("--model", default="mlp_classifier", show_default=True)
 @click.option("--http-url", default=None, help="A running server's HTTP address  [default: start the demo server]")
 @click.option("--grpc-url", default=None, help="A running server's gRPC address  [default: start the demo server]")
@@ -361,3 +312,13 @@ def crosscheck(model: str, http_url: Optional[str], grpc_url: Optional[str], con
     finally:
         if server is not None:
             server.stop()
+
+
+COMMANDS = [
+    model, system, compare, profile, bench_all, crosscheck,
+    kernels.bench_kernels, kernels.bench_pool, kernels.bench_gemm, kernels.micro,
+    bench_spec.spec, bench_spec.openai, bench_spec.llm_quality,
+    bench_router.router, bench_rollout.rollout_bench,
+]
+for command in COMMANDS:
+    bench.add_command(command)

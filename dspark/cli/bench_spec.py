@@ -9,10 +9,10 @@ from typing import Optional
 
 import click
 
-from dspark.cli.bench import bench, bench_errors, emit, progress_log
+from dspark.cli.bench_common import bench_errors, emit, progress_log
 
 
-@bench.command(name="spec")
+@click.command(name="spec")
 @click.option("--model", default="spec_lm", show_default=True,
               help="The demo repository's LLM model to measure (spec_lm: SmolLM2, gemma_lm: Gemma 3 270M).")
 @click.option("--max-tokens", default=96, show_default=True)
@@ -42,7 +42,8 @@ def spec(model: str, max_tokens: int, per_kind: int, repeats: int, threads: int,
     """Plain decoding vs every speculative method of MODEL (default spec_lm, SmolLM2-135M-Instruct) on
     held-out prompts; llama.cpp's plain and prompt-lookup decoding of the same GGUF beside it.
     Exits non-zero when a greedy output differs from plain decoding."""
-    from dspark.bench.spec import SpecBenchSettings, mismatched, run_spec_bench
+    from dspark.bench.spec import run_spec_bench
+    from dspark.bench.spec_inprocess import SpecBenchSettings, mismatched
 
     settings = SpecBenchSettings(
         max_tokens=max_tokens, per_kind=per_kind, repeats=repeats, threads=threads,
@@ -56,7 +57,7 @@ def spec(model: str, max_tokens: int, per_kind: int, repeats: int, threads: int,
         raise click.ClickException(f"greedy outputs differ from plain decoding for {different}")
 
 
-@bench.command("openai")
+@click.command("openai")
 @click.option("--model", default="spec_lm", show_default=True, help="The demo repository's LLM model.")
 @click.option("--pairs", default=100, show_default=True, help="Interleaved request pairs per case.")
 @click.option("--stream-tokens", default=64, show_default=True, help="Tokens of the streamed case.")
@@ -71,7 +72,7 @@ def openai(model: str, pairs: int, stream_tokens: int, json_path: Optional[Path]
     emit(result, json_path or Path("bench-results") / f"openai-{time.strftime('%Y%m%d-%H%M%S')}.json")
 
 
-@bench.command("llm-quality")
+@click.command("llm-quality")
 @click.option("--json", "--json-out", "json_path", type=click.Path(path_type=Path), default=None)
 @bench_errors
 def llm_quality(json_path: Optional[Path]) -> None:

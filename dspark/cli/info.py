@@ -10,7 +10,8 @@ def info() -> None:
     import onnxruntime
 
     from dspark._ext import cpu_features
-    from dspark.triton.server import ServerError, find_server
+    from dspark.triton.access import ServerError
+    from dspark.triton.install import find_server
 
     features = cpu_features.runtime_features()
     click.echo(f"machine       {platform.machine()}, Python {platform.python_version()}")

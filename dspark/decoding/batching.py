@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from typing import Optional
 
-from dspark.decoding.engine import Generation, VerifyItem
+from dspark.decoding.generation import Generation, VerifyItem
 from dspark.errors import UnavailableError
 
 _DONE = object()
@@ -37,7 +37,7 @@ class RoundBatcher:
         self.engine = engine
         self.target = engine.target
         self.max_batch = max_batch
-        self.reads_prompts = bool(getattr(self.target, "skips_logits", False))
+        self.reads_prompts = self.target.skips_logits
         self._arrivals: "queue.Queue[tuple[Generation, queue.Queue]]" = queue.Queue()
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None

@@ -42,7 +42,7 @@ import numpy as np
 from dspark.errors import ConfigError, RequestError
 
 FORMAT = "dspark-drafter/2"  # /2: the block input's two terms RMS-normed (emb_norm, last_norm)
-BACKENDS = ("numpy", "onnxruntime", "kernel")
+BACKENDS = ("numpy", "kernel")
 EmbedRows = Callable[[np.ndarray], np.ndarray]  # token ids -> float32 rows [n, hidden]
 
 
@@ -172,10 +172,9 @@ class DSparkDrafter:
 
     def __init__(self, cfg: DrafterConfig, weights: dict[str, np.ndarray], vocab_ids: np.ndarray,
                  embed_rows: EmbedRows, backend: str = "numpy", head=None, threads: int = 1):
-        """``backend``: "numpy" (float32), "onnxruntime" (dspark_onnx: 8-bit weights; ``head``
-        the head's NBitsWeight, default the embedding rows quantized to 8 bits) or "kernel"
-        (dspark_kernel: dspark's C kernels, 8-bit weights; ``head`` a PackedMatrix of the
-        draft vocabulary's embedding rows, default those rows quantized to 8 bits)."""
+        """``backend``: "numpy" (float32, the reference) or "kernel" (dspark_kernel: dspark's C
+        kernels, 8-bit weights; ``head`` a PackedMatrix of the draft vocabulary's embedding rows,
+        default those rows quantized to 8 bits)."""
         if backend not in BACKENDS:
             raise ConfigError("backend", f"{backend!r} is not one of {BACKENDS}")
         self.cfg = cfg
@@ -220,12 +219,6 @@ class DSparkDrafter:
             if w[name].shape != shape:
                 raise ConfigError(name, f"shape {w[name].shape}, expected {shape}")
         self.q_dim, self.kv_dim = nh * hd, nkv * hd
-        self.ort = None
-        if backend == "onnxruntime":
-            from dspark.decoding.dspark_onnx import OrtDrafterPasses, quantize8
-
-            self.ort = OrtDrafterPasses(self, head if head is not None else quantize8(self.head_t.T), threads)
-            self.layers, self.head_t, self.fc_t = [], None, None  # held by the ORT sessions now
         self.kernel = None
         if backend == "kernel":
             from dspark.decoding.dspark_kernel import KernelDrafterPasses
@@ -260,23 +253,18 @@ class DSparkDrafter:
     def for_gguf(cls, model, path: str | Path | None = None, backend: str = "kernel",
                  threads: int = 2) -> "DSparkDrafter":
         """The drafter for a target GGUF (a GGUFModel), its embedding shared; on the kernels
-        (served: docs/dspark.md) or ORT its head is the target's own quantized embedding rows."""
+        (served: docs/dspark.md) its head is the target's own quantized embedding rows."""
         path = path or default_weights()
         head = None
-        if backend != "numpy":
+        if backend == "kernel":
             with np.load(path) as z:
                 vocab_ids = z["vocab_ids"]
-        if backend == "onnxruntime":
-            from dspark.decoding.dspark_onnx import head_from_gguf
-
-            head = head_from_gguf(model, vocab_ids)
-        elif backend == "kernel":
             from dspark.llm.kernel_runtime import pack_matrix
 
             head = pack_matrix(model, "token_embd.weight", vocab_ids)
         drafter = cls.load(path, gguf_embedding(model), model.config.vocab, backend=backend,
                            head=head, threads=threads)
-        from dspark.llm.onnx_graph import default_tap_layers
+        from dspark.llm.taps import default_tap_layers
 
         taps = default_tap_layers(model.config.n_layer)
         if drafter.cfg.hidden != model.config.hidden or drafter.cfg.taps != taps:
@@ -317,15 +305,6 @@ class DSparkDrafter:
         if n == 0:
             return
         pos = np.arange(ctx.length, ctx.length + n)
-        if self.ort is not None:
-            cos, sin = rope_trig(pos, c.head_dim, c.rope_base)
-            feats, new_keys, new_values = self.ort.run_context(taps, cos, sin)
-            ctx.features[ctx.length:ctx.length + n] = feats
-            for keys, values, k, v in zip(ctx.keys, ctx.values, new_keys, new_values):
-                keys[ctx.length:ctx.length + n] = k
-                values[ctx.length:ctx.length + n] = v
-            ctx.length += n
-            return
         feats = self.context_features(taps)
         ctx.features[ctx.length:ctx.length + n] = feats
         kv, last = self._context_outputs(feats)
@@ -370,10 +349,6 @@ class DSparkDrafter:
         if self.kernel is not None:
             last, logits = self.kernel.run_block(x, ctx.cache, C)
             return _rms(last, self.out_norm, c.rms_eps), logits
-        if self.ort is not None:
-            cos, sin = rope_trig(np.arange(C, C + k), c.head_dim, c.rope_base)
-            return self.ort.run_block(x, cos, sin, [kk[:C] for kk in ctx.keys],
-                                      [vv[:C] for vv in ctx.values])
         hid = self._numpy_backbone(x, ctx)
         return hid, hid @ self.head_t
 

@@ -5,10 +5,10 @@ from pathlib import Path
 from typing import Optional
 
 from dspark.decoding.engine import SpeculativeEngine
-from dspark.decoding.lm import KernelLM, OnnxLM
+from dspark.runtimes.toy_lm.runtime import KernelLM, OnnxLM
 from dspark.decoding.proposers import standard_proposers
 from dspark.decoding.text import TextGenerator
-from dspark.decoding.tokenizer import BPETokenizer
+from dspark.runtimes.toy_lm.tokenizer import BPETokenizer
 
 DRAFT_RUNTIMES = {"kernel": KernelLM, "onnxruntime": OnnxLM}
 
@@ -26,11 +26,10 @@ def toy_generator(target: Path, draft: Optional[Path], tokenizer: Path, threads:
 
 
 def llm_generator(folder: Path, threads: int = 2, max_context: Optional[int] = None,
-                  batch_verification: bool = False, max_batch: int = 4,
-                  model_proposers: Optional[tuple] = None, runtime: str = "kernel") -> TextGenerator:
+                  batch_verification: bool = False,
+                  model_proposers: Optional[tuple] = None) -> TextGenerator:
     """A real LLM imported by ``dspark llm import`` (``folder``: import.json naming the GGUF,
-    model.onnx, tokenizer.json) on dspark's kernels (``runtime="kernel"``) or ONNX Runtime, with
-    the model-free proposers and ``model_proposers`` (default: DSpark's when a drafter was
+    tokenizer.json) on dspark's kernels, with the model-free proposers and ``model_proposers`` (default: DSpark's when a drafter was
     trained for this model)."""
     if model_proposers is None:
         from dspark.decoding.proposers.dspark import dspark_proposers
@@ -38,19 +37,13 @@ def llm_generator(folder: Path, threads: int = 2, max_context: Optional[int] = N
         model_proposers = dspark_proposers(folder)
     from dspark.llm.tokenizer import LlamaTokenizer
 
-    if runtime == "kernel":
-        from dspark.llm.importer import import_source
-        from dspark.llm.kernel_runtime import DEFAULT_MAX_CONTEXT, KernelRuntime
+    from dspark.llm.importer import import_source
+    from dspark.llm.kernel_runtime import DEFAULT_MAX_CONTEXT, KernelRuntime
 
-        # the runtime maps the GGUF only while packing it: its own mapping, dropped after load,
-        # gives back the ~60 MiB of pages packing touched (sharing the drafter's kept them resident)
-        target = KernelRuntime(import_source(folder), threads=threads,
-                               max_context=max_context or DEFAULT_MAX_CONTEXT)
-    else:
-        from dspark.llm.onnx_runtime import DEFAULT_MAX_CONTEXT, OnnxLlama
-
-        target = OnnxLlama(folder / "model.onnx", threads=threads,
-                           max_context=max_context or DEFAULT_MAX_CONTEXT, max_batch=max_batch)
+    # the runtime maps the GGUF only while packing it: its own mapping, dropped after load,
+    # gives back the ~60 MiB of pages packing touched (sharing the drafter's kept them resident)
+    target = KernelRuntime(import_source(folder), threads=threads,
+                           max_context=max_context or DEFAULT_MAX_CONTEXT)
     tokenizer = LlamaTokenizer.load(folder / "tokenizer.json")
     engine = SpeculativeEngine(target, standard_proposers(model_proposers=model_proposers),
                                eos_ids=[tokenizer.eos_id], batch_verification=batch_verification)

@@ -12,7 +12,7 @@ def read_prompt(lm, cache, prompt: list[int], want_taps: bool = False) -> Option
     """Everything but the prompt's last token (each round feeds it as the root) into ``cache``;
     the rows' taps when asked. Nothing reads these rows' logits, so a runtime that can skip the
     head's product (``skips_logits``) does: for SmolLM2 a sixth of a 64-row chunk's work."""
-    skip = {"logit_rows": ()} if getattr(lm, "skips_logits", False) else {}
+    skip = {"logit_rows": ()} if lm.skips_logits else {}
     taps = []
     for start in range(0, len(prompt) - 1, PREFILL_CHUNK):
         chunk = prompt[start:min(start + PREFILL_CHUNK, len(prompt) - 1)]

@@ -6,57 +6,28 @@ import codecs
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Optional, Protocol
+from typing import Optional
 
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.decoding.stats import DecodeStats
 from dspark.errors import RequestError
-
-REPLACEMENT = "\ufffd"
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> "str | bytes": ...
-
+from dspark.runtimes.protocol import Tokenizer
 
 class Detokenizer:
     """Text deltas of a growing token sequence. Byte-level BPE splits characters across tokens:
-    with the tokenizer's exact bytes (``decode_bytes``) an incremental UTF-8 decoder holds an
-    unfinished character back; with only ``decode``, a delta ending in a replacement character
-    is held back until the character is complete."""
+    an incremental UTF-8 decoder over the tokens' exact bytes holds an unfinished character back."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self._bytes = getattr(tokenizer, "decode_bytes", None)
-        if self._bytes is None and isinstance(tokenizer.decode([]), bytes):
-            self._bytes = tokenizer.decode
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.ids: list[int] = []
-        self._prefix = 0  # ids[_prefix:_read] decode to text already returned
-        self._read = 0
 
     def add(self, new: list[int]) -> str:
-        self.ids.extend(new)
-        if self._bytes is not None:
-            return self._utf8.decode(self._bytes(new))
-        done = self.tokenizer.decode(self.ids[self._prefix:self._read])
-        text = self.tokenizer.decode(self.ids[self._prefix:])
-        if len(text) <= len(done) or text.endswith(REPLACEMENT):
-            return ""
-        self._prefix, self._read = self._read, len(self.ids)
-        return text[len(done):]
+        return self._utf8.decode(self.tokenizer.decode_bytes(new))
 
     def flush(self) -> str:
         """What is held back (an incomplete character at the very end stays replaced)."""
-        if self._bytes is not None:
-            return self._utf8.decode(b"", final=True)
-        done = self.tokenizer.decode(self.ids[self._prefix:self._read])
-        text = self.tokenizer.decode(self.ids[self._prefix:])
-        self._prefix = self._read = len(self.ids)
-        return text[len(done):]
+        return self._utf8.decode(b"", final=True)
 
 
 class TextGenerator:
@@ -79,12 +50,12 @@ class TextGenerator:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        return bool(self.tokenizer.chat_template)
 
     @property
     def chat_stop(self) -> tuple[str, ...]:
         """Stop strings every chat reply gets from the model's chat format (none for most)."""
-        return tuple(getattr(self.tokenizer, "chat_stop", ()))
+        return tuple(self.tokenizer.chat_stop)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """The model's chat template over ``messages``, the assistant's turn opened."""

@@ -6,8 +6,8 @@ run while each cache-sized block of rows is packed for them. With ``gemm="openbl
 per row block into a scratch block (2 MiB, see default_block_rows) that feeds OpenBLAS's sgemm,
 which repacks W on every call. Either way no full-size normalised or activated copy of ``x``
 exists, and the GIL is released during the call. This is the order transformer layers
-use (gamma/beta belong to the LayerNorm); the seed's listing applied gamma/beta
-after the MatMul, which is a different function.
+use (gamma/beta belong to the LayerNorm); applying gamma/beta after the MatMul
+would be a different function.
 """
 from __future__ import annotations
 

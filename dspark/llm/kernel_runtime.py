@@ -12,7 +12,7 @@ on how many rows run together, on masked cache slots or on the instruction set (
 rounds the same operations in the same order; tests/unit/test_llm_kernel.py checks it bit
 for bit). Plain decoding, chain and tree verification therefore agree exactly.
 
-Taps (as llm-core's OnnxLlama): ``forward(..., want_taps=True)`` returns ``(logits, taps)``,
+Taps: ``forward(..., want_taps=True)`` returns ``(logits, taps)``,
 taps [T, len(TAP_LAYERS) * hidden] float32, the residual stream after each block of
 ``TAP_LAYERS``; nothing is kept between calls.
 
@@ -32,12 +32,19 @@ import numpy as np
 from dspark._ext import llama as _llama
 from dspark.errors import ConfigError, RequestError
 from dspark.llm.gguf_model import BLOCK_MATRICES, GGUFModel, LlamaConfig
-from dspark.llm.kv_cache import CacheRows
+from dspark.runtimes.protocol import CacheRows, TargetRuntime
 from dspark.llm.taps import TAP_LAYERS
 
-DEFAULT_MAX_CONTEXT = 2048  # new_cache()'s default capacity, as OnnxLlama's
-PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0")  # the kernels' weight formats (pack_matrix: the others)
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22}  # GGUF bytes per 32 weights
+DEFAULT_MAX_CONTEXT = 2048  # new_cache()'s default capacity
+# the kernels' weight formats, run as stored (pack_matrix: the others)
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24}  # GGUF bytes per 32 weights
+K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # GGUF bytes per 256-weight super-block
+# A packed block's fields in order, each (rows, bytes per column): a field is rows x 16 columns
+# x that many bytes (llama_kernels.h); K-quant blocks repeat their sub-blocks' fields 8 times.
+BLOCK_FIELDS = {"Q4_0": ((4, 4), (1, 2)), "Q4_1": ((4, 4), (2, 2)), "Q8_0": ((8, 4), (1, 2)),
+                "Q5_0": ((5, 4), (1, 2)), "Q5_1": ((5, 4), (2, 2)), "Q4_K": ((16, 1), (2, 2), (32, 4)),
+                "Q5_K": ((16, 1), (2, 2), (40, 4)), "Q6_K": ((16, 1), (1, 2), (48, 4))}
 
 
 def pack_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> "_llama.PackedMatrix":
@@ -60,18 +67,97 @@ def pack_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> "_llama.PackedMatr
         quants = q.transpose(0, 2, 3, 1, 4).reshape(nt, kb, 512)
         parts = [quants, per_column(raw[:, :, 0:2], 2)]
     else:
-        off = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6}[fmt]
+        off = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[fmt]  # GGUF: d, m (Q4_1, Q5_1), qh (Q5), qs
         q = raw[:, :, off:off + 16].reshape(nt, 16, kb, 4, 4)  # byte j = input j | input j+16 << 4
         quants = q.transpose(0, 2, 3, 1, 4).reshape(nt, kb, 256)
         parts = [quants]
-        if fmt == "Q5_0":  # the fifth bits: bit g of plane byte (column, i) is input 4g + i's
-            high = np.ascontiguousarray(raw[:, :, 2:6]).view("<u4")[..., 0]  # [rows, kb], bit j: input j
+        if fmt in ("Q5_0", "Q5_1"):  # the fifth bits: bit g of plane byte (column, i) is input 4g + i's
+            high = np.ascontiguousarray(raw[:, :, off - 4:off]).view("<u4")[..., 0]  # [rows, kb], bit j: input j
             bits = (high[..., None] >> np.arange(32, dtype=np.uint32)) & 1  # [rows, kb, 32]
             plane = (bits.reshape(-1, kb, 8, 4) << np.arange(8, dtype=np.uint32)[:, None]).sum(2).astype(np.uint8)
             parts.append(per_column(plane, 4))
         parts.append(per_column(raw[:, :, 0:2], 2))
-        if fmt == "Q4_1":
+        if fmt in ("Q4_1", "Q5_1"):
             parts.append(per_column(raw[:, :, 2:4], 2))
+    packed = np.ascontiguousarray(np.concatenate(parts, axis=2))
+    return _llama.PackedMatrix(packed, fmt, n + pad, k)
+
+
+def _tile_quants(u: np.ndarray, nt: int) -> np.ndarray:
+    """Unsigned quants [nt * 16, kb, 32] -> the nibble bytes of each block of 32 in the tile
+    layout [nt, kb, 256]: byte (L, column, i) = input 4L + i | input 16 + 4L + i << 4."""
+    kb = u.shape[1]
+    nibbles = (u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)
+    return nibbles.reshape(nt, 16, kb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(nt, kb, 256).astype(np.uint8)
+
+
+def _tile_plane(bits: np.ndarray, nt: int, width: int) -> np.ndarray:
+    """High bits [nt * 16, kb, 32] of ``width`` bits each -> planes [nt, kb, 64 * width]: byte
+    (column, i) of plane p holds input 16p + 4L + i's bits at bit width * L (width 2), or input
+    4g + i's bit at bit g (width 1)."""
+    rows, kb = bits.shape[:2]
+    per_byte = 8 // width
+    groups = bits.reshape(rows, kb, 32 // (4 * per_byte), per_byte, 4).astype(np.uint32)
+    shift = (width * np.arange(per_byte, dtype=np.uint32))[:, None]
+    planes = (groups << shift).sum(3).astype(np.uint8)  # [rows, kb, planes, 4]
+    return planes.reshape(nt, 16, kb, -1, 4).transpose(0, 2, 3, 1, 4).reshape(nt, kb, -1)
+
+
+def k_quants(raw: np.ndarray, fmt: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """GGUF K-quant super-blocks (uint8 [rows, super-blocks * bytes]) -> the unsigned quants
+    [rows, super-blocks * 8, 32] in input order and the per-super-block fields: ``sc`` and ``m``
+    [rows, sb, 8] (Q4_K, Q5_K; six-bit, decoded from their 12 bytes) or ``sc`` [rows, sb, 16] int8
+    bytes (Q6_K), and the fp16 bytes of ``d`` (and ``dmin``) [rows, sb, 2]."""
+    rows = raw.shape[0]
+    blocks = np.asarray(raw, np.uint8).reshape(rows, -1, K_BLOCK_BYTES[fmt])
+    nsb = blocks.shape[1]
+    if fmt == "Q6_K":
+        ql = blocks[..., :128].reshape(rows, nsb, 2, 2, 32)  # [half, ql[0:32] / ql[32:64], l]
+        low = np.concatenate([ql & 15, ql >> 4], axis=3)  # [half, quarter, l]
+        qh = blocks[..., 128:192].reshape(rows, nsb, 2, 1, 32)
+        high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+        u = (low | (high << 4)).reshape(rows, nsb * 8, 32)
+        return u, {"sc": blocks[..., 192:208], "d": blocks[..., 208:210]}
+    sc, mn = _k_scales(blocks[..., 4:16])
+    qs = blocks[..., -128:].reshape(rows, nsb, 4, 1, 32)  # chunk j: sub-block 2j low, 2j + 1 high nibbles
+    u = ((qs >> np.array([0, 4], np.uint8)[:, None]) & 15).reshape(rows, nsb, 8, 32)
+    if fmt == "Q5_K":
+        qh = blocks[..., 16:48].reshape(rows, nsb, 1, 32)
+        u = u | (((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
+    return u.reshape(rows, nsb * 8, 32), {"sc": sc, "m": mn, "d": blocks[..., 0:2], "dmin": blocks[..., 2:4]}
+
+
+def pack_k_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> "_llama.PackedMatrix":
+    """GGUF rows of K-quant super-blocks -> the kernels' tiles (llama_kernels.h: each block's
+    per-column scales first, then its 8 sub-blocks' quants), rows padded
+    with zero blocks to a multiple of 16. The quants and scales are the file's, bit for bit."""
+    if k % 256:
+        raise ConfigError(fmt, f"row length {k} is not a multiple of the 256-weight super-block")
+    raw = np.asarray(raw, np.uint8).reshape(n, -1)
+    pad = -n % 16
+    if pad:
+        raw = np.concatenate([raw, np.zeros((pad, raw.shape[1]), np.uint8)])
+    nt, nsb = (n + pad) // 16, k // 256
+    u, fields = k_quants(raw, fmt)
+    subs = [_tile_quants(u, nt)]
+    if fmt == "Q5_K":
+        subs.append(_tile_plane(u >> 4, nt, 1))
+    elif fmt == "Q6_K":
+        subs.append(_tile_plane(u >> 4, nt, 2))
+    quants = np.concatenate(subs, axis=2).reshape(nt, nsb, -1)  # 8 sub-blocks side by side
+
+    def per_column(field: np.ndarray) -> np.ndarray:
+        # [nt * 16, nsb, rows, width] -> [nt, nsb, rows * 16 * width]
+        r, w = field.shape[2:]
+        return field.reshape(nt, 16, nsb, r, w).transpose(0, 2, 3, 1, 4).reshape(nt, nsb, -1)
+
+    parts = [per_column(fields["sc"][..., None])]
+    if fmt != "Q6_K":
+        parts.append(per_column(fields["m"][..., None]))
+    parts.append(per_column(fields["d"][:, :, None]))
+    if fmt != "Q6_K":
+        parts.append(per_column(fields["dmin"][:, :, None]))
+    parts.append(quants)
     packed = np.ascontiguousarray(np.concatenate(parts, axis=2))
     return _llama.PackedMatrix(packed, fmt, n + pad, k)
 
@@ -132,41 +218,38 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def q4_k_as_q4_1(raw: np.ndarray, name: str = "tensor") -> np.ndarray:
-    """Q4_K super-blocks (256 weights: d, dmin, 8 six-bit sub-block scales and mins, 4-bit q) as
-    Q4_1 blocks of 32: sub-block s's weights are (d * sc_s) * q - dmin * m_s, so its Q4_1 scale is
-    d * sc_s and its offset -dmin * m_s, rounded to fp16 (relative error at most 2**-11); the
-    4-bit q are the same."""
-    blocks = np.asarray(raw, np.uint8).reshape(-1, 144)
-    d = blocks[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32)
-    dmin = blocks[:, 2:4].copy().view(np.float16)[:, 0].astype(np.float32)
-    sc, mn = _k_scales(blocks[:, 4:16])
-    with np.errstate(over="ignore", invalid="ignore"):
-        scale = (d[:, None] * sc).astype(np.float16)
-        offset = (-dmin[:, None] * mn).astype(np.float16)
-    if not (np.isfinite(scale).all() and np.isfinite(offset).all()):
-        raise ConfigError(name, "Q4_K block scales overflow fp16 or are not finite")
-    qs = blocks[:, 16:].reshape(-1, 4, 32)  # chunk j: sub-block 2j in the low, 2j + 1 in the high nibbles
-    q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)  # [block, sub-block, element]
-    nibbles = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
-    out = np.concatenate([scale.view(np.uint8).reshape(-1, 8, 2), offset.view(np.uint8).reshape(-1, 8, 2),
-                          nibbles], axis=2)
-    return out.reshape(raw.shape[0], -1)
+PACK_CHUNK_ROWS = 8192  # a multiple of 16: each chunk is whole tiles, contiguous in the packed bytes
+
+
+def _in_chunks(pack, raw: np.ndarray, fmt: str, k: int) -> "_llama.PackedMatrix":
+    """``pack(raw, fmt, rows, k)`` a chunk of rows at a time into one buffer: packing a large
+    head (Gemma 3's 262144 rows) holds a chunk's temporaries, not the whole matrix's three times."""
+    n = raw.shape[0]
+    if n <= PACK_CHUNK_ROWS:
+        return pack(raw, fmt, n, k)
+    first = pack(raw[:PACK_CHUNK_ROWS], fmt, PACK_CHUNK_ROWS, k).data
+    per_tile = first.nbytes // (PACK_CHUNK_ROWS // 16)
+    padded = n + -n % 16
+    out = np.empty(padded // 16 * per_tile, np.uint8)
+    out[:first.nbytes] = first
+    for start in range(PACK_CHUNK_ROWS, n, PACK_CHUNK_ROWS):
+        chunk = raw[start:start + PACK_CHUNK_ROWS]
+        data = pack(chunk, fmt, len(chunk), k).data  # the last chunk's rows padded to a tile
+        out[start // 16 * per_tile:start // 16 * per_tile + data.nbytes] = data
+    return _llama.PackedMatrix(out, fmt, padded, k)
 
 
 def pack_matrix(model: GGUFModel, name: str, rows: np.ndarray | None = None) -> "_llama.PackedMatrix":
-    """One GGUF matrix (only its ``rows`` when given) in the kernels' layout. Q4_0/Q4_1/Q8_0/Q5_0
-    blocks run as stored; Q4_K as Q4_1 blocks, converted without re-quantizing (q4_k_as_q4_1);
-    the other types (F32/F16/BF16, Q5_1, Q5_K, Q6_K) are dequantized and quantized to Q8_0 at
+    """One GGUF matrix (only its ``rows`` when given) in the kernels' layout. Q4_0/Q4_1/Q8_0/
+    Q5_0/Q5_1 and Q4_K/Q5_K/Q6_K blocks run as stored; F32/F16/BF16 are quantized to Q8_0 at
     load, so every product runs on the int8 kernels."""
     kind = model.tensor_type(name)
     n, k = model.shape(name)
-    if kind in PACKED_TYPES + ("Q4_K",):
+    if kind in PACKED_TYPES:
         raw = np.asarray(model.raw(name)).reshape(n, -1)  # [n, k / block * block bytes]
         raw = raw if rows is None else raw[rows]
-        if kind == "Q4_K":
-            raw, kind = q4_k_as_q4_1(raw, name), "Q4_1"
-        return pack_blocks(raw, kind, raw.shape[0], k)
+        pack = pack_k_blocks if kind in K_BLOCK_BYTES else pack_blocks
+        return _in_chunks(pack, raw, kind, k)
     weights = model.dequantized(name)  # [n, k]
     return pack_float(weights if rows is None else weights[rows])
 
@@ -216,7 +299,7 @@ def default_threads() -> int:
     return max(1, min(2, len(os.sched_getaffinity(0))))
 
 
-class KernelRuntime:
+class KernelRuntime(TargetRuntime):
     """A llama GGUF on dspark's C kernels, with the target-runtime interface (config, new_cache, forward,
     want_taps, logit_rows, forward_batch) plus ``project`` through the head or a vocabulary
     subset of it (``head_subset``)."""
@@ -361,20 +444,19 @@ class KernelRuntime:
 def gather_columns(matrix: "_llama.PackedMatrix", columns: np.ndarray) -> "_llama.PackedMatrix":
     """A packed matrix of the given output columns of another (padded with zero columns)."""
     fmt, n, k = matrix.fmt, matrix.n, matrix.k
-    kb, nt = k // 32, n // 16
-    qbytes = {"Q8_0": 512, "Q5_0": 320}.get(fmt, 256)  # the bytes laid out 16 columns x 4
-    data = matrix.data.reshape(nt, kb, -1)
-    halves = (data.shape[2] - qbytes) // 32  # fp16 fields per column: d, and m for Q4_1
+    fields = BLOCK_FIELDS[fmt]
+    nt, block = n // 16, sum(r * 16 * w for r, w in fields)
+    data = matrix.data.reshape(nt, -1, block)
+    kb = data.shape[1]
     tile, lane = columns // 16, columns % 16
-    quants = data[:, :, :qbytes].reshape(nt, kb, qbytes // 64, 16, 4)[tile, :, :, lane]
-    scales = data[:, :, qbytes:].reshape(nt, kb, halves, 16, 2)[tile, :, :, lane]
     m = len(columns)
     pad = -m % 16
-    quants = np.concatenate([quants, np.zeros((pad,) + quants.shape[1:], np.uint8)])
-    scales = np.concatenate([scales, np.zeros((pad,) + scales.shape[1:], np.uint8)])
     mt = (m + pad) // 16
-    packed = np.concatenate(
-        [quants.reshape(mt, 16, kb, qbytes // 64, 4).transpose(0, 2, 3, 1, 4).reshape(mt, kb, qbytes),
-         scales.reshape(mt, 16, kb, halves, 2).transpose(0, 2, 3, 1, 4).reshape(mt, kb, 32 * halves)],
-        axis=2)
+    parts, start = [], 0
+    for r, w in fields:
+        field = data[:, :, start:start + r * 16 * w].reshape(nt, kb, r, 16, w)[tile, :, :, lane]  # [m, kb, r, w]
+        field = np.concatenate([field, np.zeros((pad,) + field.shape[1:], np.uint8)])
+        parts.append(field.reshape(mt, 16, kb, r, w).transpose(0, 2, 3, 1, 4).reshape(mt, kb, r * 16 * w))
+        start += r * 16 * w
+    packed = np.concatenate(parts, axis=2)
     return _llama.PackedMatrix(np.ascontiguousarray(packed), fmt, m + pad, k)

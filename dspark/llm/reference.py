@@ -15,7 +15,7 @@ import numpy as np
 from dspark.llm.gguf_model import GGUFModel
 
 # Types the kernels take as Q8_0 blocks produced by quantizing the dequantized weights.
-_REQUANTIZED = ("F32", "F16", "BF16", "Q5_1", "Q5_K", "Q6_K")
+_REQUANTIZED = ("F32", "F16", "BF16")
 
 
 def int8_blocks(x: np.ndarray) -> np.ndarray:
@@ -24,17 +24,6 @@ def int8_blocks(x: np.ndarray) -> np.ndarray:
     d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
     return (np.rint(blocks * inv) * d).reshape(len(x), -1).astype(np.float64)
-
-
-def _q4_1_rounding(value: np.ndarray, model: GGUFModel, name: str) -> np.ndarray:
-    """A Q4_K matrix as the kernels hold it: sub-block scales and offsets rounded to fp16."""
-    from dspark.llm.kernel_runtime import q4_k_as_q4_1
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    n = value.shape[0]
-    raw = q4_k_as_q4_1(np.asarray(model.raw(name)).reshape(n, -1), name)
-    return dequantize(raw, GGMLQuantizationType.Q4_1).reshape(value.shape)
 
 
 def kernel_matrix(model: GGUFModel, name: str) -> np.ndarray:
@@ -47,8 +36,6 @@ def kernel_matrix(model: GGUFModel, name: str) -> np.ndarray:
     if kind in _REQUANTIZED:
         q8 = GGMLQuantizationType.Q8_0
         value = dequantize(quantize(value, q8), q8).reshape(value.shape)
-    elif kind == "Q4_K":
-        value = _q4_1_rounding(value, model, name)
     return value.astype(np.float64)
 
 
@@ -137,8 +124,8 @@ def reference_logits(model: GGUFModel, tokens, kernel_rounding: bool = False,
 
 def reference_forward(model: GGUFModel, tokens) -> tuple[np.ndarray, np.ndarray]:
     """(logits ``[T, vocab]``, taps ``[T, len(tap_layers) * hidden]``) float32, exact float64
-    arithmetic, the drafter's tap layers (as the ONNX graph outputs them)."""
-    from dspark.llm.onnx_graph import default_tap_layers
+    arithmetic, the drafter's tap layers (dspark.llm.taps.default_tap_layers)."""
+    from dspark.llm.taps import default_tap_layers
 
     logits, taps = reference_logits(model, tokens, tap_layers=default_tap_layers(model.config.n_layer))
     return logits.astype(np.float32), np.concatenate(taps, axis=-1).astype(np.float32)

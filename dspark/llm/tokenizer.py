@@ -27,6 +27,7 @@ from typing import Sequence
 
 from dspark.errors import ConfigError, RequestError
 from dspark.llm.spm import CONTROL, USER_DEFINED, SentencePieceBPE
+from dspark.runtimes.protocol import Tokenizer
 
 # A GGUF without tokenizer.chat_template (a base model, e.g. Gemma 3 270M) chats in a plain
 # question/answer format, which base models continue sensibly, and stops where it would ask itself
@@ -81,7 +82,7 @@ def build_hf_tokenizer(tokens: Sequence[str], token_types: Sequence[int], merges
     return tok
 
 
-class LlamaTokenizer:
+class LlamaTokenizer(Tokenizer):
     """encode / decode / chat template of one model. ``kind`` is the GGUF tokenizer model
     ("gpt2" byte-level BPE or "llama" SentencePiece), which says how token text maps to bytes;
     ``add_bos`` whether a prompt starts with BOS."""

@@ -181,6 +181,7 @@ class Reply:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if self.chat else "text_completion"
+        self._text_event: Optional[tuple[bytes, bytes]] = None
 
     def _head(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -202,6 +203,16 @@ class Reply:
         choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
         return {**self._head("text_completion"), "choices": [choice]}
 
+    def text_event(self, text: str) -> bytes:
+        """``sse(self.chunk(text))`` for a chunk of text, the one event sent per streamed piece:
+        built from a template made once per reply, so only the text is JSON-encoded each time."""
+        if self._text_event is None:
+            marker = "\x00"
+            head, _, tail = sse(self.chunk(marker)).rpartition(json.dumps(marker).encode())  # the text is last
+            self._text_event = (head, tail)
+        head, tail = self._text_event
+        return head + json.dumps(text).encode() + tail
+
     def usage_chunk(self, counts: dict) -> dict:
         name = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(name), "choices": [], "usage": counts}
@@ -217,8 +228,8 @@ SSE_DONE = sse("[DONE]")
 
 
 def backend_error(message: str) -> OpenAIError:
-    """A generation error the speculative backend returned, in OpenAI's terms. Over a gRPC
-    stream Triton passes only the message, so the status follows dspark's own messages:
+    """A generation error the speculative backend returned, in OpenAI's terms. Triton's generate
+    endpoints pass on only the message, so the status follows dspark's own messages:
     "busy: ..." (its request pool is full) is 429, a shut-down or unloading model 503, an
     unexpected failure ("generation failed: ...") 500, anything else a bad request naming the
     field before its first colon."""

@@ -13,12 +13,12 @@ from dspark.openai.triton import TritonLLMs
 class OpenAIServer:
     """``start()`` returns once the port accepts connections; ``stop()`` ends it."""
 
-    def __init__(self, host: str, port: int, grpc_url: str, api_key: Optional[str] = None,
+    def __init__(self, host: str, port: int, triton_http_url: str, api_key: Optional[str] = None,
                  repository_headers: Optional[dict] = None):
         import uvicorn
 
         self.host, self.port = host, port
-        app = create_app(TritonLLMs(grpc_url, repository_headers), api_key)
+        app = create_app(TritonLLMs(triton_http_url, repository_headers), api_key)
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                                      access_log=False, lifespan="on"))
         self._server.install_signal_handlers = lambda: None  # the caller owns the signals
@@ -40,6 +40,10 @@ class OpenAIServer:
                 raise RuntimeError(f"the OpenAI API did not start on {self.host}:{self.port} in {timeout_s:g} s")
             time.sleep(0.02)
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        """Stop taking requests; once those running have ended, close the connections to Triton."""
         self._server.should_exit = True
+
+    def stop(self) -> None:
+        self.request_stop()
         self._thread.join(timeout=10)

@@ -1,6 +1,6 @@
 """ModelSpec: a model's description as YAML next to it, and its Triton `config.pbtxt`.
 
-The seed's ModelSpec (name, semantic version, framework) extended with what Triton needs. The
+A ModelSpec (name, semantic version, framework) extended with what Triton needs. The
 config is produced and read through Triton's own protobuf schema, never by hand, and the YAML
 records which semantic version lives in which integer version folder.
 """
@@ -92,7 +92,7 @@ class EnsembleStep:
 
 @dataclass
 class ExecutionProvider:
-    """One entry of a model's ordered execution-provider preference (dspark.accel.providers)."""
+    """One entry of a model's ordered execution-provider preference (dspark.runtimes.accel.providers)."""
 
     __pydantic_config__ = STRICT
     name: str  # CUDA, TensorRT, CPU, ... or a plugin provider's name
@@ -137,8 +137,8 @@ class ModelSpec:
     disable_cpu_ep_fallback: bool = False
 
     def provider_request(self):
-        """The preference as dspark.accel.providers.ProviderRequest (validated), or None if unset."""
-        from dspark.accel.providers import ProviderRequest
+        """The preference as dspark.runtimes.accel.providers.ProviderRequest (validated), or None if unset."""
+        from dspark.runtimes.accel.providers import ProviderRequest
 
         if not self.execution_providers:
             return None
@@ -150,7 +150,7 @@ class ModelSpec:
 
     @property
     def version(self) -> Optional[str]:
-        """The newest semantic version (the seed's `version` field)."""
+        """The newest semantic version (the spec's `version` field)."""
         return max((r.semver for r in self.versions), key=semver_key, default=None)
 
     @property
@@ -332,7 +332,7 @@ class SpecError(ConfigError):
 
 def _providers_from_parameters(parameters: dict[str, str]) -> dict:
     """ModelSpec's provider fields from (and removed out of) a config's parameters."""
-    from dspark.accel.providers import PARAM_OPTIONS, PARAM_PLUGINS, PARAM_PROVIDERS, PARAM_STRICT, ProviderRequest
+    from dspark.runtimes.accel.providers import PARAM_OPTIONS, PARAM_PLUGINS, PARAM_PROVIDERS, PARAM_STRICT, ProviderRequest
 
     if PARAM_PROVIDERS not in parameters:
         return {}

@@ -91,7 +91,7 @@ def init_repository(repository: Path) -> list[Path]:
 def _spec_for_new_model(name: str, artifact: Path, framework: str) -> ModelSpec:
     spec = ModelSpec(name=name, framework=framework)
     if framework == "onnx":
-        from dspark.engines.onnx_session import read_graph_signature  # onnx only needed here
+        from dspark.runtimes.onnx_session import read_graph_signature  # onnx only needed here
 
         signature = read_graph_signature(artifact)
         batched = signature.batchable()

@@ -1,14 +1,11 @@
-"""Helpers for backends/*/model.py that need no pb_utils: model config parameters, stub facts."""
+"""Helpers for backends/*/model.py that need no pb_utils: Triton errors, stub facts."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any, Mapping, Optional, TypeVar
+from typing import Any, Optional
 
-import pydantic
-from pydantic.functional_validators import BeforeValidator
-
-from dspark.errors import ConfigError, error_code, from_validation_error
+from dspark.errors import error_code
 
 
 def triton_error(pb_utils: Any, error: BaseException, context: str = "") -> Any:
@@ -20,68 +17,6 @@ def triton_error(pb_utils: Any, error: BaseException, context: str = "") -> Any:
     if code == "INTERNAL" and context:
         message = f"{context}: {message}"
     return pb_utils.TritonError(message, getattr(pb_utils.TritonError, code, pb_utils.TritonError.INTERNAL))
-
-
-def config_parameters(model_config: Mapping) -> dict[str, str]:
-    """`parameters { key: "k" value { string_value: "v" } }` as a plain {k: v} dict."""
-    return {key: value.get("string_value", "") for key, value in model_config.get("parameters", {}).items()}
-
-
-def _comma_separated(value: Any) -> Any:
-    return tuple(item.strip() for item in value.split(",") if item.strip()) if isinstance(value, str) else value
-
-
-# A config parameter holding a comma separated list ("CUDAExecutionProvider, CPUExecutionProvider").
-CommaList = Annotated[tuple[str, ...], BeforeValidator(_comma_separated)]
-
-
-class ConfigParameters(pydantic.BaseModel):
-    """Base of a backend's config parameters: fields with types, defaults and bounds. Values arrive
-    as strings and pydantic converts them (ints, floats, true/false/yes/no/on/off/1/0); a parameter
-    left empty takes its default; parameters the backend does not know are ignored."""
-
-    model_config = pydantic.ConfigDict(frozen=True, extra="ignore")
-
-
-P = TypeVar("P", bound=ConfigParameters)
-
-
-def _config_error(error: pydantic.ValidationError, name: Optional[str] = None) -> ConfigError:
-    """A failed parameter as ConfigError("parameter 'name'", reason)."""
-    named = from_validation_error(error, ConfigError)
-    return ConfigError(f"parameter '{name or named.field}'", named.reason)
-
-
-def parse_parameters(schema: type[P], model_config: Mapping) -> P:
-    """The model config's parameters validated by ``schema``; a bad value is a ConfigError naming
-    the parameter, what it must be and what it got (raised in initialize, it fails the load)."""
-    given = {key: value for key, value in config_parameters(model_config).items() if value.strip() != ""}
-    try:
-        return schema.model_validate(given)
-    except pydantic.ValidationError as error:
-        raise _config_error(error) from None
-
-
-def _parameter(params: Mapping[str, str], name: str, annotation: Any, default: Any) -> Any:
-    raw = params.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return pydantic.TypeAdapter(annotation).validate_python(raw)
-    except pydantic.ValidationError as error:
-        raise _config_error(error, name) from None
-
-
-def parameter_int(params: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
-    return _parameter(params, name, Annotated[int, pydantic.Field(ge=minimum)], default)
-
-
-def parameter_bool(params: Mapping[str, str], name: str, default: bool) -> bool:
-    return _parameter(params, name, bool, default)
-
-
-def parameter_list(params: Mapping[str, str], name: str, default: tuple[str, ...] = ()) -> list[str]:
-    return list(_parameter(params, name, CommaList, default))
 
 
 def stub_version_dir() -> Optional[Path]:

@@ -1,14 +1,14 @@
-"""Find, configure and run a real `tritonserver` with dspark's Python-based backends loaded.
+"""Run a real `tritonserver` with dspark's Python-based backends loaded (found by
+dspark.triton.install; its API key and bound addresses from dspark.triton.access), watch it
+start, and stop it leaving nothing behind (its shared-memory regions, its files).
 
 Used by `dspark serve` and by the test fixture, so the two start the server the same way.
 """
 from __future__ import annotations
 
 import ipaddress
-import itertools
 import os
 import re
-import secrets
 import shutil
 import signal
 import socket
@@ -24,24 +24,14 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import psutil
-import re2
 
-from dspark import _ext
 from dspark.paths import backends_dir
 from dspark.triton import stub_priority
+from dspark.triton.access import (API_KEY_ENV, API_KEY_HEADER, KEY_FD_ENV, LOOPBACK, SERVER_UMASK, ServerError,
+                                  check_api_key, check_host, guard_library, new_api_key, repository_headers,
+                                  restricted_api_args)
+from dspark.triton.install import STUB_NAME, ServerInstall, build_backend_directory, find_server
 
-SERVER_ENV_VAR = "TRITONSERVER"
-INSTALL_HINT = (
-    "install the bundled server with `pip install nvidia-pytriton==0.7.0`, put `tritonserver` on PATH, "
-    f"set {SERVER_ENV_VAR}=/path/to/tritonserver, or pass --server /path/to/tritonserver"
-)
-# Headers Triton passes to models as request parameters (the router reads dspark-tier, dspark-user-id).
-# Triton forwards a header to models when its RE2 pattern matches anywhere in the name
-# (PartialMatch), so the default names the router's headers exactly: "dspark-.*" would also hand
-# every model the API key. Header names are case-insensitive; RE2 matches them as sent.
-DEFAULT_HEADER_PATTERN = "(?i)^dspark-(tier|user-id)$"
-PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
-STUB_NAME = "triton_python_backend_stub"
 LOG_NAME = "tritonserver.log"
 
 # A model's load failure in Triton's log, with its reason: E1203 05:43:40.558571 23046
@@ -51,85 +41,10 @@ _LOAD_FAILURE = re.compile(r'^E\d{4} [^\]]*\] "(?P<message>failed to load \'[^\'
 # Repositories Triton reads itself (its cloud storage); a local folder is every other string.
 REMOTE_REPOSITORY_PREFIXES = ("s3://", "gs://", "as://")
 
-LOOPBACK = "127.0.0.1"
-# Triton's APIs that answer only requests carrying this header with the server's key, in every
-# model-control mode: the model-repository API (load, unload, index) can load code; through
-# shared memory a client can have the server write into any region it names, a model stub's IPC
-# region included (which crashed the server); logging and trace change what the server writes
-# where; statistics tell who runs what, and no dspark client needs them. Health, metadata,
-# model-config and inference stay open.
-RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace", "statistics")
-API_KEY_HEADER = "dspark-api-key"
-# Triton's gRPC side looks for the key under this prefixed metadata name.
-GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"
-API_KEY_ENV = "DSPARK_API_KEY"
-API_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~-]{16,256}")
-# The key reaches tritonserver through a pipe: its command line holds KEY_MARKER, which the
-# preloaded guard library (cython_ext/server_guard.c) replaces with what it reads from the
-# descriptor named by KEY_FD_ENV, so the key is in no process list and no stub's environment.
-KEY_MARKER = "@DSPARK_API_KEY@"
-KEY_FD_ENV = "DSPARK_KEY_FD"
-GUARD_LIBRARY = "libserverguard.so"
-# Files the server and its stubs create are the user's alone; the guard library makes the
-# Python backend's /dev/shm IPC regions (which hold requests and responses) honour it too.
-SERVER_UMASK = 0o077
-
-
-class ServerError(RuntimeError):
-    """The server could not be found or did not start; the message says why and how to fix it."""
-
-
-def new_api_key() -> str:
-    """A random key for the restricted APIs (256 bits, URL-safe characters)."""
-    return secrets.token_urlsafe(32)
-
-
-def check_api_key(key: str) -> str:
-    """The key as given, or ServerError saying what a key must look like."""
-    if not API_KEY_PATTERN.fullmatch(key):
-        raise ServerError(f"--api-key / {API_KEY_ENV}: must be 16 to 256 characters from A-Z a-z 0-9 . _ ~ - "
-                          f"(got {len(key)} characters); leave it unset to have one generated")
-    return key
-
-
 def is_remote_repository(repository: Union[Path, str]) -> bool:
     """Whether ``repository`` is a cloud storage URL that Triton reads (kept as given: a Path
     would turn s3://host into s3:/host)."""
     return isinstance(repository, str) and repository.startswith(REMOTE_REPOSITORY_PREFIXES)
-
-
-def repository_headers(api_key: Optional[str]) -> dict[str, str]:
-    """Headers for calls to the restricted APIs (tritonclient's `headers=`), good for HTTP and gRPC clients."""
-    return {API_KEY_HEADER: api_key, GRPC_API_KEY_HEADER: api_key} if api_key else {}
-
-
-def restricted_api_args() -> list[str]:
-    """Triton flags that refuse calls to RESTRICTED_APIS over HTTP and gRPC without the key
-    (KEY_MARKER stands for it)."""
-    apis = ",".join(RESTRICTED_APIS)
-    return [f"--http-restricted-api={apis}:{API_KEY_HEADER}={KEY_MARKER}",
-            f"--grpc-restricted-protocol={apis}:{API_KEY_HEADER}={KEY_MARKER}"]
-
-
-def guard_library() -> Path:
-    """The library preloaded into tritonserver (cython_ext/server_guard.c); ServerError if not built."""
-    path = Path(_ext.__file__).parent / GUARD_LIBRARY
-    if not path.is_file():
-        raise ServerError(f"{path} is missing: build it with `make setup` (pip install -e .)")
-    return path
-
-
-def is_loopback(host: str) -> bool:
-    return ipaddress.ip_address(host).is_loopback
-
-
-def check_host(host: str) -> str:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        raise ServerError(f"--host {host!r}: expected an IP address such as 127.0.0.1 (the default), "
-                          "::1, or 0.0.0.0 for every interface") from None
-    return host
 
 
 def _url_host(host: str) -> str:
@@ -150,127 +65,6 @@ def port_in_use(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
-
-
-@dataclass(frozen=True)
-class ServerInstall:
-    """One Triton installation: the binary, its Python backend, and what the stub needs to load."""
-
-    binary: Path
-    python_backend: Path
-    stubs_by_python: Optional[Path] = None  # folder of <major.minor>/triton_python_backend_stub
-    library_dirs: tuple[Path, ...] = ()
-
-    def stub_for_running_python(self) -> Path:
-        version = f"{sys.version_info.major}.{sys.version_info.minor}"
-        if self.stubs_by_python is not None:
-            stub = self.stubs_by_python / version / STUB_NAME
-            if stub.is_file():
-                return stub
-            raise ServerError(
-                f"the server at {self.binary} ships no Python backend stub for Python {version} "
-                f"(looked in {self.stubs_by_python}); run dspark with one of: "
-                + ", ".join(sorted(p.name for p in self.stubs_by_python.iterdir()))
-            )
-        stub = self.python_backend / STUB_NAME
-        if not stub.is_file():
-            raise ServerError(f"no {STUB_NAME} in {self.python_backend}; the Python backend install is incomplete")
-        return stub
-
-
-def _pytriton_install() -> Optional[ServerInstall]:
-    try:
-        import pytriton  # noqa: F401  (the nvidia-pytriton wheel)
-    except ImportError:
-        return None
-    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
-    libs = root.parent.parent / "nvidia_pytriton.libs"
-    return ServerInstall(
-        binary=root / "bin" / "tritonserver",
-        python_backend=root / "backends" / "python",
-        stubs_by_python=root / "python_backend_stubs",
-        library_dirs=(libs,) if libs.is_dir() else (),
-    )
-
-
-def _system_install(binary: Path) -> ServerInstall:
-    """A server laid out as in NVIDIA's container: <prefix>/bin/tritonserver, <prefix>/backends/python."""
-    prefix = binary.resolve().parent.parent
-    return ServerInstall(binary=binary, python_backend=prefix / "backends" / "python")
-
-
-def find_server(explicit: Optional[str] = None) -> ServerInstall:
-    """The server to run: an explicit path, then $TRITONSERVER, the nvidia-pytriton wheel, PATH."""
-    candidate = explicit or os.environ.get(SERVER_ENV_VAR)
-    if candidate:
-        binary = Path(candidate)
-        if not binary.is_file():
-            raise ServerError(f"no Triton server at {binary}: {INSTALL_HINT}")
-        bundled = _pytriton_install()
-        if bundled is not None and bundled.binary.resolve() == binary.resolve():
-            return bundled
-        install = _system_install(binary)
-    else:
-        install = _pytriton_install()
-        if install is None:
-            on_path = shutil.which("tritonserver")
-            if on_path is None:
-                raise ServerError(f"no Triton server found: {INSTALL_HINT}")
-            install = _system_install(Path(on_path))
-    if not install.binary.is_file():
-        raise ServerError(f"the Triton server binary {install.binary} is missing: {INSTALL_HINT}")
-    if not os.access(install.binary, os.X_OK):
-        raise ServerError(f"the Triton server {install.binary} is not executable: chmod +x it or reinstall")
-    missing = [name for name in PYTHON_BACKEND_FILES if not (install.python_backend / name).is_file()]
-    if missing:
-        raise ServerError(
-            f"Triton's Python backend is incomplete in {install.python_backend} (missing {', '.join(missing)}): "
-            "reinstall the server with its Python backend"
-        )
-    return install
-
-
-def build_backend_directory(install: ServerInstall, destination: Path, sources: Path) -> list[str]:
-    """Lay out a --backend-directory: Triton's Python backend plus each backends/<name> of ours.
-
-    Returns the names of our Python-based backends.
-    """
-    python_dir = destination / "python"
-    python_dir.mkdir(parents=True, exist_ok=True)
-    for name in PYTHON_BACKEND_FILES:
-        shutil.copy2(install.python_backend / name, python_dir / name)
-    shutil.copy2(install.stub_for_running_python(), python_dir / STUB_NAME)
-    names = []
-    for backend in sorted(sources.iterdir()):
-        if (backend / "model.py").is_file() and backend.name != "python":
-            shutil.copytree(backend, destination / backend.name, ignore=shutil.ignore_patterns("__pycache__"))
-            names.append(backend.name)
-    return names
-
-
-def _letter_cases(name: str) -> list[str]:
-    """`name` in every mix of lower and upper case letters, all lower case first."""
-    return ["".join(letters) for letters in itertools.product(*(dict.fromkeys((c.lower(), c.upper())) for c in name))]
-
-
-def header_forward_args(pattern: str) -> list[str]:
-    """Triton flags that forward HTTP and gRPC headers matching `pattern` to models; ServerError
-    when the pattern is not one Triton's RE2 takes, or would forward the API key header: its HTTP
-    name in any letter case (HTTP header names are case-insensitive), its gRPC name (gRPC
-    metadata names are lower case)."""
-    options = re2.Options()
-    options.log_errors = False  # the error goes into our one line
-    try:
-        regex = re2.compile(pattern, options)
-    except re2.error as error:
-        reason = error.args[0].decode(errors="replace") if error.args and isinstance(error.args[0], bytes) else error
-        raise ServerError(f"--forward-headers {pattern!r}: not a regular expression Triton (RE2) accepts "
-                          f"({reason})") from None
-    leaks = [name for name in (*_letter_cases(API_KEY_HEADER), GRPC_API_KEY_HEADER) if regex.search(name)]
-    if leaks:
-        raise ServerError(f"--forward-headers {pattern!r} matches {leaks[0]}, which would hand every model "
-                          f"the API key; name the headers, e.g. {DEFAULT_HEADER_PATTERN!r}")
-    return [f"--http-header-forward-pattern={pattern}", f"--grpc-header-forward-pattern={pattern}"]
 
 
 def _free_port() -> int:
@@ -564,7 +358,7 @@ class TritonServer:
         if answers != [403, 200]:
             raise ServerError(f"tritonserver answered GET /v2/logging with {answers[0]} without the API key and "
                               f"{answers[1]} with it (expected 403, 200): the key did not reach it through "
-                              f"{GUARD_LIBRARY}; not serving (log: {self.log_path})")
+                              f"{guard_library().name}; not serving (log: {self.log_path})")
 
     def load_failures(self) -> list[str]:
         """Each model's load failure with its reason (`failed to load 'x' version 1: ...`), as

@@ -1,5 +1,5 @@
 /* A C program written against cuBLAS's GemmEx (as if for an NVIDIA GPU, host memory aside).
- * tests/unit/test_accel_gemm.py compiles it against libhcblas with the include line changed and,
+ * tests/unit/runtimes/test_accel_gemm.py compiles it against libhcblas with the include line changed and,
  * for the other vendors, the prefix changed (cublas -> hipblas, CUBLAS_ -> HIPBLAS_, CUDA_ -> HIP_). */
 #include <cublas_v2.h>
 #include <math.h>

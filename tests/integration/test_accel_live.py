@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 from click.testing import CliRunner
 
 from dspark.cli.main import cli
-from dspark.engines.fused_transformer import FusedTransformer
+from dspark.runtimes.fused_transformer import FusedTransformer
 from dspark.paths import project_root
 from dspark.repository.modelspec import ExecutionProvider, ModelSpec, TensorSpec, VersionRecord
 from tests.conftest import serving

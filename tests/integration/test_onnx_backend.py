@@ -13,6 +13,7 @@ from onnx import numpy_helper
 from tritonclient.utils import InferenceServerException
 
 from dspark.paths import project_root
+from tests.conftest import serving
 
 pytestmark = pytest.mark.integration
 
@@ -140,6 +141,14 @@ def test_backend_metrics_reach_the_metrics_endpoint(triton_server):
     assert _counter(triton_server, "dspark_onnx_batches_total", "mlp_classifier") == before + 1
 
 
+@pytest.fixture(scope="module")
+def toy_graph_server(request):
+    """The test fixture LM's target graph (tests/spec_toy_repository/spec_target) on the onnx backend."""
+    with serving(request, [project_root() / "tests" / "spec_toy_repository"], model_control="explicit",
+                 load_models=("spec_target",)) as server:
+        yield server
+
+
 def spec_target_inputs(server, tokens: int, keys: int, past: int, positions: int | None = None) -> dict:
     """Inputs of the speculative target graph: T new tokens, S key positions (S = P + T), P cached rows."""
     metadata = httpclient.InferenceServerClient(server.http_url).get_model_metadata("spec_target")
@@ -161,8 +170,9 @@ DATATYPES = {np.dtype(np.int64): "INT64", np.dtype(np.bool_): "BOOL", np.dtype(n
      ["input tensors 'input_ids', 'positions', 'key_positions', 'attention_mask' and 12 more",
       "inconsistent with each other (sizes T=3, S=7, P=2)", "broadcast"]),
 ], ids=["named-dim", "undeclared-relation"])
-def test_inputs_inconsistent_with_each_other_get_invalid_arg_naming_them(triton_server, shapes, words):
+def test_inputs_inconsistent_with_each_other_get_invalid_arg_naming_them(toy_graph_server, shapes, words):
     """Each tensor passes Triton's own check; together they do not fit the graph."""
+    triton_server = toy_graph_server
     arrays = spec_target_inputs(triton_server, **shapes)
     datatypes = {name: DATATYPES[array.dtype] for name, array in arrays.items()}
     with pytest.raises(InferenceServerException) as raised:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import openai
 import pytest
@@ -26,7 +27,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def api(triton_server):
-    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.grpc_url,
+    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.http_url,
                           repository_headers=triton_server.repository_headers)
     server.start()
     yield server
@@ -116,10 +117,14 @@ def test_speculative_method_as_extension_field(client):
 
 
 def test_a_client_that_leaves_mid_stream_stops_generation(client, triton_server):
+    """What a user sees on Triton's /metrics: the model's generated-token counter stops growing
+    once the client has gone, and no request is left running."""
+    args = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+            "temperature": 0, "extra_body": {"speculative": {"method": "none"}}}
+    # the same greedy request, left alone, runs past the bound asserted below
+    assert client.chat.completions.create(max_tokens=300, **args).choices[0].finish_reason == "length"
     before = metric(triton_server, MODEL, "dspark_speculative_generated_total")
-    stream = client.completions.create(model=MODEL, prompt="Write a very long story about a dragon.\n",
-                                       max_tokens=1500, temperature=0, stream=True,
-                                       extra_body={"speculative": {"method": "none"}})
+    stream = client.chat.completions.create(max_tokens=1500, stream=True, **args)
     for i, _chunk in enumerate(stream):
         if i == 3:
             break
@@ -127,6 +132,8 @@ def test_a_client_that_leaves_mid_stream_stops_generation(client, triton_server)
     wait_for(lambda: metric(triton_server, MODEL, "dspark_speculative_requests_running") == 0, 10.0)
     made = metric(triton_server, MODEL, "dspark_speculative_generated_total") - before
     assert made < 300, f"{made} tokens generated for a client that left after 4 chunks"
+    time.sleep(0.5)
+    assert metric(triton_server, MODEL, "dspark_speculative_generated_total") - before == made
     assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=4).choices[0].text is not None
 
 
@@ -152,13 +159,26 @@ def test_bad_requests_are_openai_shaped_400s(client, kwargs, param, fragment):
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="no_such_model", messages=[{"role": "user", "content": "hi"}])
-    assert missing.value.body["code"] == "model_not_found"
+    assert missing.value.status_code == 404 and missing.value.body["code"] == "model_not_found"
+    assert missing.value.body["param"] == "model" and "no_such_model" in missing.value.message
     with pytest.raises(openai.NotFoundError):  # a served model that is not an LLM
         client.completions.create(model="mlp_classifier", prompt="hi")
 
 
+def test_a_body_that_is_not_json_or_an_unknown_path_is_openai_shaped(api):
+    reply = requests.post(f"{api.url}/chat/completions", data=b"{not json", timeout=10,
+                          headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and "not JSON" in error["message"]
+    for method, path, status in (("POST", "/embeddings", 404), ("GET", "/chat/completions", 405)):
+        reply = requests.request(method, f"{api.url}{path}", json={}, timeout=10)
+        assert reply.status_code == status
+        assert "POST /v1/chat/completions" in reply.json()["error"]["message"]
+
+
 def test_a_keyed_endpoint_needs_the_bearer_key(triton_server):
-    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.grpc_url, api_key=KEY,
+    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.http_url, api_key=KEY,
                           repository_headers=triton_server.repository_headers)
     server.start()
     try:

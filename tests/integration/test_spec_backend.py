@@ -1,7 +1,8 @@
-"""The speculative backend serving the real model (SmolLM2-135M-Instruct, `spec_lm`) on the
-real server: chat template, end of sequence, stop strings, every method against plain decoding,
-streaming, batched concurrent requests. Serving behaviour that does not depend on the model
-(bad inputs, cancellation, unload) is tested on the fast fixture in test_spec_serving.py."""
+"""The speculative backend serving the real models (SmolLM2-135M-Instruct, `spec_lm`; Gemma 3
+270M Q4_K_M, `gemma_lm`, for greedy identity) on the real server: chat template, end of
+sequence, stop strings, every method against plain decoding, streaming, batched concurrent
+requests. Serving behaviour that does not depend on the model (bad inputs, cancellation,
+unload) is tested on the fast fixture in test_spec_serving.py."""
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,16 +45,18 @@ def test_chat_true_applies_the_template_to_text_input(server):
     assert completion(server, MODEL, QUESTION, max_tokens=32) != reply.json()["text_output"]  # no template
 
 
-@pytest.mark.parametrize("prompt", [CODE, REWRITE])
-def test_greedy_text_is_identical_for_every_method(server, prompt):
-    methods = requests.post(f"http://{server.http_url}/v2/models/{MODEL}/generate", timeout=60, json={
+@pytest.mark.parametrize("model, prompt", [(MODEL, CODE), (MODEL, REWRITE), ("gemma_lm", CODE), ("gemma_lm", REWRITE)])
+def test_greedy_text_is_identical_for_every_method(server, model, prompt):
+    """SmolLM2 (Q4_1) and Gemma 3 (Q4_K_M, its K-quant blocks run as stored): every method's
+    greedy text is plain decoding's."""
+    methods = requests.post(f"http://{server.http_url}/v2/models/{model}/generate", timeout=60, json={
         "text_input": "x", "sampling_parameters": json.dumps({"speculative": {"method": "?"}})}).json()["error"]
-    plain = completion(server, MODEL, prompt, max_tokens=24, speculative={"method": "none"})
+    plain = completion(server, model, prompt, max_tokens=24, speculative={"method": "none"})
     assert len(plain) > 20
     names = [m for m in ("ngram", "suffix", "dspark", "hybrid", "draft", "tree") if f"'{m}'" in methods]
     assert {"ngram", "suffix"} <= set(names)
     for method in names:
-        assert completion(server, MODEL, prompt, max_tokens=24, speculative={"method": method}) == plain, method
+        assert completion(server, model, prompt, max_tokens=24, speculative={"method": method}) == plain, (model, method)
 
 
 def test_stop_string_ends_the_text_before_it(server):

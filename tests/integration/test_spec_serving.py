@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from dspark.bench.spec import reload_model
+from dspark.bench.spec_served import reload_model
 from dspark.paths import project_root
 from dspark.triton.server import TritonServer
 from tests.conftest import dump_log_on_failure
@@ -252,7 +252,7 @@ def test_a_config_that_cannot_serve_its_default_method_fails_the_load(server):
     config["parameters"].update({"draft_model": {"string_value": ""}, "default_method": {"string_value": "draft"}})
     reply = requests.post(url, json={"parameters": {"config": json.dumps(config)}}, headers=server.repository_headers, timeout=120)
     assert reply.status_code == 400
-    assert "parameters.default_method: 'draft' is not one of this model's methods" in reply.text
+    assert "parameter 'default_method': 'draft' is not one of this model's methods" in reply.text
     reply = requests.post(url, json={"parameters": {"config": json.dumps(original)}}, headers=server.repository_headers, timeout=120)
     assert reply.status_code == 200 and stream_once(server, ONE, PROMPT, {"max_tokens": 4}).final
 

@@ -12,8 +12,8 @@ import pytest
 
 from dspark._ext import fused as ext_fused
 from dspark._ext.lm_step import LMStep
-from dspark.decoding.lm import KVCache, KernelLM
-from dspark.decoding.onnx_lm import LMConfig, build_lm_onnx, random_weights
+from dspark.runtimes.toy_lm.runtime import KVCache, KernelLM
+from dspark.runtimes.toy_lm.graph import LMConfig, build_lm_onnx, random_weights
 from dspark.kernels.fused import FusedLNGeluMatMul, ln_gelu, sgemm
 from dspark.kernels.pool import MemoryPool, PoolError
 

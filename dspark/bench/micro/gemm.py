@@ -21,7 +21,7 @@ from dspark.bench.timing import quartile_band
 @register("gemm", "GemmEx shim: OpenBLAS sgemm direct vs shim fp32 / bf16 / int8 per kernel path")
 def run_gemm(size: int = 1024, rounds: int = 11, threads: int = 1,
              log: Callable[[str], None] = log_nothing) -> BenchResult:
-    from dspark.accel import gemm as shim
+    from dspark.runtimes.accel import gemm as shim
 
     shim.library()
     blas = ctypes.CDLL("libscipy_openblas.so")  # the very OpenBLAS libhcblas.so loaded

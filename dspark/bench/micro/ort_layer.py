@@ -12,7 +12,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 from scipy.special import erf
 
-from dspark.engines.onnx_session import make_session_options
+from dspark.runtimes.onnx_session import make_session_options
 
 
 def unfused_numpy(x, gamma, beta, w, b, eps: float = 1e-5) -> np.ndarray:

@@ -33,7 +33,7 @@ def _request_loop(allocate, requests: int, sizes: list[int]) -> None:
 def run_pool(steps: int = 3000, seeds: int = 3, headroom: float = 1.25, rounds: int = 31,
              weights: Path | None = None, log: Callable[[str], None] = log_nothing) -> BenchResult:
     from dspark.bench.micro.pool_trace import replay, serving_trace
-    from dspark.engines.fused_transformer import FusedTransformer, TransformerConfig, make_weights, save_weights
+    from dspark.runtimes.fused_transformer import FusedTransformer, TransformerConfig, make_weights, save_weights
     from dspark.kernels.pool import MemoryPool
 
     weights = weights or project_root() / "model_repository/fused_transformer/1/weights.npz"

@@ -23,7 +23,7 @@ def ort_matmul(w: np.ndarray):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from dspark.engines.onnx_session import make_session_options
+    from dspark.runtimes.onnx_session import make_session_options
 
     k, n = w.shape
     graph = helper.make_graph(

@@ -1,0 +1,1 @@
+"""Other implementations the benchmarks measure dspark against, each behind one module."""

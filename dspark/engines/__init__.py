@@ -1,1 +1,0 @@
-"""engines layer: see docs/ARCHITECTURE.md."""

@@ -1,0 +1,120 @@
+"""Who may use a started server: its API key for Triton's restricted APIs (given to the server
+through a pipe, never its command line or environment), the headers forwarded to models (never
+the key's), and the addresses it binds (loopback unless the user opts in)."""
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import re
+import secrets
+from pathlib import Path
+from typing import Optional
+
+import re2
+
+from dspark import _ext
+
+# Headers Triton passes to models as request parameters (the router reads dspark-tier, dspark-user-id).
+# Triton forwards a header to models when its RE2 pattern matches anywhere in the name
+# (PartialMatch), so the default names the router's headers exactly: "dspark-.*" would also hand
+# every model the API key. Header names are case-insensitive; RE2 matches them as sent.
+DEFAULT_HEADER_PATTERN = "(?i)^dspark-(tier|user-id)$"
+LOOPBACK = "127.0.0.1"
+# Triton's APIs that answer only requests carrying this header with the server's key, in every
+# model-control mode: the model-repository API (load, unload, index) can load code; through
+# shared memory a client can have the server write into any region it names, a model stub's IPC
+# region included (which crashed the server); logging and trace change what the server writes
+# where; statistics tell who runs what, and no dspark client needs them. Health, metadata,
+# model-config and inference stay open.
+RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace", "statistics")
+API_KEY_HEADER = "dspark-api-key"
+# Triton's gRPC side looks for the key under this prefixed metadata name.
+GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"
+API_KEY_ENV = "DSPARK_API_KEY"
+API_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~-]{16,256}")
+# The key reaches tritonserver through a pipe: its command line holds KEY_MARKER, which the
+# preloaded guard library (cython_ext/server_guard.c) replaces with what it reads from the
+# descriptor named by KEY_FD_ENV, so the key is in no process list and no stub's environment.
+KEY_MARKER = "@DSPARK_API_KEY@"
+KEY_FD_ENV = "DSPARK_KEY_FD"
+GUARD_LIBRARY = "libserverguard.so"
+# Files the server and its stubs create are the user's alone; the guard library makes the
+# Python backend's /dev/shm IPC regions (which hold requests and responses) honour it too.
+SERVER_UMASK = 0o077
+
+
+
+class ServerError(RuntimeError):
+    """The server could not be found or did not start; the message says why and how to fix it."""
+
+
+def new_api_key() -> str:
+    """A random key for the restricted APIs (256 bits, URL-safe characters)."""
+    return secrets.token_urlsafe(32)
+
+
+def check_api_key(key: str) -> str:
+    """The key as given, or ServerError saying what a key must look like."""
+    if not API_KEY_PATTERN.fullmatch(key):
+        raise ServerError(f"--api-key / {API_KEY_ENV}: must be 16 to 256 characters from A-Z a-z 0-9 . _ ~ - "
+                          f"(got {len(key)} characters); leave it unset to have one generated")
+    return key
+
+
+def repository_headers(api_key: Optional[str]) -> dict[str, str]:
+    """Headers for calls to the restricted APIs (tritonclient's `headers=`), good for HTTP and gRPC clients."""
+    return {API_KEY_HEADER: api_key, GRPC_API_KEY_HEADER: api_key} if api_key else {}
+
+
+def restricted_api_args() -> list[str]:
+    """Triton flags that refuse calls to RESTRICTED_APIS over HTTP and gRPC without the key
+    (KEY_MARKER stands for it)."""
+    apis = ",".join(RESTRICTED_APIS)
+    return [f"--http-restricted-api={apis}:{API_KEY_HEADER}={KEY_MARKER}",
+            f"--grpc-restricted-protocol={apis}:{API_KEY_HEADER}={KEY_MARKER}"]
+
+
+def guard_library() -> Path:
+    """The library preloaded into tritonserver (cython_ext/server_guard.c); ServerError if not built."""
+    path = Path(_ext.__file__).parent / GUARD_LIBRARY
+    if not path.is_file():
+        raise ServerError(f"{path} is missing: build it with `make setup` (pip install -e .)")
+    return path
+
+
+def is_loopback(host: str) -> bool:
+    return ipaddress.ip_address(host).is_loopback
+
+
+def check_host(host: str) -> str:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ServerError(f"--host {host!r}: expected an IP address such as 127.0.0.1 (the default), "
+                          "::1, or 0.0.0.0 for every interface") from None
+    return host
+
+
+def _letter_cases(name: str) -> list[str]:
+    """`name` in every mix of lower and upper case letters, all lower case first."""
+    return ["".join(letters) for letters in itertools.product(*(dict.fromkeys((c.lower(), c.upper())) for c in name))]
+
+
+def header_forward_args(pattern: str) -> list[str]:
+    """Triton flags that forward HTTP and gRPC headers matching `pattern` to models; ServerError
+    when the pattern is not one Triton's RE2 takes, or would forward the API key header: its HTTP
+    name in any letter case (HTTP header names are case-insensitive), its gRPC name (gRPC
+    metadata names are lower case)."""
+    options = re2.Options()
+    options.log_errors = False  # the error goes into our one line
+    try:
+        regex = re2.compile(pattern, options)
+    except re2.error as error:
+        reason = error.args[0].decode(errors="replace") if error.args and isinstance(error.args[0], bytes) else error
+        raise ServerError(f"--forward-headers {pattern!r}: not a regular expression Triton (RE2) accepts "
+                          f"({reason})") from None
+    leaks = [name for name in (*_letter_cases(API_KEY_HEADER), GRPC_API_KEY_HEADER) if regex.search(name)]
+    if leaks:
+        raise ServerError(f"--forward-headers {pattern!r} matches {leaks[0]}, which would hand every model "
+                          f"the API key; name the headers, e.g. {DEFAULT_HEADER_PATTERN!r}")
+    return [f"--http-header-forward-pattern={pattern}", f"--grpc-header-forward-pattern={pattern}"]

@@ -1,0 +1,137 @@
+"""The speculative backend's work that needs no Triton: the text generator its parameters ask
+for, and one generate request read and checked before any model work.
+
+Inputs follow Triton's LLM backends (dspark.tensors.GENERATE_INPUTS): text_input or messages (a
+JSON chat), stream, sampling_parameters (JSON), exclude_input_in_output; docs/speculative.md has
+the rest.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from dspark.decoding.models import llm_generator, toy_generator
+from dspark.decoding.request import parse_generate_options, parse_messages
+from dspark.decoding.sampling import SamplingParams, SpeculativeParams
+from dspark.decoding.stats import DecodeStats
+from dspark.decoding.text import TextGenerator
+from dspark.errors import ConfigError, RequestError, UnavailableError
+from dspark.llm.importer import STAMP_FILE
+from dspark.triton.params import SpeculativeParameters
+
+InputReader = Callable[[str], Optional[np.ndarray]]  # a request's input tensor by name, None if absent
+
+
+def _model_file(repository: Path, name: str) -> Path:
+    """A sibling model's graph (``name``), or a model folder given relative to this one."""
+    folder = repository / name if "/" in name else repository.parent / name
+    return (folder / "1" / "model.onnx").resolve()
+
+
+def build_generator(settings: SpeculativeParameters, repository: Path, version: str) -> tuple[TextGenerator, str]:
+    """The generator ``settings`` name, and a few words saying what it serves (for the log)."""
+    version_dir = repository / version
+    if settings.llm_model:
+        folder = version_dir / settings.llm_model
+        # the kernels read the GGUF the import names
+        if not (folder / STAMP_FILE).is_file():
+            raise ConfigError("parameter 'llm_model'", f"{folder}/{STAMP_FILE} does not exist: run "
+                              "`make setup` (it imports the model) or `dspark llm import`")
+        generator = llm_generator(folder, settings.intra_op_threads, settings.max_context or None,
+                                  settings.batch_verification)
+        served = f"llm={settings.llm_model} runtime={settings.llm_runtime}"
+    else:
+        if not settings.target_model:
+            raise ConfigError("parameter 'target_model'", "give llm_model (an imported LLM) or "
+                              "target_model (an LM pair in dspark's graph format)")
+        target = _model_file(repository, settings.target_model)
+        draft = _model_file(repository, settings.draft_model) if settings.draft_model else None
+        tokenizer = version_dir / settings.tokenizer
+        for path in (target, draft, tokenizer):
+            if path is not None and not path.is_file():
+                raise ConfigError("parameters", f"{path} does not exist: run `make setup` (it "
+                                                "builds the models) or fix the model's parameters")
+        generator = toy_generator(target, draft, tokenizer, settings.intra_op_threads, settings.draft_runtime,
+                                  settings.batch_verification, settings.max_context or None)
+        served = f"target={settings.target_model} draft={settings.draft_model or 'none'}"
+    if settings.default_method not in generator.engine.methods:
+        raise ConfigError("parameter 'default_method'",
+                          f"{settings.default_method!r} is not one of this model's methods "
+                          f"{generator.engine.methods} (a draft method needs draft_model)")
+    return generator, served
+
+
+def _scalar(read: InputReader, name: str):
+    array = read(name)
+    if array is None:
+        return None
+    if array.size != 1:
+        raise RequestError(name, f"expected one element, got shape {list(array.shape)}")
+    return array.reshape(-1)[0]
+
+
+def _text(read: InputReader, name: str) -> Optional[str]:
+    """A BYTES input as text: UTF-8 or a clear error, never a silent replacement."""
+    value = _scalar(read, name)
+    if value is None or isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise RequestError(name, f"is not valid UTF-8 (byte 0x{value[error.start]:02x} at offset "
+                                 f"{error.start}); send UTF-8 text") from None
+
+
+@dataclass
+class GenerateCall:
+    """One request, checked: its prompt's tokens, how to sample and speculate, whether to stream,
+    and the text a non-streamed reply starts with (a completion echoes its prompt unless
+    exclude_input_in_output, as Triton's LLM backends do; a chat's reply is the assistant's
+    message alone)."""
+    ids: list[int]
+    sampling: SamplingParams
+    spec: SpeculativeParams
+    stream: bool
+    echo: str
+
+
+def read_call(read: InputReader, generator: TextGenerator, default_spec: SpeculativeParams) -> GenerateCall:
+    """The request's inputs read and checked, before any model work; RequestError naming the
+    input otherwise."""
+    prompt = _text(read, "text_input")
+    messages = parse_messages(_text(read, "messages"))
+    options = parse_generate_options(_scalar(read, "sampling_parameters"), default_spec, generator.engine.methods)
+    if messages is None and prompt is None:
+        raise RequestError("text_input", "is required (or a messages input)")
+    if messages is None and not prompt:
+        raise RequestError("text_input", "is empty; give a prompt")
+    if messages is not None and prompt:
+        raise RequestError("messages", "give text_input or messages, not both")
+    if messages is None and options.chat:
+        messages = [{"role": "user", "content": prompt}]
+    ids = generator.encode_chat(messages) if messages is not None else generator.encode(prompt)
+    sampling = options.sampling
+    if messages is not None and generator.chat_stop:
+        sampling = dataclasses.replace(sampling, stop=sampling.stop + list(generator.chat_stop))
+    generator.engine.check(ids, options.spec)
+    exclude = bool(_scalar(read, "exclude_input_in_output"))
+    echo = "" if messages is not None or exclude else prompt
+    return GenerateCall(ids, sampling, options.spec, bool(_scalar(read, "stream")), echo)
+
+
+def usage(call: GenerateCall, stats: DecodeStats) -> dict:
+    """What the request used, as OpenAI's usage (the final response's ``usage`` output)."""
+    return {"prompt_tokens": len(call.ids), "completion_tokens": stats.generated_tokens,
+            "finish_reason": stats.finish_reason}
+
+
+def refuse_if_unloaded(stats: DecodeStats, closing: bool, model: str) -> None:
+    """A request the unload stopped gets an error, not a text that looks complete."""
+    if stats.finish_reason == "cancelled" and closing:
+        raise UnavailableError(f"{model} is unloading; the request was stopped after "
+                               f"{stats.generated_tokens} tokens", "shutdown")

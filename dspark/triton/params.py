@@ -1,0 +1,62 @@
+"""The config parameters of dspark's backends, as pydantic models read by
+``dspark.params.parse_parameters`` (the execution-provider and TensorRT parameters an ``onnx``
+model may also carry are in dspark.runtimes.accel: ``ProviderParameters``, ``TensorRTParameters``)."""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional
+
+from pydantic import Field
+
+from dspark.params import ConfigParameters
+
+Count = Annotated[int, Field(ge=0)]
+
+
+class OnnxParameters(ConfigParameters):
+    """backends/onnx: ONNX Runtime's session options (the provider parameters are
+    dspark.runtimes.accel.providers.ProviderRequest's)."""
+
+    intra_op_threads: Count = 1  # 0: ONNX Runtime's default (one per core)
+    inter_op_threads: Count = 1
+    allow_spinning: bool = False
+    graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"
+
+
+class FusedTransformerParameters(ConfigParameters):
+    """backends/fused_transformer: kernel threads, NUMA pinning, the activation pool."""
+
+    threads: Annotated[int, Field(ge=1)] = 1
+    numa_node: Optional[Count] = None  # pin this instance's threads and first touch to that node
+    use_pool: bool = True
+    pool_bytes: Count = 64 << 20
+    lock_pages: bool = False
+    huge_pages: bool = True
+    matmul: Literal["fused", "gemm"] = "fused"  # gemm: every product through the GemmEx shim (dspark.runtimes.accel)
+    gemm_vendor: Literal["hcblas", "cublas", "hipblas", "mcblas", "mublas"] = "hcblas"
+    gemm_device: Literal["auto", "cpu", "cuda"] = "auto"
+    gemm_compute: Literal["fp32", "bf16"] = "fp32"
+
+
+class SpeculativeParameters(ConfigParameters):
+    """backends/speculative: the model it serves, its speculative defaults, the request pool."""
+
+    # a real LLM imported by `dspark llm import`: its folder, relative to the version folder;
+    # when set, target_model/draft_model/tokenizer (an LM pair in dspark's own graph format) are unused
+    llm_model: str = ""
+    # what runs the imported LLM: dspark's C kernels over the GGUF's blocks (the ONNX Runtime graph
+    # they replaced was 3-4x slower, docs/llm.md)
+    llm_runtime: Literal["kernel"] = "kernel"
+    target_model: str = ""
+    draft_model: str = ""  # none
+    tokenizer: str = "tokenizer.json"
+    default_method: str = "hybrid"
+    num_speculative_tokens: int = Field(4, ge=1, le=16)
+    tree_width: int = Field(4, ge=1, le=8)
+    intra_op_threads: int = Field(2, ge=1, le=256)
+    stream_interval_ms: int = Field(10, ge=0, le=10_000)
+    draft_runtime: Literal["kernel", "onnxruntime"] = "kernel"
+    max_concurrent_requests: int = Field(4, ge=1, le=256)
+    max_queued_requests: int = Field(16, ge=0, le=100_000)
+    max_queue_wait_ms: int = Field(30_000, ge=0)
+    batch_verification: bool = False
+    max_context: int = Field(0, ge=0)  # 0 = the model's own context
