@@ -38,6 +38,9 @@ def _fleet_options(function):
                      help="A server's HTTP endpoint, e.g. http://10.0.0.5:8000 (repeat for a fleet)."),
         click.option("--metrics-url", "metrics_urls", multiple=True,
                      help="Each server's metrics URL, in --server order (default: HTTP port + 2)."),
+        click.option("--grpc-url", "grpc_urls", multiple=True,
+                     help="Each server's gRPC host:port, in --server order, which loads go by "
+                          "(default: HTTP port + 1)."),
         click.option("--servers-file", type=click.Path(path_type=Path, exists=True), default=None,
                      help="A file of endpoints: one 'URL [METRICS_URL]' a line, or a YAML list (pod IPs)."),
         click.option("--servers-dns", "servers_dns", multiple=True,
@@ -77,13 +80,14 @@ def rollout() -> None:
               help="Plan YAML (steps, analysis thresholds); default: the built-in plan.")
 @_state_option
 @_key_option
-def run(model, artifact, semver, repository, router, routing_file, servers, metrics_urls, servers_file,
+def run(model, artifact, semver, repository, router, routing_file, servers, metrics_urls, grpc_urls, servers_file,
         servers_dns, prometheus, plan_path, state_path, api_key) -> None:
     """Publish ARTIFACT as version SEMVER of MODEL and roll it out by the plan."""
     try:
         plan = Plan.load(plan_path)
         deployment = Deployment(model, router, repository,
-                                read_endpoints(servers, metrics_urls, servers_file, servers_dns), routing_file, prometheus)
+                                read_endpoints(servers, metrics_urls, servers_file, servers_dns, grpc_urls), routing_file,
+                                prometheus)
     except DsparkError as error:
         _fail(error)
     _drive(deployment, plan, _open_state(state_path), api_key, lambda c: c.start(artifact, semver))
@@ -170,12 +174,13 @@ _command("resume", "Let a paused rollout of MODEL go on.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @_state_option
 @_key_option
-def status(model, servers, metrics_urls, servers_file, servers_dns, window, as_json, state_path, api_key) -> None:
+def status(model, servers, metrics_urls, grpc_urls, servers_file, servers_dns, window, as_json, state_path,
+           api_key) -> None:
     """Versions per server, traffic shares, health, live metrics and the rollout in progress."""
     state = _open_state(state_path)
     try:
         given = servers or servers_file or servers_dns
-        endpoints = read_endpoints(servers, metrics_urls, servers_file, servers_dns) if given else None
+        endpoints = read_endpoints(servers, metrics_urls, servers_file, servers_dns, grpc_urls) if given else None
         report = status_report.collect(state, model, endpoints, api_key, window)
     except DsparkError as error:
         _fail(error)

@@ -22,6 +22,8 @@ from typing import Callable, Optional
 
 import numpy as np
 import yaml
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
 
 from dspark.errors import ConfigError, DsparkError, UnavailableError
 from dspark.repository.modelspec import (
@@ -414,7 +416,8 @@ class Controller:
     def _write_spec(self, spec: ModelSpec) -> None:
         model = self.deployment.model
         self.store.write_text(f"{model}/{SPEC_FILENAME}", yaml.safe_dump(spec.to_dict(), sort_keys=False))
-        self.store.write_text(f"{model}/{CONFIG_FILENAME}", spec.config_text())
+        self.store.write_text(f"{model}/{CONFIG_FILENAME}", spec.config_text() + instance_warmup(
+            spec.to_model_config(), self.plan.warmup.instance_requests))
 
     @staticmethod
     def _current_folder(spec: ModelSpec) -> int:
@@ -518,6 +521,20 @@ class Controller:
     def close(self) -> None:
         for server in self.servers:
             server.close()
+
+
+def instance_warmup(config: mc.ModelConfig, count: int) -> str:
+    """A ``model_warmup`` entry (config.pbtxt text) that has Triton send ``count`` requests of
+    zeros to each new instance before its version is ready; empty when ``count`` is 0 or the
+    config has its own warm-up."""
+    if not count or config.model_warmup:
+        return ""
+    sample = mc.ModelWarmup(name="dspark_rollout_warmup", batch_size=1, count=count)
+    for tensor in config.input:
+        if not tensor.optional:
+            sample.inputs[tensor.name].CopyFrom(mc.ModelWarmup.Input(
+                data_type=tensor.data_type, dims=[1 if d < 0 else d for d in tensor.dims], zero_data=True))
+    return text_format.MessageToString(mc.ModelConfig(model_warmup=[sample]))
 
 
 def _changed(config, **changes):

@@ -2,6 +2,11 @@
 
 Every call to the model-repository API (load, unload, index) carries the server's API key in
 the ``dspark-api-key`` header (the restricted model-repository API); inference and health calls need none.
+
+Loads go over gRPC: Triton's HTTP frontend runs a ``load`` on the worker thread that received
+it, and every other HTTP connection served by that thread waits until the load returns (2.51,
+measured: clients' requests on those connections timed out at 1 s during a 2.4 s load, while the
+others were answered). Its gRPC frontend runs a load on a thread of its own.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from typing import Iterable, Optional, Sequence
 from urllib.parse import urlparse
 
 import numpy as np
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import yaml
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype, triton_to_np_dtype
@@ -26,13 +32,20 @@ from dspark.triton.access import repository_headers
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One server: its HTTP URL and its metrics URL (default: HTTP port + 2, Triton's layout)."""
+    """One server: its HTTP URL, its metrics URL (default: HTTP port + 2, Triton's layout) and
+    its gRPC address, host:port (default: HTTP port + 1), which the controller loads models by."""
 
     url: str
     metrics_url: str
+    grpc_url: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.grpc_url:  # also a state file written before the field existed
+            parsed = urlparse(self.url)
+            object.__setattr__(self, "grpc_url", f"{parsed.hostname}:{parsed.port + 1}")
 
     @classmethod
-    def parse(cls, url: str, metrics_url: Optional[str] = None) -> "Endpoint":
+    def parse(cls, url: str, metrics_url: Optional[str] = None, grpc_url: Optional[str] = None) -> "Endpoint":
         url = url.strip().rstrip("/")
         if "://" not in url:
             url = f"http://{url}"
@@ -43,7 +56,10 @@ class Endpoint:
             metrics_url = f"http://{parsed.hostname}:{parsed.port + 2}/metrics"
         elif "://" not in metrics_url:
             metrics_url = f"http://{metrics_url}"
-        return cls(url, metrics_url)
+        grpc_url = (grpc_url or "").strip().removeprefix("grpc://")
+        if grpc_url and not urlparse(f"grpc://{grpc_url}").port:
+            raise ConfigError("grpc-url", f"{grpc_url!r} is not a gRPC address like 10.0.0.5:8001")
+        return cls(url, metrics_url, grpc_url)
 
     @property
     def host_port(self) -> str:
@@ -51,14 +67,18 @@ class Endpoint:
 
 
 def read_endpoints(urls: Sequence[str] = (), metrics_urls: Sequence[str] = (),
-                   servers_file: Optional[Path] = None, dns: Sequence[str] = ()) -> list[Endpoint]:
-    """Endpoints from ``--server`` URLs (paired in order with ``--metrics-url``), a file (YAML:
-    a list of URLs or of {url, metrics_url}; or plain text, one ``URL [METRICS_URL]`` a line,
-    ``#`` comments) and DNS names ``HOST:PORT`` whose every address is a server (a Kubernetes
-    headless Service lists the ready pods of a fleet that way)."""
+                   servers_file: Optional[Path] = None, dns: Sequence[str] = (),
+                   grpc_urls: Sequence[str] = ()) -> list[Endpoint]:
+    """Endpoints from ``--server`` URLs (paired in order with ``--metrics-url`` and ``--grpc-url``),
+    a file (YAML: a list of URLs or of {url, metrics_url, grpc_url}; or plain text, one
+    ``URL [METRICS_URL]`` a line, ``#`` comments) and DNS names ``HOST:PORT`` whose every address
+    is a server (a Kubernetes headless Service lists the ready pods of a fleet that way)."""
     if metrics_urls and len(metrics_urls) != len(urls):
         raise ConfigError("metrics-url", f"give one per --server ({len(urls)}), or none for HTTP port + 2")
-    endpoints = [Endpoint.parse(u, m) for u, m in zip(urls, metrics_urls or [None] * len(urls))]
+    if grpc_urls and len(grpc_urls) != len(urls):
+        raise ConfigError("grpc-url", f"give one per --server ({len(urls)}), or none for HTTP port + 1")
+    endpoints = [Endpoint.parse(u, m, g) for u, m, g in zip(urls, metrics_urls or [None] * len(urls),
+                                                            grpc_urls or [None] * len(urls))]
     if servers_file is not None:
         endpoints += _endpoints_from_file(Path(servers_file))
     for name in dns:
@@ -89,9 +109,9 @@ def _endpoints_from_file(path: Path) -> list[Endpoint]:
             if isinstance(item, str):
                 out.append(Endpoint.parse(item))
             elif isinstance(item, dict) and "url" in item:
-                out.append(Endpoint.parse(item["url"], item.get("metrics_url")))
+                out.append(Endpoint.parse(item["url"], item.get("metrics_url"), item.get("grpc_url")))
             else:
-                raise ConfigError(f"[{i}]", "expected a URL or a mapping with url (and metrics_url)", path)
+                raise ConfigError(f"[{i}]", "expected a URL or a mapping with url (and metrics_url, grpc_url)", path)
         return out
     out = []
     for line in text.splitlines():
@@ -110,6 +130,9 @@ class Server:
         self.timeout_s = timeout_s
         self._local = threading.local()
         self._clients: list[httpclient.InferenceServerClient] = []
+        self._grpc: Optional[grpcclient.InferenceServerClient] = None
+        self._grpc_lock = threading.Lock()
+        self.notes: list[str] = []  # what the controller should log once (a fallback taken)
 
     @property
     def client(self) -> httpclient.InferenceServerClient:
@@ -126,15 +149,37 @@ class Server:
     def name(self) -> str:
         return self.endpoint.url
 
+    @property
+    def grpc(self) -> grpcclient.InferenceServerClient:
+        """One gRPC client for all threads (a gRPC channel is thread-safe)."""
+        with self._grpc_lock:
+            if self._grpc is None:
+                self._grpc = grpcclient.InferenceServerClient(self.endpoint.grpc_url)
+            return self._grpc
+
     def close(self) -> None:
         """Close the clients of this thread (others close with their threads' greenlet hubs)."""
         client = getattr(self._local, "client", None)
         if client is not None:
             client.close()
             self._local.client = None
+        with self._grpc_lock:
+            if self._grpc is not None:
+                self._grpc.close()
+                self._grpc = None
 
     def load(self, model: str) -> None:
-        """(Re)load ``model`` as its config.pbtxt now says; Triton keeps serving unchanged versions."""
+        """(Re)load ``model`` as its config.pbtxt now says, over gRPC (module docstring: an HTTP
+        load stalls other clients); over HTTP when the gRPC endpoint cannot be reached."""
+        try:
+            self.grpc.load_model(model, headers=self.headers, client_timeout=self.timeout_s)
+            return
+        except InferenceServerException as error:
+            if not _unreachable(error):
+                raise UnavailableError(f"{self.name}: loading '{model}' failed: {error.message()}", "load") from None
+            self.notes.append(f"{self.name}: gRPC endpoint {self.endpoint.grpc_url} unreachable ({error.message()}); "
+                              "loading over HTTP, which holds other HTTP clients until the load returns "
+                              "(pass --grpc-url)")
         try:
             self.client.load_model(model, headers=self.headers)
         except InferenceServerException as error:
@@ -213,6 +258,11 @@ class Server:
             dtype = triton_to_np_dtype(spec["data_type"].removeprefix("TYPE_"))
             arrays[spec["name"]] = np.zeros(shape, dtype=dtype)
         return arrays
+
+
+def _unreachable(error: InferenceServerException) -> bool:
+    """A gRPC call that never reached a server (no listener, wrong address), not one it refused."""
+    return "UNAVAILABLE" in str(error.status() or "") and "connect" in (error.message() or "").lower()
 
 
 def connect(endpoints: Iterable[Endpoint], api_key: Optional[str], timeout_s: float = 120.0) -> list[Server]:

@@ -83,9 +83,17 @@ class Analysis(_Strict):
 
 
 class Warmup(_Strict):
-    """Requests sent straight to the new version before any traffic; one failure rolls back."""
+    """Requests sent straight to the new version before any traffic; one failure rolls back.
+
+    ``instance_requests``: inferences Triton runs on every new instance (``model_warmup`` in
+    config.pbtxt, zeros shaped from the inputs) before the version it belongs to is ready. Triton
+    reloads *every* version of a model on a load, and swaps each in once all its instances are
+    ready: without this, the reloaded current version takes all traffic on fresh stubs whose first
+    calls are slow (measured 100-240 ms each). 0 leaves config.pbtxt as the model spec says; a
+    spec whose extra_config has its own model_warmup keeps it."""
 
     requests: int = Field(default=5, ge=0)
+    instance_requests: int = Field(default=2, ge=0)
 
 
 class Plan(_Strict):

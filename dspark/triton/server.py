@@ -26,10 +26,11 @@ from typing import Optional, Sequence, Union
 import psutil
 
 from dspark.paths import backends_dir
+from dspark.triton import stub_priority
 from dspark.triton.access import (API_KEY_ENV, API_KEY_HEADER, KEY_FD_ENV, LOOPBACK, SERVER_UMASK, ServerError,
                                   check_api_key, check_host, guard_library, new_api_key, repository_headers,
                                   restricted_api_args)
-from dspark.triton.install import ServerInstall, build_backend_directory, find_server
+from dspark.triton.install import STUB_NAME, ServerInstall, build_backend_directory, find_server
 
 LOG_NAME = "tritonserver.log"
 
@@ -97,11 +98,13 @@ class ServerPorts:
 
     @classmethod
     def free(cls) -> "ServerPorts":
-        ports: set[int] = set()
-        while len(ports) < 3:
-            ports.add(_free_port())
-        http, grpc, metrics = sorted(ports)
-        return cls(http=http, grpc=grpc, metrics=metrics)
+        """Three free consecutive ports, Triton's layout (HTTP, gRPC = HTTP + 1, metrics = HTTP + 2),
+        which clients given only the HTTP URL assume (the rollout controller loads models over gRPC)."""
+        for _ in range(100):
+            http = _free_port()
+            if http + 2 < 65536 and not any(port_in_use(LOOPBACK, p) for p in (http + 1, http + 2)):
+                return cls(http=http, grpc=http + 1, metrics=http + 2)
+        raise ServerError("no three consecutive free ports found for HTTP, gRPC and metrics")
 
 
 def _listening_ports(pid: int) -> set[int]:
@@ -210,6 +213,7 @@ class TritonServer:
         self._log_file = None
         self._stop_requested = False
         self._finalizer: Optional[weakref.finalize] = None
+        self._keeper: Optional[stub_priority.PriorityKeeper] = None
 
     @property
     def http_url(self) -> str:
@@ -285,6 +289,9 @@ class TritonServer:
         self._finalizer = weakref.finalize(self, _clean_up, started)
         backend_directory = self._workdir / "backends"
         build_backend_directory(install, backend_directory, backends_dir())
+        start_nice = stub_priority.start_nice()  # new stubs start lower (stub_priority's docstring)
+        if start_nice:
+            stub_priority.wrap_stub(backend_directory / "python" / STUB_NAME, start_nice)
         if self.log_path is None:
             self.log_path = self._workdir / LOG_NAME
         self._log_file = open(self.log_path, "wb")
@@ -304,6 +311,8 @@ class TritonServer:
         finally:
             os.close(key_read)
         started["process"] = self._process
+        if start_nice:
+            self._keeper = stub_priority.PriorityKeeper(self._process.pid, self.log_path).start()
         try:
             self._wait_ready(timeout_s)
         except BaseException as error:
@@ -446,6 +455,9 @@ class TritonServer:
             if self._regions:
                 self.left_shm_regions = remove_left_regions(self._regions)
                 self._regions = set()
+        if self._keeper is not None:
+            self._keeper.stop()
+            self._keeper = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -17,6 +17,7 @@ import yaml
 from click.testing import CliRunner
 
 from tests.conftest import TEST_EXIT_TIMEOUT_S, dump_log_on_failure
+from dspark.bench.openloop import OpenLoopLoad, largest_gap
 from dspark.cli.rollout import rollout as rollout_cli
 from dspark.rollout import demo
 from dspark.rollout.controller import Controller, Deployment
@@ -52,7 +53,7 @@ def site(request, tmp_path_factory):
     load = demo.LoadGenerator([server.http_url], threads_per_server=3).start()
     site = type("Site", (), {})()
     site.root, site.repo, site.server, site.load = root, repo, server, load
-    site.endpoint = Endpoint.parse(server.http_url, server.metrics_url)
+    site.endpoint = Endpoint.parse(server.http_url, server.metrics_url, server.grpc_url)
     site.state_path = root / "state.sqlite"
     site.artifacts = iter(range(1, 100))
     try:
@@ -96,6 +97,24 @@ def assert_consistent(site):
     """Traffic points only at loaded versions; no failed client request so far."""
     assert routed_versions(site) <= served_versions(site)
     assert not site.load.failures(), site.load.failures()[:3]
+
+
+def test_a_rollout_neither_fails_nor_stalls_clients_of_the_router_or_of_the_model(site):
+    """Clients at a fixed request rate with a 1 s timeout, on the router and straight on the
+    model, while a version is loaded, promoted and the old one retired (Triton reloads every
+    version of the model at both ends): no request fails and answers never pause for long."""
+    urls = [site.server.http_url]
+    with OpenLoopLoad(urls, demo.ROUTER, rate=40) as router, OpenLoopLoad(urls, demo.MODEL, rate=20, seed=1) as direct:
+        time.sleep(1.0)
+        start = time.monotonic()
+        outcome, _ = run_rollout(site)
+        end = time.monotonic()
+    assert outcome.promoted, outcome.reason
+    for load in (router, direct):
+        assert len(load.between(start, end)) > 100
+        assert not load.failures(start, end), load.failures(start, end)[:3]
+        assert largest_gap(load.answers, start, end) < 1.0
+    assert_consistent(site)
 
 
 @pytest.mark.parametrize("behaviour, reason", [

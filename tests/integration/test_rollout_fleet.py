@@ -72,7 +72,7 @@ def fleet(request, tmp_path_factory):
         site.root, site.url, site.local, site.servers, site.load = root, url, local, servers, load
         site.key = key
         site.prometheus_url = prometheus_url
-        site.endpoints = [Endpoint.parse(s.http_url, s.metrics_url) for s in servers]
+        site.endpoints = [Endpoint.parse(s.http_url, s.metrics_url, s.grpc_url) for s in servers]
         site.n = 0
         yield site
         load.stop()
