@@ -73,6 +73,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+_HANDED_OUT: set[int] = set()  # ports ServerPorts.free gave out in this process
+
+
 @dataclass(frozen=True)
 class ServerPorts:
     http: int = 8000
@@ -102,7 +105,11 @@ class ServerPorts:
         which clients given only the HTTP URL assume (the rollout controller loads models over gRPC)."""
         for _ in range(100):
             http = _free_port()
-            if http + 2 < 65536 and not any(port_in_use(LOOPBACK, p) for p in (http + 1, http + 2)):
+            ports = (http, http + 1, http + 2)
+            # free now, and not handed to another server of this process that has not bound them yet
+            if http + 2 < 65536 and not _HANDED_OUT.intersection(ports) and \
+                    not any(port_in_use(LOOPBACK, p) for p in ports[1:]):
+                _HANDED_OUT.update(ports)
                 return cls(http=http, grpc=http + 1, metrics=http + 2)
         raise ServerError("no three consecutive free ports found for HTTP, gRPC and metrics")
 

@@ -61,8 +61,11 @@ def can_restore(base: int) -> bool:
 
 
 def wrap_stub(stub: Path, nice: int) -> None:
-    """Make ``stub`` a script that execs the real binary (kept as ``<stub>.bin``) ``nice`` lower."""
-    real = stub.with_name(stub.name + ".bin")
+    """Make ``stub`` a script that execs the real binary ``nice`` lower. The binary keeps its
+    name (in a ``real/`` folder beside it), so the running stub looks as it did to ps, psutil
+    and the tools that find stubs by name."""
+    real = stub.parent / "real" / stub.name
+    real.parent.mkdir(exist_ok=True)
     stub.rename(real)
     stub.write_text(f'#!/bin/sh\nexec nice -n {nice} "{real}" "$@"\n')
     stub.chmod(0o755)

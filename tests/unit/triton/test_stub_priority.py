@@ -29,7 +29,7 @@ def test_a_wrapped_stub_runs_the_real_binary_lower_with_its_arguments(tmp_path):
     stub.write_text('#!/bin/sh\ncut -d" " -f19 /proc/self/stat\nprintf "%s|" "$@"\n')
     stub.chmod(0o755)
     stub_priority.wrap_stub(stub, 7)
-    assert (tmp_path / "triton_python_backend_stub.bin").is_file()
+    assert (tmp_path / "real" / "triton_python_backend_stub").is_file()  # the binary keeps its name
     nice, args = subprocess.run([str(stub), "a", "b c"], capture_output=True, text=True,
                                 check=True).stdout.split("\n", 1)
     assert int(nice) == os.getpriority(os.PRIO_PROCESS, 0) + 7
