@@ -64,8 +64,10 @@ class SpeculativeMetrics:
             self.metrics["proposed"].increment(stats.proposed)
             self.metrics["accepted"].increment(stats.accepted)
             self.metrics["target_passes"].increment(stats.rounds)
-            self.metrics["target_calls"].increment(target_calls - self._calls_reported)
-            self._calls_reported = target_calls
+            # requests finishing together may report their engine counts out of order
+            if target_calls > self._calls_reported:
+                self.metrics["target_calls"].increment(target_calls - self._calls_reported)
+                self._calls_reported = target_calls
             self.metrics["mean_accepted_length"].set(stats.mean_accepted_length)
             if seconds > 0:
                 self.metrics["tokens_per_second"].set(stats.generated_tokens / seconds)
