@@ -42,11 +42,11 @@ from dspark.bench.results import BenchResult, Metric, relative_band
 from dspark.bench.table import Column
 from dspark.errors import ConfigError
 from dspark.routing.config import RoutingConfig
+from dspark.routing.metrics import STAGES_ENV
 
 TIERS = tuple(RoutingConfig().tiers)  # diamond, gold, standard
 TIER_MIX = (10, 30, 60)
 ALL = "all"  # the tier of a scenario's summary row (goodput, queues, the client's lateness)
-STAGES_ENV = "DSPARK_ROUTER_STAGES"  # backends/qos_router writes its stage timings there
 ROUTER_CEILING_INSTANCES = 4  # instances of the zero-time target behind the router-throughput measurement
 CEILING_OUTSTANDING = 32
 UNLOADED_CALLS = 200

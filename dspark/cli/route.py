@@ -18,7 +18,9 @@ from pathlib import Path
 import click
 from dspark.repository.modelspec import load_config
 from dspark.errors import ConfigError
-from dspark.routing.config import RoutingConfig, load_routing, router_parameters, update_routing
+from dspark.params import parse_parameters
+from dspark.routing.config import RoutingConfig, load_routing, update_routing
+from dspark.triton.params import RouterParameters
 
 _SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -33,7 +35,8 @@ def router_files(repository: Path, model: str) -> tuple[Path, set[int] | None]:
     if config.backend != "qos_router":
         raise click.ClickException(f"--model: '{model}' uses backend '{config.backend}', not qos_router")
     try:
-        return router_parameters({k: v.string_value for k, v in config.parameters.items()}, repository / model)
+        params = parse_parameters(RouterParameters, {k: v.string_value for k, v in config.parameters.items()})
+        return params.routing_path(repository / model), params.versions()
     except ConfigError as exc:
         raise click.ClickException(f"{config_path}: {exc}") from None
 

@@ -26,6 +26,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from dspark.errors import ConfigError, DsparkError, UnavailableError
+from dspark.params import parse_parameters
 from dspark.repository.modelspec import (
     CONFIG_FILENAME, SPEC_FILENAME, ModelSpec, SpecError, VersionRecord, check_model_name, semver_key)
 from dspark.rollout.analysis import judge
@@ -34,7 +35,7 @@ from dspark.rollout.metrics import PrometheusSource, ScrapeSource, delta, read
 from dspark.rollout.plan import Plan
 from dspark.rollout.state import Heartbeat, ModelLock, Rollout, StateStore
 from dspark.rollout.store import load_routing, open_store, save_routing
-from dspark.routing.config import router_parameters
+from dspark.triton.params import RouterParameters
 
 CONFIRM_TIMEOUT_S = 15.0
 
@@ -460,7 +461,7 @@ class Controller:
         flat = {k: v.get("string_value", "") for k, v in parameters.items()}
         if flat.get("target_model") != self.deployment.model:
             raise ConfigError("router", f"'{router}' fronts '{flat.get('target_model')}', not '{self.deployment.model}'")
-        _, allowed = router_parameters(flat, Path("."))
+        allowed = parse_parameters(RouterParameters, flat).versions()
         if allowed is not None and new not in allowed:
             raise ConfigError("parameter 'target_versions'", f"router '{router}' may route only to versions "
                                                              f"{sorted(allowed)}; set it to \"*\" so rollouts can add version {new}")

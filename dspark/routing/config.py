@@ -69,22 +69,6 @@ def _auto_or_count(value: Any) -> Union[str, int]:
 MaxInflight = Annotated[Union[Literal["auto"], int], PlainValidator(_auto_or_count)]
 
 
-def router_parameters(params: Mapping[str, str], model_dir: Path) -> tuple[Path, set[int] | None]:
-    """The routing file (``routing_file``, relative to the router's model folder) and target
-    versions (``target_versions``, e.g. "1,2"; "*" for any version the target serves, as a
-    rollout adds new ones) a router model's config parameters name."""
-    routing = Path(params.get("routing_file", "routing.yaml"))
-    raw = params.get("target_versions", "1").strip()
-    if raw == "*":
-        return (routing if routing.is_absolute() else model_dir / routing), None
-    try:
-        versions = {int(v) for v in raw.split(",") if v.strip()}
-    except ValueError:
-        raise ConfigError("parameter 'target_versions'",
-                          f"must list version numbers, e.g. \"1,2\", or \"*\" for any; got {raw!r}") from None
-    return (routing if routing.is_absolute() else model_dir / routing), versions
-
-
 @dataclass(frozen=True)
 class TierPolicy:
     __pydantic_config__ = _FIELDS

@@ -26,25 +26,24 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import json
 import logging
 import queue
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
-from pathlib import Path
-from statistics import median
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Protocol
 
 import numpy as np
 
 from dspark.errors import CancelledError, DsparkError, RequestError, UnavailableError
-from dspark.routing.config import ConfigWatcher, RoutingConfig, ShadowPolicy
-from dspark.routing.graying import VersionSplitter, outputs_agree, routing_key, shadow_sampled
+from dspark.routing.config import ConfigWatcher, RoutingConfig
+from dspark.routing.graying import VersionSplitter, routing_key, shadow_sampled
+from dspark.routing.metrics import DeferredMetrics, RouterMetrics, StageTimes
 from dspark.routing.scheduler import Pending, TierScheduler
+from dspark.routing.shadow import Shadower
 
 log = logging.getLogger("dspark.routing")
 _EWMA_ALPHA = 0.2  # weight of the newest target latency in the fast path's estimate
@@ -71,78 +70,6 @@ class Job:
     is_cancelled: Callable[[], bool] | None = None  # the client went away (checked before dispatch)
     submitted_at: float = 0.0
     answered: bool = False  # under RouterCore._lock
-
-
-class RouterMetrics:
-    """Metric hooks; the default records nothing. The Triton adapter maps them to MetricFamily."""
-
-    def request(self, tier: str, version: int, count: int = 1) -> None: ...
-    def rejection(self, tier: str, reason: str, count: int = 1) -> None: ...
-    def target_error(self, version: int, count: int = 1) -> None: ...  # failed or timed-out calls (rollout analysis)
-    def queue_time(self, tier: str, seconds: float) -> None: ...
-    def latency(self, tier: str, version: int, seconds: float) -> None: ...
-    def shadow(self, version: int, outcome: str, seconds: float | None) -> None: ...
-    def weights(self, tier: str, weight: float, factor: float) -> None: ...
-    def config_version(self, version: int) -> None: ...
-    def fast_path(self, count: int) -> None: ...
-
-
-class _DeferredMetrics:
-    """Hands metric calls to a background thread that applies them in batches every
-    ``flush_s``: each pb_utils metric update is an IPC round trip to the Triton process, which
-    would otherwise compete with the request's own response for the stub's channel."""
-
-    def __init__(self, target: RouterMetrics, flush_s: float = 0.25):
-        self._target = target
-        self._flush_s = flush_s
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._drain, name="router-metrics", daemon=True)
-        self._thread.start()
-
-    def __getattr__(self, name: str):
-        def record(*args):
-            self._calls.put((name, args))
-        return record
-
-    def _drain(self) -> None:
-        while True:
-            closed = self._closed.wait(self._flush_s)
-            while True:
-                try:
-                    name, args = self._calls.get_nowait()
-                except queue.Empty:
-                    break
-                try:
-                    getattr(self._target, name)(*args)
-                except Exception:
-                    log.exception("metric update %s failed", name)
-            if closed:
-                return
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        self._closed.set()
-        self._thread.join(timeout_s)
-
-
-class StageTimes:
-    """Per-stage durations of recent requests (for the overhead breakdown in docs/router.md);
-    written as JSON medians to ``path`` at every tick. Off unless the adapter asks for it."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self._stages: dict[str, deque] = {}
-
-    def add(self, stage: str, seconds: float) -> None:
-        self._stages.setdefault(stage, deque(maxlen=2000)).append(seconds)
-
-    def dump(self) -> None:
-        summary = {stage: {"p50_ms": 1000 * median(values), "n": len(values)}
-                   for stage, values in list(self._stages.items()) if values}
-        # readers poll the file while it is rewritten: replace it whole, never truncate it
-        partial = self.path.with_name(self.path.name + ".partial")
-        partial.write_text(json.dumps(summary, indent=1))
-        partial.replace(self.path)
 
 
 @dataclass(eq=False)
@@ -202,7 +129,7 @@ class RouterCore:
         self.watcher = config if isinstance(config, ConfigWatcher) else None
         self.config = self.watcher.config if self.watcher else config
         self.target = target
-        self.metrics = _DeferredMetrics(metrics or RouterMetrics())
+        self.metrics = DeferredMetrics(metrics or RouterMetrics())
         self.clock = clock
         self.poll_interval_s = poll_interval_s
         self.name = name
@@ -224,8 +151,6 @@ class RouterCore:
         self._rejections: Counter[tuple[str, str]] = Counter()  # (tier, reason), exported per tick
         self._target_errors: Counter[int] = Counter()  # version -> failed or timed-out calls, per tick
         self._fast_path = 0
-        self._shadow_inflight = 0
-        self._shadow_logged_at = float("-inf")
         self._stopping = False  # no new work; queued requests answered
         self._stopped = False  # threads exit
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # answers the sender thread sends
@@ -233,7 +158,7 @@ class RouterCore:
         self._lanes = 0  # lane threads started (on demand, at most scheduler.most_inflight)
         self._idle_lanes = 0
         self._inline_pool = ThreadPoolExecutor(thread_name_prefix=f"{name}-inline")
-        self._shadow_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{name}-shadow")
+        self.shadower = Shadower(target, self.metrics, name, clock)
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -285,7 +210,7 @@ class RouterCore:
         self._export_counts()
         self.metrics.close()
         self._inline_pool.shutdown(wait=False)
-        self._shadow_pool.shutdown(wait=False)
+        self.shadower.stop()
 
     def _shutdown_error(self) -> UnavailableError:
         return UnavailableError(f"router '{self.name}' is shutting down", reason="shutdown")
@@ -397,14 +322,14 @@ class RouterCore:
             following = None if self._stopping else self._pop(finished)
             if self._stopping:
                 self._work.notify_all()  # stop() waits for the calls in flight
-        shadow = (self._shadow_copies(job.payload, outputs)
+        shadow = (self.shadower.copies(job.payload, outputs)
                   if routed.shadow and error is None and not job.answered else None)
         if following is not None:
             self._outbox.put((job, tier, routed.version, outputs, error, label))
         else:
             self._answer(job, tier, routed.version, outputs, error, label)
         if shadow is not None:
-            self._shadow(*shadow)
+            self.shadower.send(self.config.shadow, *shadow)
         return following, finished
 
     def _pop(self, now: float) -> Pending[_Routed] | None:
@@ -651,7 +576,7 @@ class RouterCore:
             raise error
         self.metrics.latency(ticket.tier, ticket.version, self.clock() - ticket.started)
         if ticket.shadow:
-            self._shadow(*self._shadow_copies(payload, outputs))
+            self.shadower.send(self.config.shadow, *self.shadower.copies(payload, outputs))
         return outputs
 
     def _inline_call(self, ticket: Inline, payload: Any) -> tuple[Any, DsparkError | None]:
@@ -666,47 +591,3 @@ class RouterCore:
                     self._work.notify_all()
                 elif self.scheduler.has_queued():
                     self._wake_lanes()
-
-    # --- shadow ------------------------------------------------------------------------
-
-    def _shadow_copies(self, payload: Any, outputs: Any) -> tuple[Any, Mapping[str, np.ndarray]]:
-        """What a shadow call needs after the answer is sent: its own copy of the inputs and the
-        primary outputs as arrays."""
-        return self.target.detach(payload), self.target.arrays(outputs)
-
-    def _shadow(self, payload: Any, primary: Mapping[str, np.ndarray]) -> None:
-        policy = self.config.shadow
-        if policy.version is None:
-            return
-        with self._lock:
-            full = self._shadow_inflight >= policy.max_inflight
-            if not full:
-                self._shadow_inflight += 1
-        if full:
-            self.metrics.shadow(policy.version, "skipped", None)
-            return
-        self._shadow_pool.submit(self._shadow_call, payload, primary, policy)
-
-    def _shadow_call(self, payload: Any, primary: Mapping[str, np.ndarray], policy: ShadowPolicy) -> None:
-        version = policy.version
-        start = self.clock()
-        try:
-            outputs = self.target.arrays(self.target.call(payload, version, 60.0))
-        except Exception as exc:
-            self.metrics.shadow(version, "error", self.clock() - start)
-            self._log_shadow(logging.WARNING, "%s: shadow version %d failed: %s", self.name, version, exc)
-            return
-        finally:
-            with self._lock:
-                self._shadow_inflight -= 1
-        agree, why = outputs_agree(primary, outputs, policy.atol, policy.rtol, policy.ignore_outputs)
-        self.metrics.shadow(version, "agree" if agree else "disagree", self.clock() - start)
-        if not agree:
-            self._log_shadow(logging.INFO, "%s: shadow version %d disagrees: %s", self.name, version, why)
-
-    def _log_shadow(self, level: int, message: str, *args: Any) -> None:
-        """At most one shadow log line per second: the counts are in the metrics."""
-        now = self.clock()
-        if now - self._shadow_logged_at >= 1.0:
-            self._shadow_logged_at = now
-            log.log(level, message, *args)

@@ -3,10 +3,12 @@
 model may also carry are in dspark.runtimes.accel: ``ProviderParameters``, ``TensorRTParameters``)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 from pydantic import Field
 
+from dspark.errors import ConfigError
 from dspark.params import ConfigParameters
 
 Count = Annotated[int, Field(ge=0)]
@@ -60,3 +62,27 @@ class SpeculativeParameters(ConfigParameters):
     max_queue_wait_ms: int = Field(30_000, ge=0)
     batch_verification: bool = False
     max_context: int = Field(0, ge=0)  # 0 = the model's own context
+
+
+class RouterParameters(ConfigParameters):
+    """backends/qos_router: the model it fronts, the versions it may route to, its routing file."""
+
+    target_model: str = Field(min_length=1)  # the model to front (required)
+    # versions the routing file may name, e.g. "1,2"; "*": any the target serves (a rollout adds new ones)
+    target_versions: str = "1"
+    routing_file: str = "routing.yaml"  # relative to the router's model folder; re-read on change
+
+    def routing_path(self, model_dir: Path) -> Path:
+        path = Path(self.routing_file)
+        return path if path.is_absolute() else Path(model_dir) / path
+
+    def versions(self) -> Optional[set[int]]:
+        """The target versions as numbers; None for "*" (any)."""
+        raw = self.target_versions.strip()
+        if raw == "*":
+            return None
+        try:
+            return {int(v) for v in raw.split(",") if v.strip()}
+        except ValueError:
+            raise ConfigError("parameter 'target_versions'",
+                              f"must list version numbers, e.g. \"1,2\", or \"*\" for any; got {raw!r}") from None

@@ -244,9 +244,15 @@ def test_bad_request_parameters_name_the_field(raw, message):
 
 
 def test_router_parameters_name_the_bad_one(tmp_path):
-    from dspark.routing.config import router_parameters
+    from dspark.params import parse_parameters as parse_config
+    from dspark.triton.params import RouterParameters
 
-    path, versions = router_parameters({"target_versions": "1, 2", "routing_file": "r.yaml"}, tmp_path)
-    assert (path, versions) == (tmp_path / "r.yaml", {1, 2})
+    params = parse_config(RouterParameters, {"target_model": "t", "target_versions": "1, 2", "routing_file": "r.yaml"})
+    assert (params.routing_path(tmp_path), params.versions()) == (tmp_path / "r.yaml", {1, 2})
+    assert parse_config(RouterParameters, {"target_model": "t", "target_versions": "*"}).versions() is None
     with pytest.raises(ConfigError, match="parameter 'target_versions': must list version numbers, e.g. \"1,2\", or \"\\*\" for any; got '1,x'"):
-        router_parameters({"target_versions": "1,x"}, tmp_path)
+        parse_config(RouterParameters, {"target_model": "t", "target_versions": "1,x"}).versions()
+    with pytest.raises(ConfigError, match="parameter 'target_model'"):
+        parse_config(RouterParameters, {"target_versions": "1"})
+    with pytest.raises(ConfigError, match="parameter 'routing_fle': is not a parameter of this backend; did you mean 'routing_file'"):
+        parse_config(RouterParameters, {"target_model": "t", "routing_fle": "r.yaml"})

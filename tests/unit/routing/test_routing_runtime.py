@@ -9,7 +9,8 @@ import pytest
 
 from dspark.errors import CancelledError, DsparkError, RequestError, UnavailableError
 from dspark.routing.config import ConfigWatcher, RoutingConfig, ShadowPolicy, TierPolicy
-from dspark.routing.runtime import Job, RouterCore, RouterMetrics
+from dspark.routing.metrics import RouterMetrics
+from dspark.routing.runtime import Job, RouterCore
 
 
 class Recorder(RouterMetrics):
