@@ -136,10 +136,11 @@ def bands(windows: Sequence[dict]) -> dict[str, float]:
 
 
 def arrival_schedule(duration_s: float, rate_at: Callable[[float], float], weights: Sequence[float],
-                     seed: int) -> list[tuple[float, int]]:
-    """A seeded open-loop schedule for ``run_fixed``: Poisson arrivals thinned to ``rate_at(t)``
-    (per second; its peak found at 0.1 s steps) over ``duration_s``, each with the index of a
-    target drawn by ``weights``. The same seed gives the same arrivals, to replay against A and B."""
+                     seed: int, process: str = "poisson") -> list[tuple[float, int]]:
+    """A seeded open-loop schedule for ``run_fixed`` over ``duration_s``: Poisson arrivals thinned
+    to ``rate_at(t)`` (per second; its peak found at 0.1 s steps), or with ``process="constant"``
+    arrivals evenly spaced at that rate; each with the index of a target drawn by ``weights``. The
+    same seed gives the same arrivals, to replay against A and B."""
     rng = random.Random(seed)
     peak = max(rate_at(t / 10) for t in range(max(1, int(duration_s * 10))))
     if peak <= 0:
@@ -147,10 +148,15 @@ def arrival_schedule(duration_s: float, rate_at: Callable[[float], float], weigh
     indices = range(len(weights))
     out, t = [], 0.0
     while True:
-        t += rng.expovariate(peak)
+        if process == "constant":  # the next arrival one interval on; a pause steps 0.1 s ahead
+            rate = rate_at(t)
+            t, keep = (t + 1.0 / rate, True) if rate > 0 else (t + 0.1, False)
+        else:
+            t += rng.expovariate(peak)
+            keep = rng.random() < rate_at(t) / peak
         if t >= duration_s:
             return out
-        if rng.random() < rate_at(t) / peak:
+        if keep:
             out.append((t, rng.choices(indices, weights=weights)[0]))
 
 

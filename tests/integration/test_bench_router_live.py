@@ -9,13 +9,16 @@ from dspark.cli.main import cli
 
 def test_a_short_router_bench_protects_diamond_and_writes_its_result(tmp_path):
     out = CliRunner().invoke(cli, ["bench", "router", "--skip-overhead", "--bursty-s", "0", "--overload", "2",
-                                   "--overload-s", "3", "--repeat", "1", "--capacity-s", "3", "--out", str(tmp_path)])
+                                   "--overload-s", "3", "--repeat", "1", "--capacity-s", "3", "--capacity-rounds", "1", "--out", str(tmp_path)])
     assert out.exit_code == 0, out.output
     result = load(tmp_path / "result.json")
     assert result.benchmark == "router" and result.key_fields == ["scenario", "mode", "tier"]
     rows = {(r["scenario"], r["mode"], r["tier"]): r for r in result.rows}
     capacity = rows[("capacity", "direct", "all")]["qps"]
     assert 20 < capacity < 110  # 2 instances x 20 ms: 100 req/s at best
+    routed = rows[("capacity", "router", "all")]  # the same closed loop through the router, tiers in the mix
+    assert 0.5 * capacity < routed["qps"] < 1.1 * capacity
+    assert routed["x_direct"] == routed["qps"] / capacity
     fifo, router = ({t: rows[("overload 2x", mode, t)] for t in ("diamond", "gold", "standard", "all")}
                     for mode in ("fifo", "router"))
     # the same seeded arrivals went to both, about 2x capacity for 3 s
@@ -23,10 +26,12 @@ def test_a_short_router_bench_protects_diamond_and_writes_its_result(tmp_path):
     assert 3 * 2 * capacity * 0.6 < router["all"]["sent"] < 3 * 2 * capacity * 1.4
     # FIFO's queue grows for 3 s in front of every tier; the router serves diamond first
     assert router["diamond"]["p99_ms"] < 0.5 * fifo["diamond"]["p99_ms"]
-    assert router["all"]["unexplained"] == 0 and fifo["all"]["unexplained"] == 0
+    errors = {mode: {t: rows[("overload 2x", mode, t)]["errors"] for t in ("diamond", "gold", "standard")}
+              for mode in ("fifo", "router")}
+    assert router["all"]["unexplained"] == 0 and fifo["all"]["unexplained"] == 0, errors
     assert router["all"]["goodput_x"] > 0.5 and fifo["all"]["triton_queue_ms"] > router["all"]["triton_queue_ms"]
     assert router["diamond"]["router_p99_ms_at_most"] > 0  # the router's own histogram was read
-    assert "p99_ms<=2x" in out.output and "goodput>=0.97x" in out.output  # the targets, checked
+    assert "p99_ms<=2x" in out.output and "goodput>=0.97x" in out.output and "qps>=0.95x" in out.output  # the targets
     timeline = json.loads((tmp_path / "result.json").read_text())["series"]["timeline"]
     assert set(timeline) == {"overload 2x / fifo", "overload 2x / router"}
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["router_goodput.png", "router_latency.png"]

@@ -21,9 +21,9 @@ from dspark.bench.router.measure import run_router_bench
 from dspark.bench.router.repository import Variant, build_repository, bench_server
 from dspark.bench.router.result import (COLUMNS, METRICS, Goal, Run, check_goals, goals, histogram_delta,
                                         histogram_p99, router_histograms, scenario_rows)
-from dspark.bench.router.scenarios import (ALL, TIER_MIX, TIERS, RouterBenchSettings, Scenario, bursty, classify,
-                                           overload)
+from dspark.bench.router.scenarios import (ALL, TIER_MIX, TIERS, BurstShape, RouterBenchSettings, Scenario, bursty,
+                                           classify, overload)
 
-__all__ = ["ALL", "COLUMNS", "METRICS", "TIER_MIX", "TIERS", "Goal", "RouterBenchSettings", "Run", "Scenario",
+__all__ = ["ALL", "BurstShape", "COLUMNS", "METRICS", "TIER_MIX", "TIERS", "Goal", "RouterBenchSettings", "Run", "Scenario",
            "Variant", "bench_server", "build_repository", "bursty", "check_goals", "classify", "goals",
            "histogram_delta", "histogram_p99", "overload", "router_histograms", "run_router_bench", "scenario_rows"]

@@ -7,6 +7,7 @@ import json
 import os
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -20,8 +21,9 @@ from dspark.bench.results import BenchResult, relative_band
 from dspark.bench.router.repository import bench_server
 from dspark.bench.router.result import (COLUMNS, METRICS, Run, _median, histogram_delta, router_histograms,
                                         scenario_rows, timeline)
-from dspark.bench.router.scenarios import (ALL, CEILING_OUTSTANDING, ROUTER_CEILING_INSTANCES, TIER_MIX, TIERS, UNLOADED_CALLS,
+from dspark.bench.router.scenarios import (ALL, CEILING_OUTSTANDING, ROUTER_CEILING_INSTANCES, TIERS, UNLOADED_CALLS,
                                            RouterBenchSettings, Scenario, classify)
+
 
 class Bench:
     """The load generators of one server: one HTTP transport, prepared requests per model."""
@@ -44,15 +46,43 @@ class Bench:
     def generator(self, targets: Sequence[Target], **load) -> LoadGenerator:
         return LoadGenerator(self.transport, targets, LoadSettings(seed=self.settings.seed, **load), classify=classify)
 
-    async def closed_loop(self, model: str, outstanding: int, seconds: float) -> dict:
+    async def closed_loop(self, model: str, outstanding: int, seconds: float, tiers: bool = False) -> dict:
         """Answers per second with ``outstanding`` requests always in flight, after 1 s warm-up,
-        in three windows (req/s and its band over them)."""
-        generator = self.generator(await self.targets(model, [None]), warmup_s=1.0, window_s=seconds / 3,
+        in three windows (req/s and its band over them); ``tiers``: the requests carry the tiers
+        of the settings' mix (a router), else none."""
+        targets = ([replace(t, weight=w) for t, w in zip(await self.targets(model, TIERS), self.settings.tier_mix)]
+                   if tiers else await self.targets(model, [None]))
+        generator = self.generator([t for t in targets if t.weight > 0], warmup_s=1.0, window_s=seconds / 3,
                                    stable_windows=3, max_windows=3)
         point = await generator.run_point("concurrency", outstanding)
         figures = summarize(point.records, point.duration_s)
         return {"qps": figures["qps"], "p50_ms": figures["p50_ms"], "errors": figures["errors"],
                 "band": {"qps": relative_band([w["qps"] for w in point.windows])}}
+
+    async def capacity(self) -> list[dict]:
+        """The target's capacity and the router's in front of it: closed loop with 4 requests per
+        target instance outstanding, directly and through the default router in turn, round by
+        round (pairs cancel the machine's drift); medians over the rounds."""
+        s = self.settings
+        outstanding = 4 * s.instances
+        direct, routed = [], []
+        for _ in range(s.capacity_rounds):
+            direct.append(await self.closed_loop("bench_target", outstanding, s.capacity_s))
+            routed.append(await self.closed_loop("bench_router", outstanding, s.capacity_s, tiers=True))
+        ratios = [r["qps"] / d["qps"] for d, r in zip(direct, routed)]
+        rows = []
+        for mode, model, runs in (("direct", "bench_target", direct), ("router", "bench_router", routed)):
+            qps = [r["qps"] for r in runs]
+            rows.append({"table": "reference", "scenario": "capacity", "mode": mode, "tier": ALL, "model": model,
+                         "qps": _median(qps), "p50_ms": _median([r["p50_ms"] for r in runs]),
+                         "qps_runs": [round(q, 1) for q in qps], "goodput": _median(qps),
+                         **({"ideal_qps": 1000 * s.instances / s.service_ms} if mode == "direct" else
+                            {"x_direct": _median(ratios)}),
+                         "band": {"qps": relative_band(qps), "goodput": relative_band(qps)}})
+        self.log(f"capacity (closed loop, {outstanding} outstanding): target directly {rows[0]['qps']:.1f} req/s "
+                 f"(ideal {1000 * s.instances / s.service_ms:.1f}), through the router {rows[1]['qps']:.1f} "
+                 f"({rows[1]['x_direct']:.3f}x)")
+        return rows
 
     async def sequential_p50(self, model: str, tier: str | None, calls: int) -> float:
         targets = await self.targets(model, [tier])
@@ -93,7 +123,8 @@ class Bench:
 
     async def run(self, scenario: Scenario, mode: str, model: str, send_tier: bool, seed: int) -> Run:
         """One scenario's seeded arrivals at one model; the same seed replays them at another."""
-        schedule = arrival_schedule(scenario.duration_s, scenario.rate_at, TIER_MIX, seed)
+        schedule = arrival_schedule(scenario.duration_s, scenario.rate_at, self.settings.tier_mix, seed,
+                                    self.settings.arrivals)
         targets = await self.targets(model, TIERS, send_tier)
         before = scrape(self.metrics_url)
         point = await self.generator(targets).run_fixed(schedule=schedule)
@@ -156,12 +187,9 @@ async def measure(url: str, metrics_url: str, stages_dir: Path, settings: Router
                          f"{ROUTER_CEILING_INSTANCES} instances, directly and through one router instance")
         if not s.scenarios:
             return rows, series, notes
-        figures = await bench.closed_loop("bench_target", 4 * s.instances, s.capacity_s)
-        capacity = figures["qps"]
-        rows.append({"table": "reference", "scenario": "capacity", "mode": "direct", "tier": ALL, "model": "bench_target",
-                     **figures, "goodput": capacity, "ideal_qps": 1000 * s.instances / s.service_ms})
-        log(f"capacity (closed loop, {4 * s.instances} outstanding, target direct): {capacity:.1f} req/s "
-            f"(ideal {1000 * s.instances / s.service_ms:.1f})")
+        capacity_rows = await bench.capacity()
+        rows += capacity_rows
+        capacity = capacity_rows[0]["qps"]
         scenarios = s.scenario_list(capacity)
         runs: dict[tuple[str, str], list[Run]] = defaultdict(list)
         unloaded = []
@@ -185,9 +213,11 @@ async def measure(url: str, metrics_url: str, stages_dir: Path, settings: Router
         series["scenarios"] = [{"name": sc.name, "offered_x": sc.offered, "duration_s": sc.duration_s} for sc in scenarios]
         stages = read_stages(stages_dir, [model for _, model, tiers in s.modes if tiers])
         series["stages_ms_under_load"] = stages
-        notes.append(f"capacity: closed loop, {4 * s.instances} outstanding, the target directly: {capacity:.1f} req/s "
-                     f"(ideal {1000 * s.instances / s.service_ms:.1f}); unloaded diamond p99 through the router "
-                     f"({UNLOADED_CALLS} sequential calls before each repeat): {_median(unloaded):.1f} ms")
+        notes.append(f"capacity: closed loop, {4 * s.instances} outstanding, the target directly and through the router "
+                     f"(tiers in the mix) alternating, {s.capacity_rounds} rounds of {s.capacity_s:g} s each; medians "
+                     f"of the rounds, the router's 'x direct' the median of the rounds' ratios; unloaded diamond p99 "
+                     f"through the router ({UNLOADED_CALLS} sequential calls before each repeat): "
+                     f"{_median(unloaded):.1f} ms")
         notes += [_stage_line(m, st) + " over all scenarios" for m, st in stages.items()]
         return rows, series, notes
     finally:
@@ -201,8 +231,9 @@ def run_router_bench(settings: RouterBenchSettings, log: Callable[[str], None] =
         log(f"server on {server.http_url}: target {settings.instances} instances x {settings.service_ms:g} ms")
         rows, series, notes = asyncio.run(measure(server.http_url, server.metrics_url, stages_dir, settings, log))
     if settings.scenarios:
-        notes.insert(0, f"target {settings.instances} x {settings.service_ms:g} ms; open-loop Poisson arrivals, "
-                        f"tiers {'/'.join(f'{t} {m}%' for t, m in zip(TIERS, TIER_MIX))}, the same seeded arrivals "
+        notes.insert(0, f"target {settings.instances} x {settings.service_ms:g} ms; open-loop {settings.arrivals} "
+                        f"arrivals, tiers {'/'.join(f'{t} {m:g}%' for t, m in zip(TIERS, settings.tier_mix))}, the "
+                        "same seeded arrivals "
                         f"for every mode; {settings.repeat} run(s) of each (medians of the runs' percentiles, counts "
                         "summed); p50/p90/p99 from sending, 'from arrival' adds the client's lateness")
     if settings.overhead:
