@@ -129,9 +129,8 @@ class RoutingConfig:
     top_tier_headroom: SlotCount = 1
     # a further call may go out this long before a running call is expected to end (its average
     # latency), so the instance gets its next request without waiting for the router's hand-off
-    # (~0.5-1 ms per call); 0 = never (the default: on a quiet machine the headroom alone kept
-    # the target busy, and the lead cost the top tier's p99 at 2x overload; docs/router.md)
-    handoff_lead_ms: NonNegativeMs = 0.0
+    # (0.5-2 ms a call, 3-6 % of a 10-20 ms target's capacity); 0 = never (docs/router.md)
+    handoff_lead_ms: NonNegativeMs = 2.0
     fluctuation: FluctuationPolicy = field(default_factory=FluctuationPolicy)
     shares: dict[Annotated[int, Strict()], Percent] = field(default_factory=lambda: {1: 100.0})
     shadow: ShadowPolicy = field(default_factory=ShadowPolicy)

@@ -8,7 +8,8 @@ from typing import Callable
 from dspark.errors import ConfigError
 from dspark.routing.config import RoutingConfig
 
-TIERS = tuple(RoutingConfig().tiers)  # diamond, gold, standard
+_DEFAULTS = RoutingConfig()
+TIERS = tuple(_DEFAULTS.tiers)  # diamond, gold, standard
 TIER_MIX = (10, 30, 60)  # the default shares of diamond, gold, standard
 ARRIVALS = ("poisson", "constant")
 ALL = "all"  # the tier of a scenario's summary row (goodput, queues, the client's lateness)
@@ -34,11 +35,12 @@ def classify(kind: str, message: str) -> str:
 @dataclass(frozen=True)
 class Variant:
     """A router configuration under test: calls in flight for every tier, the top tier's extra
-    and the hand-off lead (routing.yaml max_inflight, top_tier_headroom, handoff_lead_ms)."""
+    and the hand-off lead (routing.yaml max_inflight, top_tier_headroom, handoff_lead_ms); the
+    defaults are the routing file's."""
 
-    max_inflight: int | str = "auto"
-    headroom: int = 1
-    lead_ms: float = 0.0
+    max_inflight: int | str = _DEFAULTS.max_inflight
+    headroom: int = _DEFAULTS.top_tier_headroom
+    lead_ms: float = _DEFAULTS.handoff_lead_ms
 
     @property
     def model(self) -> str:

@@ -220,10 +220,10 @@ def test_each_target_is_the_same_bench_compare_command(tmp_path):
 
 
 def test_variants_parse_or_name_the_field():
-    assert Variant.parse("2:0:0") == Variant(2, 0, 0.0) and Variant.parse("auto:1:0") == Variant() \
-        and Variant.parse("auto:1:2") == Variant("auto", 1, 2.0)
+    assert Variant.parse("2:0:0") == Variant(2, 0, 0.0) and Variant.parse("auto:1:2") == Variant() \
+        and Variant.parse("auto:1") == Variant("auto", 1, 0.0)  # the routing file's defaults: auto, 1, 2 ms
     assert Variant().label == "router" and Variant(3, 0, 0.0).label == "router 3:0:0" \
-        and Variant("auto", 1, 2.0).label == "router auto:1:2"
+        and Variant("auto", 1, 0.0).label == "router auto:1:0"
     with pytest.raises(ConfigError, match="variant.*MAX_INFLIGHT:HEADROOM"):
         Variant.parse("three")
 
