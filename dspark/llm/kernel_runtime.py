@@ -1,5 +1,5 @@
 """The target LLM on dspark's own C kernels: a GGUF of the llama family run
-straight from its 4/8-bit blocks by ``dspark._ext.llama`` (cython_ext/llama_*.c).
+straight from its 4/8-bit blocks by ``dspark._ext.llama`` (cython_ext/llama/llama_*.c).
 
 Why it exists: speculative decoding on a CPU pays off only if verifying n draft rows costs
 little more than decoding one. The kernels stream each weight block once for all rows of a

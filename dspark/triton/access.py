@@ -33,7 +33,7 @@ GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"
 API_KEY_ENV = "DSPARK_API_KEY"
 API_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~-]{16,256}")
 # The key reaches tritonserver through a pipe: its command line holds KEY_MARKER, which the
-# preloaded guard library (cython_ext/server_guard.c) replaces with what it reads from the
+# preloaded guard library (cython_ext/guard/server_guard.c) replaces with what it reads from the
 # descriptor named by KEY_FD_ENV, so the key is in no process list and no stub's environment.
 KEY_MARKER = "@DSPARK_API_KEY@"
 KEY_FD_ENV = "DSPARK_KEY_FD"
@@ -75,7 +75,7 @@ def restricted_api_args() -> list[str]:
 
 
 def guard_library() -> Path:
-    """The library preloaded into tritonserver (cython_ext/server_guard.c); ServerError if not built."""
+    """The library preloaded into tritonserver (cython_ext/guard/server_guard.c); ServerError if not built."""
     path = Path(_ext.__file__).parent / GUARD_LIBRARY
     if not path.is_file():
         raise ServerError(f"{path} is missing: build it with `make setup` (pip install -e .)")

@@ -1,4 +1,4 @@
-"""DSpark's block pass on dspark's own C kernels (cython_ext/llama_*.c, the target's runtime).
+"""DSpark's block pass on dspark's own C kernels (cython_ext/llama/llama_*.c, the target's runtime).
 
 The drafter's backbone is a stack of llama blocks whose context keys and values come from the
 target's taps instead of earlier layers, and whose block slots attend to the whole context and

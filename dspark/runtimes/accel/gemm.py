@@ -1,4 +1,4 @@
-"""Python binding of the GemmEx shim (libhcblas.so, cython_ext/hcblas.h) and its CUDA back end.
+"""Python binding of the GemmEx shim (libhcblas.so, cython_ext/gemm_shim/hcblas.h) and its CUDA back end.
 
 `Gemm(vendor, device)` calls one vendor name's entry point (`hcblasGemmEx`, `cublasGemmEx`, ...)
 of the same C library the C ABI exports, so Python and C code run the same checks and kernels.

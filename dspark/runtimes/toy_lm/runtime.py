@@ -136,7 +136,7 @@ class OnnxLM(TargetRuntime):
 
 
 class KernelLM(OnnxLM):
-    """The same LM file, run by dspark's C forward pass (``cython_ext/lm_forward.c``, OpenBLAS
+    """The same LM file, run by dspark's C forward pass (``cython_ext/toy_lm/lm_forward.c``, OpenBLAS
     for the products) for up to ``KERNEL_MAX_ROWS`` new tokens, by ORT above that (a prompt).
     Meant for the draft: a draft step is a few hundred kFLOP, and ORT's per-node overhead
     (~70 nodes) was most of a draft call. Both write the same cache layout. Logits match the

@@ -1,4 +1,4 @@
-"""dspark's llama kernels (cython_ext/llama_*.c via dspark.llm.kernel_runtime).
+"""dspark's llama kernels (cython_ext/llama/llama_*.c via dspark.llm.kernel_runtime).
 
 What a user of the target runtime relies on: logits close to a float64 forward pass of the same
 GGUF; greedy identity of speculation (a row's logits bitwise the same whether decoded alone, in

@@ -273,7 +273,7 @@ def test_a_c_program_written_for_cublas_compiles_links_and_computes(tmp_path, ve
     (tmp_path / "program.c").write_text(source)
     library = gemm.library_path()
     build = subprocess.run([compiler, "-O1", "-Wall", "-Werror", str(tmp_path / "program.c"), "-o",
-                            str(tmp_path / "program"), f"-I{project_root() / 'cython_ext'}", f"-L{library.parent}",
+                            str(tmp_path / "program"), f"-I{project_root() / 'cython_ext/gemm_shim'}", f"-L{library.parent}",
                             "-lhcblas", f"-Wl,-rpath,{library.parent}", "-lm"], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     run = subprocess.run([str(tmp_path / "program")], capture_output=True, text=True, timeout=60)

@@ -27,7 +27,7 @@ def machine(available, present=(), libraries=True):
                               library_found=lambda names: libraries)
 
 
-def test_every_provider_the_issue_names_is_registered_with_a_vendor():
+def test_every_common_provider_is_registered_with_a_vendor():
     for name in ("CPU", "CUDA", "TensorRT", "MIGraphX", "CANN", "OpenVINO", "DirectML", "QNN", "CoreML", "ROCm"):
         info = lookup(name)
         assert info.vendor and info.family in ("cpu", "gpu", "npu", "any") and info.device in devices.PROBES

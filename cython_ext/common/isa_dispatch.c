@@ -16,6 +16,10 @@ static int hidden(const char *name) {
     return 0;
 }
 
+const char *const dspark_isa_names[DSPARK_ISA_COUNT] = {"scalar", "avx2", "avx512"};
+
+int dspark_isa_compiled(int isa) { return isa == DSPARK_ISA_SCALAR || DSPARK_HAVE_X86_TUS; }
+
 const char *dspark_path_name(const dspark_isa_family *family, int path) {
     return (path >= 0 && path < family->count) ? family->names[path] : "unknown";
 }

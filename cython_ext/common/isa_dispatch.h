@@ -30,19 +30,31 @@ typedef struct dspark_isa_family {
     int (*runs)(int path);            /* this CPU and OS can run it */
 } dspark_isa_family;
 
-#define DSPARK_ISA_HIDDEN __attribute__((visibility("hidden")))
+#define DSPARK_HIDDEN __attribute__((visibility("hidden")))
 
-DSPARK_ISA_HIDDEN const char *dspark_path_name(const dspark_isa_family *family, int path);
+/* The families whose paths are scalar, avx2 and avx512 (the fused layer, the llama kernels):
+ * their path names, which of them this binary holds, and the table of a path from the family's
+ * three table getters (the x86 ones are declared, built and linked on x86 only). */
+DSPARK_HIDDEN extern const char *const dspark_isa_names[DSPARK_ISA_COUNT];
+DSPARK_HIDDEN int dspark_isa_compiled(int isa);
+#if DSPARK_HAVE_X86_TUS
+#define DSPARK_ISA_TABLE(isa, scalar, avx2, avx512) \
+    ((isa) == DSPARK_ISA_AVX512 ? avx512() : (isa) == DSPARK_ISA_AVX2 ? avx2() : scalar())
+#else
+#define DSPARK_ISA_TABLE(isa, scalar, avx2, avx512) ((void)(isa), scalar())
+#endif
+
+DSPARK_HIDDEN const char *dspark_path_name(const dspark_isa_family *family, int path);
 /* compiled, run by this CPU and OS, and not hidden by DSPARK_SIMD_HIDE */
-DSPARK_ISA_HIDDEN int dspark_path_runnable(const dspark_isa_family *family, int path);
-DSPARK_ISA_HIDDEN int dspark_path_best(const dspark_isa_family *family);
+DSPARK_HIDDEN int dspark_path_runnable(const dspark_isa_family *family, int path);
+DSPARK_HIDDEN int dspark_path_best(const dspark_isa_family *family);
 /* The path `name` names ("auto", "" or NULL: the best), or -1 with a sentence in err. */
-DSPARK_ISA_HIDDEN int dspark_path_by_name(const dspark_isa_family *family, const char *name, char *err,
+DSPARK_HIDDEN int dspark_path_by_name(const dspark_isa_family *family, const char *name, char *err,
                                           size_t err_len);
 /* The path the family's variable forces, else the best; -1 with "VAR=value: ..." in err. */
-DSPARK_ISA_HIDDEN int dspark_path_select(const dspark_isa_family *family, char *err, size_t err_len);
+DSPARK_HIDDEN int dspark_path_select(const dspark_isa_family *family, char *err, size_t err_len);
 /* Comma separated names of the compiled paths (runnable_only: of the runnable ones) into out. */
-DSPARK_ISA_HIDDEN const char *dspark_path_list(const dspark_isa_family *family, int runnable_only, char *out,
+DSPARK_HIDDEN const char *dspark_path_list(const dspark_isa_family *family, int runnable_only, char *out,
                                                size_t out_len);
 
 #endif

@@ -157,11 +157,10 @@ typedef struct {
 #define LLAMA_EXP_P4 1.6666665459e-1f
 #define LLAMA_EXP_P5 5.0000001201e-1f
 
-#define LLAMA_HIDDEN __attribute__((visibility("hidden")))
-LLAMA_HIDDEN const llama_kernels *llama_kernels_scalar(void);
+DSPARK_HIDDEN const llama_kernels *llama_kernels_scalar(void);
 #if DSPARK_HAVE_X86_TUS
-LLAMA_HIDDEN const llama_kernels *llama_kernels_avx2(void);
-LLAMA_HIDDEN const llama_kernels *llama_kernels_avx512(void);
+DSPARK_HIDDEN const llama_kernels *llama_kernels_avx2(void);
+DSPARK_HIDDEN const llama_kernels *llama_kernels_avx512(void);
 #endif
 
 /* Dispatch (llama_dispatch.c): the llama family of the common dispatcher, and its tables. */

@@ -3,10 +3,6 @@
 #include "cpu_features.h"
 #include "llama_kernels.h"
 
-static const char *const names[DSPARK_ISA_COUNT] = {"scalar", "avx2", "avx512"};
-
-static int compiled(int isa) { return isa == DSPARK_ISA_SCALAR || DSPARK_HAVE_X86_TUS; }
-
 static int runs(int isa) {
     dspark_cpu_features f = dspark_detect_cpu_features();
     switch (isa) {
@@ -16,13 +12,9 @@ static int runs(int isa) {
     }
 }
 
-const dspark_isa_family llama_paths = {"llama", "DSPARK_SIMD", DSPARK_ISA_COUNT, names, compiled, runs};
+const dspark_isa_family llama_paths = {"llama", "DSPARK_SIMD", DSPARK_ISA_COUNT, dspark_isa_names,
+                                       dspark_isa_compiled, runs};
 
 const llama_kernels *llama_isa_kernels(int isa) {
-#if DSPARK_HAVE_X86_TUS
-    if (isa == DSPARK_ISA_AVX2) return llama_kernels_avx2();
-    if (isa == DSPARK_ISA_AVX512) return llama_kernels_avx512();
-#endif
-    (void)isa;
-    return llama_kernels_scalar();
+    return DSPARK_ISA_TABLE(isa, llama_kernels_scalar, llama_kernels_avx2, llama_kernels_avx512);
 }

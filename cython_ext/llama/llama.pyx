@@ -95,10 +95,7 @@ MAX_POSITION = 2 ** 31 - 1
 
 def isa_info():
     """Compiled and supported instruction sets of the llama kernels, the best and the chosen."""
-    cdef char err[256]
-    isa = dspark_path_select(&llama_paths, err, sizeof(err))
-    return _paths_info(&llama_paths, dspark_path_name(&llama_paths, isa).decode() if isa >= 0
-                       else "error: " + err.decode())
+    return _paths_info(&llama_paths)
 
 
 def half_bits(values):

@@ -5,7 +5,7 @@
  * attention under an arbitrary mask (and a sliding window on some layers), optional norms of the
  * attention and FFN outputs before each residual add, a SiLU- or GELU(tanh)-gated FFN, a
  * quantized head. Weights are packed GGUF blocks (llama_kernels.h). Arguments are validated by
- * the caller (cython_ext/llama.pyx). */
+ * the caller (cython_ext/llama/llama.pyx). */
 #ifndef DSPARK_LLAMA_FORWARD_H
 #define DSPARK_LLAMA_FORWARD_H
 

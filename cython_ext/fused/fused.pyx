@@ -53,11 +53,7 @@ cdef const dspark_simd_kernels *_selected() except NULL:
 
 def simd_info():
     """Build-time (compiled) and run-time (supported) ISAs, the best one and the one in use."""
-    try:
-        chosen = _selected().name.decode()
-    except ValueError as exc:
-        chosen = f"error: {exc}"
-    return _paths_info(&dspark_fused_paths, chosen)
+    return _paths_info(&dspark_fused_paths)
 
 
 def blas_info():

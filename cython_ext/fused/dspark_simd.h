@@ -52,8 +52,6 @@ typedef struct {
     dspark_gemm_tile_fn gemm_tile[DSPARK_MR_MAX + 1];  /* [m] computes m <= mr rows */
 } dspark_simd_kernels;
 
-#define DSPARK_HIDDEN __attribute__((visibility("hidden")))
-
 DSPARK_HIDDEN const dspark_simd_kernels *dspark_simd_scalar(void);
 #if DSPARK_HAVE_X86_TUS
 DSPARK_HIDDEN const dspark_simd_kernels *dspark_simd_avx2(void);

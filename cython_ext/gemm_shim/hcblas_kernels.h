@@ -10,8 +10,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
-
-#define HCBLAS_HIDDEN __attribute__((visibility("hidden")))
+#include "isa_dispatch.h"
 
 /* Receives a block of accumulators (float for bf16, int32 for int8): D[r0 + i][s0 + j] =
  * acc[i * acc_ld + j] for i < rows, j < cols; it clips to R x S, applies alpha/beta and stores
@@ -44,8 +43,8 @@ typedef struct {
 
 #if defined(__x86_64__)
 #define HCBLAS_HAVE_X86_TUS 1
-HCBLAS_HIDDEN const hcblas_kernels *hcblas_kernels_avx512bf16(void);
-HCBLAS_HIDDEN const hcblas_kernels *hcblas_kernels_amx(void);
+DSPARK_HIDDEN const hcblas_kernels *hcblas_kernels_avx512bf16(void);
+DSPARK_HIDDEN const hcblas_kernels *hcblas_kernels_amx(void);
 #else
 #define HCBLAS_HAVE_X86_TUS 0
 #endif
