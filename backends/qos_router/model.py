@@ -73,29 +73,36 @@ class TritonPythonModel:
         if len(requests) == 1:
             request = requests[0]
             try:
-                tier, user_id, request_id, outputs = self._fields(request)
+                fields = self._fields(request)
             except RequestError as exc:
                 return [pb_utils.InferenceResponse(error=triton_error(pb_utils, exc))]
-            ticket = self.core.try_inline(tier, user_id, request_id)
-            if ticket is not None:
+            ticket = self.core.try_inline(*fields[:3])
+            if ticket is None:
+                self._submit(request, fields)
+            else:
                 try:
-                    tensors = self.core.run_inline(ticket, (request.inputs(), outputs, request))
+                    tensors = self.core.run_inline(ticket, (request.inputs(), fields[3], request))
                 except Exception as exc:
                     return [pb_utils.InferenceResponse(error=triton_error(pb_utils, exc, f"router '{self.name}'"))]
                 return [pb_utils.InferenceResponse(tensors)]
-        for request in requests:
-            sender = request.get_response_sender()
-            try:
-                tier, user_id, request_id, outputs = self._fields(request)
-            except RequestError as exc:
-                sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, exc)), flags=FINAL)
-                continue
-            self.core.submit(Job(payload=(request.inputs(), outputs, request), respond=responder(pb_utils, sender),
-                                 tier=tier, user_id=user_id, request_id=request_id,
-                                 is_cancelled=request.is_cancelled))
+        else:
+            for request in requests:
+                try:
+                    fields = self._fields(request)
+                except RequestError as exc:
+                    request.get_response_sender().send(pb_utils.InferenceResponse(error=triton_error(pb_utils, exc)),
+                                                       flags=FINAL)
+                    continue
+                self._submit(request, fields)
         if self.stages is not None:
             self.stages.add("queued: execute", (time.monotonic() - started) / len(requests))
         return None
+
+    def _submit(self, request, fields):
+        tier, user_id, request_id, outputs = fields
+        self.core.submit(Job(payload=(request.inputs(), outputs, request),
+                             respond=responder(pb_utils, request.get_response_sender()), tier=tier, user_id=user_id,
+                             request_id=request_id, is_cancelled=request.is_cancelled))
 
     def finalize(self):
         self.core.stop()
