@@ -1,7 +1,6 @@
 """The router's runtime: admits requests, schedules them by tier, calls the target, shadows.
 
-Threads, no event loop (each thread hop costs ~0.05-0.2 ms in a Python backend stub, and the
-loop took three per request):
+Threads, no event loop (a thread hop costs ~0.05-0.2 ms in a Python backend stub):
 
 - ``submit`` runs on the caller's thread (the Triton ``execute``): it resolves the tier, picks
   the version and queues the request, then wakes a lane.
@@ -10,7 +9,9 @@ loop took three per request):
   its answer to the **sender** thread, so the target never waits for a response to be sent.
 - the **clock** thread answers requests whose queue deadline passed and calls that overran
   their tier's timeout (the call keeps its slot until it returns: a hung target cannot be
-  oversubscribed), re-reads the routing file and exports counters every ``poll_interval_s``.
+  oversubscribed), wakes a lane when a running call comes within the hand-off lead of its
+  expected end (the next call then waits in the target's queue instead of arriving after the
+  router's hand-off), re-reads the routing file and exports counters every ``poll_interval_s``.
 - the **fast path**: when nothing is queued, a slot is free and the target recently answered
   within ``inline_max_ms``, the caller (``execute``) runs the call on a pool thread and waits
   for it with the tier's timeout (``run_inline``), then returns the answer itself: no response
@@ -20,8 +21,12 @@ Every request is answered exactly once through its job's ``respond(outputs, erro
 target's outputs, or a ``dspark.errors`` error (RequestError: unknown tier; UnavailableError:
 queue full, deadline, target timeout, shutdown; CancelledError; DsparkError: target failed).
 Nothing here imports pb_utils: the target is an object with ``call``/``detach``/``arrays``.
-"""
 
+Why one module of ~600 lines: the queues, the calls in flight, the lanes, the clock and the fast
+path read and change one state under one lock; split, each part would reach into the others'.
+What needs none of that state lives beside it: which request goes next (scheduler.py), the
+version split (graying.py), shadow calls (shadow.py) and the metric hooks (metrics.py).
+"""
 from __future__ import annotations
 
 import heapq
