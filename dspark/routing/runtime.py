@@ -27,6 +27,7 @@ path read and change one state under one lock; split, each part would reach into
 What needs none of that state lives beside it: which request goes next (scheduler.py), the
 version split (graying.py), shadow calls (shadow.py) and the metric hooks (metrics.py).
 """
+
 from __future__ import annotations
 
 import heapq
