@@ -109,13 +109,14 @@ METRICS = [Metric("median", "lower"), Metric("max", "lower"), Metric("total", "l
 
 def run_rollout_bench(rollouts: int, servers: int, rate: float, arrivals: str, interval_s: float, hold_s: float,
                       workdir: Path, steady_s: float = 10.0, pattern: Sequence[str] = PATTERN,
-                      say: Callable[[str], None] = print) -> BenchResult:
+                      parallel_loads: int = 1, say: Callable[[str], None] = print) -> BenchResult:
     """Start ``servers`` servers sharing one repository, send their routers ``rate`` requests/s
     in all (open loop), measure a steady window of ``steady_s``, then run ``rollouts`` rollouts
     in the ``pattern`` (kinds of KINDS) and measure each."""
     from dspark.bench.openloop import OpenLoopLoad, largest_gap, percentile_ms
     from dspark.rollout import demo
-    from dspark.rollout.controller import Controller, Deployment
+    from dspark.rollout.controller import Controller
+    from dspark.rollout.deployment import Deployment
     from dspark.rollout.fleet import Endpoint
     from dspark.rollout.plan import Plan
     from dspark.rollout.state import StateStore
@@ -129,7 +130,7 @@ def run_rollout_bench(rollouts: int, servers: int, rate: float, arrivals: str, i
     plan = Plan.from_dict({
         "steps": [{"shadow": 30, "hold_s": hold_s}, {"canary": 25, "hold_s": hold_s}, {"canary": 100, "hold_s": hold_s}],
         "analysis": {"interval_s": interval_s, "min_requests": 10},
-        "warmup": {"requests": 3}, "drain_timeout_s": 15})
+        "warmup": {"requests": 3}, "drain_timeout_s": 15, "parallel_loads": parallel_loads})
     fleet, load, rows = [], None, []
     key = new_api_key()
     try:
@@ -187,6 +188,6 @@ def run_rollout_bench(rollouts: int, servers: int, rate: float, arrivals: str, i
                f"latency from when a request was due; baseline: {steady_s:g} s steady before the first rollout; "
                f"pattern {', '.join(pattern)} (good 10 ms a request, slow 20 ms, error fails after 10 answers per "
                f"instance); plan shadow 30 % -> canary 25 % -> canary 100 %, each held {hold_s:g} s; analysis every "
-               f"{interval_s:g} s, min_requests 10"]
+               f"{interval_s:g} s, min_requests 10; servers load {parallel_loads} at a time"]
         + [f"failed request: {f.error[:200]}" for f in failures[:5]],
         series={"rollouts": rows})

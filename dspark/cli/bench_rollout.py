@@ -27,11 +27,13 @@ from dspark.cli.bench_common import bench_errors, emit
               help="Kinds of rollout, in turn: good, slow (2x slower), error (fails after 10 answers).")
 @click.option("--interval", "interval_s", default=1.0, show_default=True, help="Analysis interval (s).")
 @click.option("--hold", "hold_s", default=2.0, show_default=True, help="Seconds each step is held.")
+@click.option("--parallel-loads", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Servers that load a version at once (the plan's parallel_loads).")
 @click.option("--json", "--output", "json_path", type=click.Path(path_type=Path), default=None,
               help="The result's path  [default: bench-results/rollout-<time>.json]")
 @bench_errors
 def rollout_bench(rollouts: int, servers: int, rate: float, arrivals: str, steady_s: float, pattern: str,
-                  interval_s: float, hold_s: float, json_path: Optional[Path]) -> None:
+                  interval_s: float, hold_s: float, parallel_loads: int, json_path: Optional[Path]) -> None:
     """Rollouts in a row under an open-loop load: time to promote, to detect and roll back;
     largest gap between answers, p99 against steady, failed requests (1 s timeout)."""
     from dspark.bench.rollout import run_rollout_bench
@@ -39,7 +41,8 @@ def rollout_bench(rollouts: int, servers: int, rate: float, arrivals: str, stead
     workdir = Path(tempfile.mkdtemp(prefix="dspark-bench-rollout-"))
     try:
         result = run_rollout_bench(rollouts, servers, rate, arrivals, interval_s, hold_s, workdir, steady_s,
-                                   [k.strip() for k in pattern.split(",") if k.strip()], say=click.echo)
+                                   [k.strip() for k in pattern.split(",") if k.strip()], parallel_loads,
+                                   say=click.echo)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     emit(result, json_path or Path("bench-results") / f"rollout-{time.strftime('%Y%m%d-%H%M%S')}.json")

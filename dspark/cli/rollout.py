@@ -12,7 +12,8 @@ import click
 
 from dspark.errors import DsparkError
 from dspark.rollout import status as status_report
-from dspark.rollout.controller import Controller, Deployment
+from dspark.rollout.controller import Controller
+from dspark.rollout.deployment import Deployment
 from dspark.rollout.fleet import read_endpoints
 from dspark.rollout.plan import Plan
 from dspark.rollout.state import ModelLock, StateStore, default_state_path

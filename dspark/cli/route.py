@@ -69,11 +69,11 @@ def _pairs(option: str, values: tuple[str, ...], key_type=str) -> dict:
     return out
 
 
-def _number(option: str, text: str) -> int:
+def _number(option: str, text: str, word: str = "auto") -> int:
     try:
         return int(text)
     except ValueError:
-        raise click.BadParameter(f"'{text}': expected 'auto' or a whole number", param_hint=option) from None
+        raise click.BadParameter(f"'{text}': expected '{word}' or a whole number", param_hint=option) from None
 
 
 def _common(function):
@@ -105,6 +105,8 @@ def show(repository: Path, model: str, metrics_url: str | None) -> None:
     sh = config.shadow
     click.echo("shadow:  " + (f"v{sh.version} {sh.percent:g}% (atol {sh.atol:g}, rtol {sh.rtol:g})"
                                 if sh.version is not None and sh.percent > 0 else "off"))
+    click.echo("fallback: " + (f"v{config.fallback_version} answers failed calls to other versions"
+                               if config.fallback_version is not None else "none"))
     click.echo(f"max_inflight {config.max_inflight} (+{config.top_tier_headroom} for {config.top_tier}), "
                f"default tier {config.default_tier}, "
                f"fast path while the target answers within {config.inline_max_ms:g} ms")
@@ -141,11 +143,14 @@ def show(repository: Path, model: str, metrics_url: str | None) -> None:
               help="Further concurrent calls only the top tier may use.")
 @click.option("--inline-max-ms", type=float, default=None,
               help="Fast path (idle router forwards from execute) while the target answers within this; 0 = off.")
+@click.option("--fallback-version", default=None, metavar="N|none",
+              help="Version that answers a request whose call to another version failed ('none': the client "
+                   "gets the failure).")
 @click.option("--wait-s", type=float, default=10.0, show_default=True,
               help="With --metrics-url: how long to wait for the router to report the new version.")
 def set_(repository: Path, model: str, metrics_url: str | None, shares, shadow_version, shadow_percent,
          shadow_atol, shadow_rtol, weights, deadlines, max_inflight, top_tier_headroom, inline_max_ms,
-         wait_s) -> None:
+         fallback_version, wait_s) -> None:
     """Change routing; the running router applies it within about half a second."""
     path, versions = router_files(repository, model)
     try:
@@ -167,6 +172,9 @@ def set_(repository: Path, model: str, metrics_url: str | None, shares, shadow_v
                 tiers[tier] = replace(tiers[tier], **{field: value})
         if max_inflight is not None:
             changes["max_inflight"] = max_inflight if max_inflight == "auto" else _number("--max-inflight", max_inflight)
+        if fallback_version is not None:
+            changes["fallback_version"] = (None if fallback_version.lower() == "none"
+                                           else _number("--fallback-version", fallback_version, "none"))
         for key, value in (("top_tier_headroom", top_tier_headroom), ("inline_max_ms", inline_max_ms)):
             if value is not None:
                 changes[key] = value

@@ -101,6 +101,9 @@ class Plan(_Strict):
     analysis: Analysis = Analysis()
     warmup: Warmup = Warmup()
     load_timeout_s: float = Field(default=120.0, gt=0)
+    # servers that load at once; a load starts new stubs for every version of the model, and the
+    # next servers start only when these are ready (1: servers that share a host never compete)
+    parallel_loads: int = Field(default=1, ge=1)
     # after promotion: the old version is unloaded once no request to it is in flight (or at this limit)
     drain_timeout_s: float = Field(default=30.0, gt=0)
 

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 from dspark.errors import ConfigError, DsparkError
 from dspark.rollout.analysis import version_stats
-from dspark.rollout.controller import Deployment
+from dspark.rollout.deployment import Deployment
 from dspark.rollout.fleet import Endpoint, Server
 from dspark.rollout.metrics import ScrapeSource, delta
 from dspark.rollout.state import Lease, Rollout, StateStore

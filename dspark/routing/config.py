@@ -134,6 +134,10 @@ class RoutingConfig:
     fluctuation: FluctuationPolicy = field(default_factory=FluctuationPolicy)
     shares: dict[Annotated[int, Strict()], Percent] = field(default_factory=lambda: {1: 100.0})
     shadow: ShadowPolicy = field(default_factory=ShadowPolicy)
+    # a call that fails on another version goes once more to this one, within the request's time
+    # left (a rollout's canary steps name the current version: a failing canary is answered by
+    # it); the failure still counts against its version. None: the client gets the failure
+    fallback_version: Optional[Annotated[int, Strict()]] = None
     version: NonNegativeInt = 0  # bumped by `dspark route set`; exported as a metric to confirm a reload
     # fast path: when nothing is queued and a slot is free, execute calls the target itself,
     # but only while the target's recent latency (EWMA) is at most this; 0 turns it off
@@ -175,6 +179,10 @@ class RoutingConfig:
         total = sum(checked.shares.values())
         if not math.isclose(total, 100.0, abs_tol=1e-6):
             raise ConfigError("shares", f"percentages must sum to 100, got {total:g}")
+        fallback = checked.fallback_version
+        if fallback is not None and allowed_versions is not None and fallback not in allowed_versions:
+            raise ConfigError("fallback_version", f"version {fallback} is not a routable version of the target "
+                                                  f"(allowed: {sorted(allowed_versions)})")
         shadow = checked.shadow
         if shadow.percent > 0 and shadow.version is None:
             raise ConfigError("shadow.version", "required when shadow.percent > 0")

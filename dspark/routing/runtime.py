@@ -84,6 +84,7 @@ class _Routed:
     version: int
     shadow: bool
     timeout_s: float
+    fallback: int | None  # the routing's fallback_version when the request arrived
 
 
 @dataclass(eq=False)
@@ -106,6 +107,7 @@ class Inline:
     shadow: bool
     timeout_s: float
     started: float
+    fallback: int | None = None
 
 
 class RouterCore:
@@ -248,7 +250,8 @@ class RouterCore:
                     raise self._shutdown_error()
                 tier = self.scheduler.resolve_tier(job.tier)
                 policy = self.config.tiers[tier]
-                routed = _Routed(job, self.splitter.version_for(key), self._sampled(key), policy.call_timeout_s)
+                routed = _Routed(job, self.splitter.version_for(key), self._sampled(key), policy.call_timeout_s,
+                                 self.config.fallback_version)
                 pending = self.scheduler.submit(routed, tier, now)
             except RequestError as exc:
                 error, label = exc, "unknown_tier"
@@ -306,7 +309,7 @@ class RouterCore:
         self.metrics.queue_time(tier, waited)
         if self.stages is not None and previous_end is None:
             self.stages.add("queued: submit to lane", started - job.submitted_at)
-        outputs, error, label = None, None, ""
+        outputs, error, label, version = None, None, "", routed.version
         if job.is_cancelled is not None and 1000 * waited >= self.config.cancel_check_ms and self._client_gone(job):
             error, label = CancelledError(f"router '{self.name}': the client cancelled the request after "
                                           f"{1000 * waited:.0f} ms in the '{tier}' queue; not sent to the target"), "cancelled"
@@ -319,7 +322,8 @@ class RouterCore:
                     self._wake_clock.notify()
             if self.stages is not None and previous_end is not None:
                 self.stages.add("lane: a call's end to its next call", self.clock() - previous_end)
-            outputs, error = self._call(job.payload, routed.version, routed.timeout_s)
+            outputs, error, version = self._call_or_fall_back(job.payload, routed.version, routed.timeout_s,
+                                                              routed.fallback)
             label = "target_error"
             call.done = True
         finished = self.clock()
@@ -331,9 +335,9 @@ class RouterCore:
         shadow = (self.shadower.copies(job.payload, outputs)
                   if routed.shadow and error is None and not job.answered else None)
         if following is not None:
-            self._outbox.put((job, tier, routed.version, outputs, error, label))
+            self._outbox.put((job, tier, version, outputs, error, label))
         else:
-            self._answer(job, tier, routed.version, outputs, error, label)
+            self._answer(job, tier, version, outputs, error, label)
         if shadow is not None:
             self.shadower.send(self.config.shadow, *shadow)
         return following, finished
@@ -397,6 +401,24 @@ class RouterCore:
             if self.stages is not None:
                 self.stages.add("target call", elapsed)
         return outputs, None
+
+    def _call_or_fall_back(self, payload: Any, version: int, timeout_s: float,
+                           fallback: int | None) -> tuple[Any, DsparkError | None, int]:
+        """A primary call; when it fails and the routing named a ``fallback_version`` when the
+        request arrived (a rollout's current version during its canary steps: a rollback that
+        clears it does not strand the canary's calls in flight), the request goes once more to
+        that version within the time it has left. The failure still counts against its version
+        (``dspark_router_target_errors_total``; a client saw it only where ``rejections_total``
+        counts it too). Returns the outputs or the error, and the version that gave them."""
+        start = self.clock()
+        outputs, error = self._call(payload, version, timeout_s)
+        left = timeout_s - (self.clock() - start)
+        if error is None or fallback is None or fallback == version or left <= 0:
+            return outputs, error, version
+        with self._lock:
+            self._target_errors[version] += 1
+        outputs, error = self._call(payload, fallback, left)
+        return outputs, error, fallback
 
     def _answer(self, job: Job, tier: str, version: int, outputs: Any, error: DsparkError | None,
                 label: str) -> None:
@@ -564,7 +586,7 @@ class RouterCore:
             self._counts[(tier, version)] += 1
             self._fast_path += 1
             timeout_s = self.config.tiers[tier].call_timeout_s
-        return Inline(tier, version, self._sampled(key), timeout_s, now)
+        return Inline(tier, version, self._sampled(key), timeout_s, now, self.config.fallback_version)
 
     def run_inline(self, ticket: Inline, payload: Any) -> Any:
         """Call the target for a fast-path ticket on a pool thread and wait for it up to the
@@ -572,24 +594,24 @@ class RouterCore:
         timeout: the caller answers at once, the call keeps its slot until it returns)."""
         future = self._inline_pool.submit(self._inline_call, ticket, payload)
         try:
-            outputs, error = future.result(timeout=ticket.timeout_s)
+            outputs, error, version = future.result(timeout=ticket.timeout_s)
         except FutureTimeout:
             self.target_ms = max(self.target_ms, 1000 * ticket.timeout_s)
             self._count_rejection(ticket.tier, "target_timeout", ticket.version)
             raise self._timeout_error(ticket.tier, ticket.version, ticket.timeout_s) from None
         if error is not None:
-            self._count_rejection(ticket.tier, "target_error", ticket.version)
+            self._count_rejection(ticket.tier, "target_error", version)
             raise error
-        self.metrics.latency(ticket.tier, ticket.version, self.clock() - ticket.started)
+        self.metrics.latency(ticket.tier, version, self.clock() - ticket.started)
         if ticket.shadow:
             self.shadower.send(self.config.shadow, *self.shadower.copies(payload, outputs))
         return outputs
 
-    def _inline_call(self, ticket: Inline, payload: Any) -> tuple[Any, DsparkError | None]:
+    def _inline_call(self, ticket: Inline, payload: Any) -> tuple[Any, DsparkError | None, int]:
         if self.stages is not None:
             self.stages.add("fast path: execute to pool thread", self.clock() - ticket.started)
         try:
-            return self._call(payload, ticket.version, ticket.timeout_s)
+            return self._call_or_fall_back(payload, ticket.version, ticket.timeout_s, ticket.fallback)
         finally:
             with self._lock:
                 self.scheduler.release()

@@ -74,6 +74,7 @@ def _free_port() -> int:
 
 
 _HANDED_OUT: set[int] = set()  # ports ServerPorts.free gave out in this process
+_PORT_TAKEN = ("Address already in use", "is already in use by another process")  # Triton's bind, check_free
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ class TritonServer:
     """
 
     repositories: Sequence[Union[Path, str]]  # folders, or URLs such as s3://host:port/bucket/path
-    ports: ServerPorts = field(default_factory=ServerPorts.free)
+    ports: Optional[ServerPorts] = None  # None: free ports, chosen again if one is taken before the bind
     model_control: str = "none"
     load_models: Sequence[str] = ()
     log_verbose: int = 0
@@ -211,6 +212,9 @@ class TritonServer:
             if not is_remote_repository(repository) and not Path(repository).is_dir():
                 raise ServerError(f"model repository {repository} does not exist")
         check_host(self.host)
+        self._own_ports = self.ports is None
+        if self._own_ports:
+            self.ports = ServerPorts.free()
         if self.api_key:
             check_api_key(self.api_key)
         else:
@@ -289,6 +293,22 @@ class TritonServer:
         return {**self.environment(install), KEY_FD_ENV: str(key_read)}, key_read
 
     def start(self, timeout_s: float = 120) -> None:
+        """Start the server and wait until it is ready. Ports it chose itself are chosen anew
+        (three tries) when another process takes one between the choice and Triton's bind: a
+        client's outgoing connection can get any free port as its own."""
+        own_log = self.log_path is None
+        for attempt in range(3):
+            try:
+                return self._start(timeout_s)
+            except ServerError as error:
+                if not self._own_ports or attempt == 2 or not any(text in str(error) for text in _PORT_TAKEN):
+                    raise
+                if own_log and self.log_path is not None:  # the failed try's log, kept by stop()
+                    shutil.rmtree(Path(self.log_path).parent, ignore_errors=True)
+                    self.log_path = None
+                self.ports = ServerPorts.free()
+
+    def _start(self, timeout_s: float) -> None:
         install = find_server(self.server_path)
         self.ports.check_free(self.host)
         self._workdir = Path(tempfile.mkdtemp(prefix="dspark-server-"))

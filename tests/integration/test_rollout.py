@@ -20,7 +20,8 @@ from tests.conftest import TEST_EXIT_TIMEOUT_S, dump_log_on_failure
 from dspark.bench.openloop import OpenLoopLoad, largest_gap
 from dspark.cli.rollout import rollout as rollout_cli
 from dspark.rollout import demo
-from dspark.rollout.controller import Controller, Deployment
+from dspark.rollout.controller import Controller
+from dspark.rollout.deployment import Deployment
 from dspark.rollout.fleet import Endpoint, Server
 from dspark.rollout.plan import Plan
 from dspark.rollout.state import HEARTBEAT_ENV, StateStore
@@ -133,6 +134,18 @@ def test_regression_rolls_back_within_two_intervals(site, behaviour, reason):
     assert (rollout.phase, rollout.outcome) == ("done", "rolled_back") and reason in rollout.reason
     assert served_versions(site) == before  # the new version is gone, the current one kept serving
     assert not (site.repo / demo.MODEL / str(rollout.new_version)).exists()
+    assert_consistent(site)
+
+
+def test_a_failing_canary_is_answered_by_the_current_version_and_still_rolled_back(site):
+    """No shadow step: a version that fails every request after its warm-up takes a quarter of
+    the traffic at once. Its failed calls go once more to the current version, so no client
+    sees one, and the rollout still rolls back on the error rate."""
+    plan = {**FAST_PLAN, "steps": [{"canary": 25, "hold_s": 3}]}
+    outcome, state = run_rollout(site, plan=plan, fail_after=10)
+    assert not outcome.promoted and "error rate" in outcome.reason
+    judged = [e for e in state.events(outcome.rollout.id) if e["kind"] == "analysis"]
+    assert "BREACH" in judged[-1]["message"] and "canary 25%" in judged[-1]["message"]
     assert_consistent(site)
 
 

@@ -12,7 +12,8 @@ import pytest
 
 from tests.conftest import TEST_EXIT_TIMEOUT_S, dump_log_on_failure
 from dspark.rollout import demo
-from dspark.rollout.controller import Controller, Deployment
+from dspark.rollout.controller import Controller
+from dspark.rollout.deployment import Deployment
 from dspark.rollout.fleet import Endpoint, Server
 from dspark.rollout.plan import Plan
 from dspark.rollout.state import StateStore

@@ -72,6 +72,18 @@ def snapshot(text: str, at: float = 0.0) -> Snapshot:
     return snap
 
 
+def test_parse_reads_only_the_families_asked_for():
+    snap = Snapshot(0.0)
+    parse_text(TRITON_TEXT, "server-a", snap, ("nv_inference_request_success",))
+    assert snap.total("nv_inference_request_success", model="m") == 150
+    assert {name for name, _ in snap.values} == {"nv_inference_request_success"}
+    snap = Snapshot(0.0)
+    parse_text(TRITON_TEXT + '# TYPE dspark_router_config_version gauge\ndspark_router_config_version{model="r"} 3\n',
+               "server-a", snap, versions=(1,))
+    assert {dict(labels).get("version") for _, labels in snap.values} == {"1", None}
+    assert snap.total("dspark_router_config_version") == 3, "series without a version stay"
+
+
 def test_parse_keeps_our_families_with_the_instance_label():
     snap = snapshot(TRITON_TEXT)
     assert snap.total("nv_inference_request_success", model="m") == 150

@@ -75,6 +75,8 @@ def test_load_and_round_trip(tmp_path):
     ("shadow: {version: 9, percent: 10}", "shadow.version: version 9"),
     ("shadow: {version: 2, percent: 150}", "shadow.percent"),
     ("colour: red", "colour: unknown field"),
+    ("fallback_version: 9", "fallback_version: version 9 is not a routable version of the target (allowed: [1, 2])"),
+    ("fallback_version: two", "fallback_version: Input should be a valid integer"),
     ("shares: [1, 2]", "shares: Input should be a valid dictionary (got [1, 2])"),
     ("tiers: {gold: {weight: 1", "not valid YAML"),
 ])
@@ -190,7 +192,27 @@ def test_route_set_changes_the_fast_path_threshold(tmp_path):
     assert "fast path while the target answers within 0 ms" in shown.output
 
 
+def test_route_set_names_and_clears_the_fallback_version(tmp_path):
+    import shutil
+
+    from click.testing import CliRunner
+
+    from dspark.cli.route import route
+    from dspark.paths import project_root
+
+    shutil.copytree(project_root() / "model_repository" / "router_demo", tmp_path / "router_demo")
+    path = tmp_path / "router_demo" / "routing.yaml"
+    result = CliRunner().invoke(route, ["set", "-r", str(tmp_path), "-m", "router_demo", "--fallback-version", "1"])
+    assert result.exit_code == 0, result.output
+    assert RoutingConfig.load(path).fallback_version == 1
+    shown = CliRunner().invoke(route, ["show", "-r", str(tmp_path), "-m", "router_demo"])
+    assert "fallback: v1 answers failed calls to other versions" in shown.output
+    result = CliRunner().invoke(route, ["set", "-r", str(tmp_path), "-m", "router_demo", "--fallback-version", "none"])
+    assert result.exit_code == 0 and RoutingConfig.load(path).fallback_version is None
+
+
 @pytest.mark.parametrize("option, value, message", [
+    ("--fallback-version", "9", "fallback_version: version 9 is not a routable version of the target (allowed: [1, 2])"),
     ("--max-inflight", "99999999999", "max_inflight: must be 'auto' (the target's instance count) or a whole number from 1 to 256"),
     ("--weight", "gold=1e308", "tiers.gold.weight: Input should be less than or equal to 1000000"),
     ("--deadline-ms", "gold=1e308", "tiers.gold.deadline_ms: Input should be less than or equal to 86400000"),

@@ -31,6 +31,9 @@ class Recorder(RouterMetrics):
     def shadow(self, version, outcome, seconds): self._add("shadow", version, outcome)
     def config_version(self, version): self._add("config_version", version)
     def fast_path(self, count): self._add("fast_path", count)
+    def target_error(self, version, count=1):
+        for _ in range(count):
+            self._add("target_error", version)
 
     def count(self, *prefix):
         with self.lock:
@@ -257,6 +260,57 @@ def test_target_error_reaches_only_that_client(run_core):
     assert 5 < len(errors) < 35
     assert {str(e) for e in errors} == {"target 'target' version 2 failed: version 2 exploded"}
     assert all(type(e) is DsparkError and e.code == "INTERNAL" for e in errors)
+
+
+def test_a_failing_version_is_answered_by_the_fallback_and_still_counted_against_it(run_core):
+    def broken(payload):
+        raise RuntimeError("version 2 exploded")
+    metrics = Recorder()
+    target = FakeTarget(behaviour={2: broken})
+    core = run_core(config(shares={1: 50, 2: 50}, fallback_version=1, max_inflight=2), target, metrics)
+    client = Client()
+    for i in range(40):
+        core.submit(client.job(f"r{i}", user_id=f"u{i}", x=float(i)))
+    client.wait()
+    assert all(client.error(f"r{i}") is None and client.outputs(f"r{i}")["y"][0] == 2.0 * i for i in range(40))
+    failed = Counter(target.calls)[2]
+    assert 5 < failed < 35 and Counter(target.calls)[1] == 40, "each failed call went once more to version 1"
+    assert eventually(lambda: metrics.count("target_error", 2) == failed)
+    assert metrics.count("rejection") == 0
+
+    def slow_and_broken(payload):
+        time.sleep(0.2)
+        raise RuntimeError("version 2 exploded")
+    target.behaviour[2] = slow_and_broken
+    core.apply(config(shares={2: 100}, fallback_version=1, max_inflight=2))
+    client = Client()
+    core.submit(client.job("in-flight", x=5.0))
+    assert eventually(lambda: target.calls[-1] == 2)
+    core.apply(config(shares={1: 100}, max_inflight=2))  # a rollback: the fallback is cleared
+    client.wait()
+    assert client.error("in-flight") is None and client.outputs("in-flight")["y"][0] == 10.0, \
+        "a request keeps the fallback that was set when it arrived"
+
+    target.behaviour[2] = broken
+    core.apply(config(shares={2: 100}, fallback_version=3, max_inflight=2))
+    target.behaviour[3] = broken
+    client = Client()
+    core.submit(client.job("both-fail"))
+    client.wait()
+    assert str(client.error("both-fail")) == "target 'target' version 3 failed: version 2 exploded", \
+        "when the fallback fails too, the client gets its error"
+
+
+def test_fast_path_falls_back_too(run_core):
+    def broken(payload):
+        raise RuntimeError("version 2 exploded")
+    metrics = Recorder()
+    target = FakeTarget(service_s=0.001, behaviour={2: broken})
+    core = run_core(config(shares={2: 100}, fallback_version=1), target, metrics)
+    ticket = core.try_inline("gold", None, "r")
+    assert core.run_inline(ticket, {"x": np.array([3.0], np.float32)})["y"][0] == 6.0
+    assert target.calls == [2, 1]
+    assert eventually(lambda: metrics.count("target_error", 2) == 1) and metrics.count("rejection") == 0
 
 
 def test_a_hanging_target_times_out_with_unavailable_and_keeps_its_slot(run_core):

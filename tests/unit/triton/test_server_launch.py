@@ -222,6 +222,27 @@ def test_readiness_from_another_server_on_the_port_is_not_ours(tmp_path, other_s
     assert not server.running
 
 
+@pytest.mark.parametrize("taken_at", ["the port check", "the bind"])
+def test_ports_it_chose_itself_are_chosen_again_when_one_is_taken(tmp_path, private_tmpdir, monkeypatch, taken_at):
+    import socket
+
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    if taken_at == "the bind":  # taken between the check and the server's bind
+        monkeypatch.setattr(ServerPorts, "check_free", lambda self, host: None)
+    server = TritonServer(repositories=[tmp_path], server_path=str(binary))
+    first = server.ports
+    with socket.socket() as taker:  # another process takes a port after the choice
+        taker.bind(("127.0.0.1", first.grpc if taken_at == "the port check" else first.http))
+        taker.listen()
+        server.start(timeout_s=20)
+        try:
+            assert server.running and server.ports != first and server.ports.grpc == server.ports.http + 1
+        finally:
+            server.stop()
+    assert list(private_tmpdir.iterdir()) == [], "the failed try left nothing behind"
+
+
 def test_a_clean_stop_leaves_no_temporary_folder(tmp_path, private_tmpdir):
     binary = fake_server(tmp_path, "")
     binary.write_text(FAKE_TRITON)
