@@ -3,6 +3,8 @@ dspark.triton.install; its API key and bound addresses from dspark.triton.access
 start, and stop it leaving nothing behind (its shared-memory regions, its files).
 
 Used by `dspark serve` and by the test fixture, so the two start the server the same way.
+One module of ~500 lines: the ports, the process, its log and what it leaves behind are one
+server's life, from its start (with a retry on ports taken) to its stop (with the clean-up).
 """
 from __future__ import annotations
 
