@@ -27,13 +27,16 @@ IDLE_POLL_S = 1.0
 UNLOAD_REPORT_S = 5.0
 
 
-def _http_ok(url: str) -> bool:
-    """True for 200, False for another status; OSError when the server does not answer."""
+RESTRICTED = 403  # Triton's answer to an endpoint restricted by --http-restricted-api
+
+
+def _http_status(url: str) -> int:
+    """The HTTP status of GET ``url``; OSError when the server does not answer."""
     try:
         with urllib.request.urlopen(url, timeout=2.0) as reply:
-            return reply.status == 200
-    except urllib.error.HTTPError:
-        return False
+            return reply.status
+    except urllib.error.HTTPError as error:
+        return error.code
 
 
 class UnloadWatch:
@@ -75,13 +78,17 @@ class UnloadWatch:
                 continue
             asked = time.monotonic()
             try:
-                ready = all(_http_ok(url) for url in urls)
+                codes = [_http_status(url) for url in urls]
+                ready = all(code == 200 for code in codes)
                 failures = late = 0
+                # a running request means the model was ready, even when the server stopped
+                # before a check saw it so; a restricted endpoint tells nothing
+                seen_ready = seen_ready or (busy and RESTRICTED not in codes)
             except (ConnectionError, urllib.error.URLError) as error:
                 if isinstance(getattr(error, "reason", error), TimeoutError):
                     late = self._late(late, error)
                     continue  # a busy server answers late; that is no reason to stop
-                if not seen_ready:
+                if not (seen_ready or busy):
                     continue  # refused before ever ready: the server opens HTTP once every model loaded
                 failures += 1  # refused: the server is gone
                 ready = failures < 2

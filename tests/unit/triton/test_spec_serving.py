@@ -238,6 +238,44 @@ def test_an_idle_models_unload_that_never_reaches_finalize_names_the_grpc_cause(
     assert "Triton itself holds the model" in warnings[0] and "gRPC" in warnings[0]
 
 
+@pytest.mark.parametrize("model_ready, stops", [(400, True), (403, False)])
+def test_a_stop_before_any_check_saw_the_model_ready_still_stops_its_running_requests(monkeypatch, model_ready,
+                                                                                      stops):
+    """The server stopped right after the model loaded: the first check already finds it not
+    ready, but a request is running, so it was. An endpoint restricted by the server's API
+    restrictions (403) says nothing, and the requests go on."""
+    health = _FakeHealth({LIVE: 200, MODEL_READY: model_ready})
+    model = _watched_model(monkeypatch, [], health)
+    release = threading.Event()
+    model.pool.submit(lambda: release.wait(10), lambda error: None)
+    with _watching(model, health):
+        try:
+            assert _asked(health, MODEL_READY, 1 if stops else 3)
+            assert model.pool.closing.wait(1.0) == stops
+        finally:
+            release.set()
+
+
+def test_a_server_gone_before_any_check_saw_the_model_ready_still_stops_its_running_requests(monkeypatch):
+    """Stopped right after the model loaded: the server already refuses connections at the first
+    check, but a request is running, so it was up."""
+    health = _FakeHealth({})
+    health.close()
+    health.server.server_close()  # nothing listens there any more: connections are refused
+    model = _watched_model(monkeypatch, [], health)
+    release = threading.Event()
+    model.pool.submit(lambda: release.wait(10), lambda error: None)
+    watcher = threading.Thread(target=model.watch, daemon=True)
+    watcher.start()
+    try:
+        assert model.pool.closing.wait(2.0), "two refusals while busy: the server is gone"
+    finally:
+        release.set()
+        model.finalizing.set()
+        model.pool.close(2)
+        watcher.join(5)
+
+
 def test_an_idle_model_still_loading_is_not_taken_for_unloading(monkeypatch):
     """Triton marks the model ready only after initialize returns, when its watcher already runs."""
     health = _FakeHealth({LIVE: 200, MODEL_READY: 400})
