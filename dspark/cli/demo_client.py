@@ -73,7 +73,9 @@ def openai_chat(openai_url: str, model: str, question: str, max_tokens: int) -> 
 
 
 def openai_curl(openai_url: str, model: str, question: str) -> str:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 64})
+    """The same greedy request as a curl line (without a temperature OpenAI samples at 1)."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": question}],
+                       "max_tokens": 64, "temperature": 0})
     return f"curl -s {openai_url}/chat/completions -H 'Content-Type: application/json' -d '{body}'"
 
 

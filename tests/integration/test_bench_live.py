@@ -125,7 +125,8 @@ def consecutive_ports() -> ServerPorts:
 
 
 def test_metrics_come_from_the_benchmarked_server_or_the_result_says_they_do_not(request, triton_server, tmp_path):
-    with serving(request, [project_root() / "model_repository"], ports=consecutive_ports()) as server:
+    with serving(request, [project_root() / "model_repository"], ports=consecutive_ports(),
+                 model_control="explicit", load_models=["mlp_classifier"]) as server:
         for protocol, url in (("http", server.http_url), ("grpc", server.grpc_url)):
             bench("model", "mlp_classifier", "--url", url, "--protocol", protocol, "--out", str(tmp_path / protocol),
                   "--no-plots", *QUICK)

@@ -36,6 +36,7 @@ def test_serve_reads_a_repository_from_s3(tmp_path):
             tensor = httpclient.InferInput("features", [1, 16], "FP32")
             tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
             seen["probabilities"] = client.infer("mlp_classifier", [tensor]).as_numpy("probabilities")
+            client.close()  # Triton's shutdown waits out its exit timeout for an open connection
             server.stop()
 
         with mock.patch("dspark.cli.serve.serve_until_signal", ask):
