@@ -32,7 +32,8 @@ from dspark.rollout.store import load_routing, open_store, save_routing
 from dspark.triton.params import RouterParameters
 
 CONFIRM_TIMEOUT_S = 15.0
-DRAIN_FAMILIES = ("nv_inference_request_success", "nv_inference_request_failure", "nv_inference_pending_request_count")
+ANSWERED = ("nv_inference_request_success", "nv_inference_request_failure")  # counters a drain watches
+DRAIN_FAMILIES = (*ANSWERED, "nv_inference_pending_request_count")
 
 
 @dataclass
@@ -116,9 +117,13 @@ class Fleet:
         time; ``settled(server)`` waits until that server's versions are as wanted (raising
         UnavailableError when they do not get there) before the next servers load."""
         model, step = self.deployment.model, self.plan.parallel_loads
+
+        def load_and_settle(server: Server) -> None:
+            server.load(model)
+            settled(server)
+
         for first in range(0, len(self.servers), step):
-            self.on_all(lambda s: (s.load(model), settled(s)), f"load {model}", tolerate,
-                        self.servers[first:first + step])
+            self.on_all(load_and_settle, f"load {model}", tolerate, self.servers[first:first + step])
 
     def on_all(self, action: Callable[[Server], None], what: str, tolerate: bool = False,
                servers: Optional[Sequence[Server]] = None) -> None:
@@ -197,7 +202,7 @@ class Fleet:
             time.sleep(quiet)
             snapshot = self.direct.snapshot(DRAIN_FAMILIES)
             labels = {"model": model, "version": str(version)}
-            moved = sum(delta(snapshot, previous, name, **labels) for name in DRAIN_FAMILIES[:2])
+            moved = sum(delta(snapshot, previous, name, **labels) for name in ANSWERED)
             pending = snapshot.total("nv_inference_pending_request_count", **labels)
             if moved == 0 and pending == 0:
                 self.event("drain", f"version {version} drained in {time.monotonic() - started:.1f} s")
