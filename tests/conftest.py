@@ -19,8 +19,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     from tests.fixtures.toy_lm.build import build_all
 
     build_all()
-# Triton waits this long at shutdown for clients' idle keep-alive connections; tests need no drain.
-TEST_EXIT_TIMEOUT_S = 2
+# Triton's exit timeout for test servers: a fixture's stop exits at once (Triton would otherwise
+# wait for its models to unload, 1-3 s a server, and for clients' idle keep-alive connections);
+# TritonServer.stop kills the stubs left and removes their shared memory. The tests of a clean
+# stop set their own timeout.
+TEST_EXIT_TIMEOUT_S = 0
 
 
 def dump_log_on_failure(request: pytest.FixtureRequest, server: TritonServer, failed_before: int) -> None:

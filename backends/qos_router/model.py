@@ -9,7 +9,8 @@ sender, ~0.3-0.5 ms less).
 
 Config parameters (dspark.triton.params.RouterParameters): ``target_model`` (required),
 ``target_versions`` (default "1"; "*" for any), ``routing_file`` (default ``routing.yaml`` in
-the model folder, re-read on change). The target's instance count comes from its config.pbtxt in
+the model folder, re-read on change), ``poll_interval_ms`` (default 500: how often the file is
+checked and the counters exported). The target's instance count comes from its config.pbtxt in
 the same repository (``max_inflight: auto``).
 """
 import json
@@ -59,7 +60,8 @@ class TritonPythonModel:
         self.stages = StageTimes(Path(stages_dir) / f"{self.name}.json") if stages_dir else None
         self.metrics = TritonRouterMetrics(pb_utils, self.name)
         self.core = RouterCore(watcher, BlsTarget(pb_utils, params.target_model), self.metrics, name=self.name,
-                               target_name=params.target_model, target_instances=instances, stage_times=self.stages)
+                               target_name=params.target_model, target_instances=instances, stage_times=self.stages,
+                               poll_interval_s=params.poll_interval_ms / 1000)
         self.core.start()
 
     def _fields(self, request):

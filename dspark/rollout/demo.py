@@ -72,13 +72,14 @@ def model_artifact(path: Path, semver: str, service_ms: float = 10.0, fail_after
 
 def build_repository(root: Path, service_ms: float = 10.0, instances: int = 2,
                      routing_file: Optional[Path] = None, deadline_ms: float = 1000.0,
-                     model: str = MODEL, router: bool = True) -> Path:
+                     model: str = MODEL, router: bool = True, poll_interval_ms: Optional[float] = None) -> Path:
     """A repository with ``model`` (``rollout_demo``) 1.0.0 in folder 1 and ``rollout_router`` in
     front of it. With a router the model serves the versions a rollout names; without one it
     serves the "latest" version (hot reload by `dspark repo add` / `publish`).
 
     Tier deadlines are short (``deadline_ms``) so that a version drains quickly after traffic
-    leaves it. ``routing_file``: where the router reads its routing (default: next to it).
+    leaves it. ``routing_file``: where the router reads its routing (default: next to it);
+    ``poll_interval_ms``: how often the router re-reads it (default: the router's 500 ms).
     """
     root.mkdir(parents=True, exist_ok=True)
     model_dir = root / model
@@ -106,8 +107,10 @@ def build_repository(root: Path, service_ms: float = 10.0, instances: int = 2,
     config.output.add(name="version", data_type=mc.TYPE_INT32, dims=[1])
     config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
     routing_file = routing_file or router_dir / "routing.yaml"
-    for key, value in (("target_model", MODEL), ("target_versions", "*"), ("routing_file", str(routing_file))):
-        config.parameters[key].string_value = value
+    for key, value in (("target_model", MODEL), ("target_versions", "*"), ("routing_file", str(routing_file)),
+                       ("poll_interval_ms", poll_interval_ms)):
+        if value is not None:
+            config.parameters[key].string_value = str(value)
     (router_dir / "config.pbtxt").write_text(text_format.MessageToString(config))
     # short queue deadlines (a version drains fast) but a generous call timeout: a reload on a
     # busy host can hold a call for a second, which should make it slow, not failed

@@ -71,6 +71,8 @@ class RouterParameters(ConfigParameters):
     # versions the routing file may name, e.g. "1,2"; "*": any the target serves (a rollout adds new ones)
     target_versions: str = "1"
     routing_file: str = "routing.yaml"  # relative to the router's model folder; re-read on change
+    # how often the router looks for a changed routing file and exports its counters to /metrics
+    poll_interval_ms: Annotated[float, Field(ge=10, le=60_000)] = 500.0
 
     def routing_path(self, model_dir: Path) -> Path:
         path = Path(self.routing_file)

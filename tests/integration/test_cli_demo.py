@@ -63,11 +63,12 @@ def test_demo_serves_and_prints_inference_results():
 
 
 def test_serve_forwards_sigterm_as_a_clean_shutdown():
+    """The demo repository with one model loaded (the demo test above serves them all)."""
     ports = ServerPorts.free()
     dspark = Path(sys.executable).parent / "dspark"
     process = subprocess.Popen(
         [str(dspark), "serve", f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
-         f"--metrics-port={ports.metrics}"],
+         f"--metrics-port={ports.metrics}", "--model-control=explicit", "--load-model=mlp_classifier"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
@@ -77,7 +78,7 @@ def test_serve_forwards_sigterm_as_a_clean_shutdown():
                 break
         assert any("ready" in line for line in lines), "".join(lines)
         import tritonclient.http as httpclient
-        assert httpclient.InferenceServerClient(f"127.0.0.1:{ports.http}").is_server_ready()
+        assert httpclient.InferenceServerClient(f"127.0.0.1:{ports.http}").is_model_ready("mlp_classifier")
         process.send_signal(signal.SIGTERM)
         output = process.communicate(timeout=60)[0]
     finally:

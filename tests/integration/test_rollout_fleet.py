@@ -51,7 +51,7 @@ def fleet(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("fleet")
     s3 = demo.serve_s3(free_port())
     url = f"s3://127.0.0.1:{s3._port}/models/repo"
-    local = demo.build_repository(root / "local", routing_file=root / "local" / "routing.yaml")
+    local = demo.build_repository(root / "local", routing_file=root / "local" / "routing.yaml", poll_interval_ms=100)
     demo.publish_to_s3(local, url)
     shutil.rmtree(local / demo.MODEL)  # the model lives in S3 only; the router stays local
     servers = []
@@ -87,7 +87,7 @@ def fleet(request, tmp_path_factory):
         s3.stop()
 
 
-def rollout(fleet, prometheus: bool = False, **behaviour):
+def rollout(fleet, prometheus: bool = False, plan: dict = PLAN, **behaviour):
     fleet.n += 1
     semver = f"1.{fleet.n}.0"
     path = demo.model_artifact(fleet.root / f"model-{fleet.n}.py", semver, **behaviour)
@@ -95,7 +95,7 @@ def rollout(fleet, prometheus: bool = False, **behaviour):
                             routing_file=str(fleet.local / "routing.yaml"),
                             prometheus=fleet.prometheus_url if prometheus else None)
     state = StateStore(fleet.root / "state.sqlite")
-    controller = Controller(deployment, Plan.from_dict(PLAN), state, fleet.key, say=print)
+    controller = Controller(deployment, Plan.from_dict(plan), state, fleet.key, say=print)
     try:
         return controller.start(path, semver), state
     finally:
@@ -131,8 +131,10 @@ def test_fleet_promotes_with_metrics_from_prometheus(fleet):
 
 
 def test_a_server_that_cannot_load_rolls_back_everywhere(fleet):
+    """The servers load at once (the other test loads them one at a time, the default): the two
+    that loaded the version unload it again."""
     before = fleet_versions(fleet)[0]
-    outcome, state = rollout(fleet, broken_where=BROKEN_ENV)
+    outcome, state = rollout(fleet, plan={**PLAN, "parallel_loads": SERVERS}, broken_where=BROKEN_ENV)
     assert not outcome.promoted
     assert fleet.servers[-1].http_url in outcome.reason and "loading" in outcome.reason, outcome.reason
     assert not state.events(outcome.rollout.id, ("route",))[:-1]  # no traffic ever went to it

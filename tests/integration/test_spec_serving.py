@@ -16,7 +16,7 @@ import requests
 from dspark.bench.spec_served import reload_model
 from dspark.paths import project_root
 from dspark.triton.server import TritonServer
-from tests.conftest import dump_log_on_failure
+from tests.conftest import TEST_EXIT_TIMEOUT_S, dump_log_on_failure
 from tests.integration.spec_client import (Stream, completion, generate, metric, metric_lines,
                                            model_state, shm_regions, stream_once, stub_processes,
                                            wait_for)
@@ -42,7 +42,7 @@ def toy_server(request, models=(MODEL,), exit_timeout_s: int = 30) -> TritonServ
 def server(request):
     # Triton 2.51 keeps a model whose reload failed (a test below) "live" until its exit timeout
     # at stop, whatever the backend (the onnx backend's too); that wait says nothing about ours
-    server = toy_server(request, (MODEL, ONE), exit_timeout_s=5)
+    server = toy_server(request, (MODEL, ONE), exit_timeout_s=TEST_EXIT_TIMEOUT_S)
     yield server
     dump_log_on_failure(request, server, server.failed_before)
     server.stop()

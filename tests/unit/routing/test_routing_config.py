@@ -271,6 +271,10 @@ def test_router_parameters_name_the_bad_one(tmp_path):
 
     params = parse_config(RouterParameters, {"target_model": "t", "target_versions": "1, 2", "routing_file": "r.yaml"})
     assert (params.routing_path(tmp_path), params.versions()) == (tmp_path / "r.yaml", {1, 2})
+    assert params.poll_interval_ms == 500
+    assert parse_config(RouterParameters, {"target_model": "t", "poll_interval_ms": "100"}).poll_interval_ms == 100
+    with pytest.raises(ConfigError, match="parameter 'poll_interval_ms'.*greater than or equal to 10"):
+        parse_config(RouterParameters, {"target_model": "t", "poll_interval_ms": "1"})
     assert parse_config(RouterParameters, {"target_model": "t", "target_versions": "*"}).versions() is None
     with pytest.raises(ConfigError, match="parameter 'target_versions': must list version numbers, e.g. \"1,2\", or \"\\*\" for any; got '1,x'"):
         parse_config(RouterParameters, {"target_model": "t", "target_versions": "1,x"}).versions()
