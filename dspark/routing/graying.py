@@ -47,6 +47,8 @@ class VersionSplitter:
         # rounding leftovers go to the oldest version
         if self._bounds:
             self._bounds[-1] = (0, self._bounds[-1][1])
+        positive = [version for version, share in shares.items() if share > 0]
+        self.only = positive[0] if len(positive) == 1 else None  # every key maps to it: no key needed
 
     def version_for(self, key: str) -> int:
         b = bucket(key, "version")

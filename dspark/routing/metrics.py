@@ -46,6 +46,7 @@ class DeferredMetrics:
     def __getattr__(self, name: str):
         def record(*args):
             self._calls.put((name, args))
+        self.__dict__[name] = record  # found directly from the next call on
         return record
 
     def _drain(self) -> None:

@@ -38,6 +38,7 @@ class RouterParameters(BaseModel):
 
 
 HEADERS = ("dspark-tier", "dspark-user-id")
+_KEYS = ("tier", "dspark-tier", "user_id", "dspark-user-id")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ def parse_parameters(raw: Union[str, dict, None]) -> RouteFields:
     if isinstance(data, dict):
         data = {key.lower() if isinstance(key, str) and key.lower() in HEADERS else key: value
                 for key, value in data.items()}
+        given = {key: data[key] for key in _KEYS if key in data}
+        if all(type(value) is str for value in given.values()):  # the usual request: no validation to do
+            return RouteFields(given.get("tier") or given.get("dspark-tier") or None,
+                               given.get("user_id") or given.get("dspark-user-id") or None)
     try:
         parsed = RouterParameters.model_validate(data)
     except ValidationError as exc:

@@ -242,7 +242,6 @@ class RouterCore:
         or at once for an unknown tier, a full queue or a router that is shutting down."""
         now = self.clock()
         job.submitted_at = now
-        key = routing_key(job.user_id, job.request_id)
         error, label, tier = None, "", "unknown"  # a metric label: never the client's own string
         with self._lock:
             try:
@@ -250,7 +249,7 @@ class RouterCore:
                     raise self._shutdown_error()
                 tier = self.scheduler.resolve_tier(job.tier)
                 policy = self.config.tiers[tier]
-                routed = _Routed(job, self.splitter.version_for(key), self._sampled(key), policy.call_timeout_s,
+                routed = _Routed(job, *self._route(job.user_id, job.request_id), policy.call_timeout_s,
                                  self.config.fallback_version)
                 pending = self.scheduler.submit(routed, tier, now)
             except RequestError as exc:
@@ -271,9 +270,15 @@ class RouterCore:
                 error = UnavailableError(f"router '{self.name}': {error}", label)
             self._reject(job, tier, error, label)
 
-    def _sampled(self, key: str) -> bool:
+    def _route(self, user_id: str | None, request_id: str | None) -> tuple[int, bool]:
+        """Under the lock: the request's version and whether the shadow copies it. The routing
+        key (a hash, or a random id) is made only where a split or a shadow needs it."""
         shadow = self.config.shadow
-        return shadow.version is not None and shadow_sampled(key, shadow.percent)
+        shadowed = shadow.version is not None and shadow.percent > 0
+        if self.splitter.only is not None and not shadowed:
+            return self.splitter.only, False
+        key = routing_key(user_id, request_id)
+        return self.splitter.version_for(key), shadowed and shadow_sampled(key, shadow.percent)
 
     def _lane_loop(self) -> None:
         pending, previous_end = None, None
@@ -581,12 +586,11 @@ class RouterCore:
             self._refresh_early(now)
             if not self.scheduler.try_admit(tier, now):
                 return None
-            key = routing_key(user_id, request_id)
-            version = self.splitter.version_for(key)
+            version, shadow = self._route(user_id, request_id)
             self._counts[(tier, version)] += 1
             self._fast_path += 1
             timeout_s = self.config.tiers[tier].call_timeout_s
-        return Inline(tier, version, self._sampled(key), timeout_s, now, self.config.fallback_version)
+        return Inline(tier, version, shadow, timeout_s, now, self.config.fallback_version)
 
     def run_inline(self, ticket: Inline, payload: Any) -> Any:
         """Call the target for a fast-path ticket on a pool thread and wait for it up to the

@@ -38,6 +38,8 @@ def test_split_proportions_and_stickiness():
             assert wider.version_for(routing_key(u, None)) == 2
     assert VersionSplitter({1: 0, 2: 100}).version_for("u:x") == 2
     assert VersionSplitter({1: 100}).version_for("u:x") == 1
+    # one version takes every key: the router needs no key (no hash, no random id) to route
+    assert (VersionSplitter({1: 0, 2: 100}).only, VersionSplitter({1: 100}).only, splitter.only) == (2, 1, None)
 
 
 def test_routing_key_prefers_user_then_request_id():
