@@ -46,6 +46,10 @@ def server_options(function):
         click.option("--exit-on-error/--keep-serving", default=True, show_default=True,
                      help="Whether a model that fails to load stops the server (Triton's default), or the "
                           "server serves the other models and prints why that one failed."),
+        click.option("--exit-timeout", "exit_timeout_s", type=click.IntRange(0, 86400), default=30,
+                     show_default=True,
+                     help="Seconds a stop waits for running requests, model unloads and clients' open HTTP "
+                          "connections (idle keep-alive ones too) before Triton exits anyway (exit code 1)."),
         click.option("--openai-port", type=click.IntRange(1, 65535), default=None,
                      help="Also serve the OpenAI-compatible API (/v1/chat/completions, ...) on this port, on "
                           "--host. Off by default. Beyond loopback it needs the API key as a Bearer token."),
@@ -57,7 +61,8 @@ def server_options(function):
 
 def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_port: int, metrics_port: int,
                  model_control: str, load_models: Sequence[str], api_key, log_verbose: int, log_file, server_path,
-                 forward_headers: str, exit_on_error: bool = True, openai_port=None) -> tuple[TritonServer, object]:
+                 forward_headers: str, exit_on_error: bool = True, exit_timeout_s: int = 30,
+                 openai_port=None) -> tuple[TritonServer, object]:
     """Start the server (and the OpenAI API when ``openai_port``: the second item, else None), or
     exit with one line saying why it could not."""
     try:
@@ -74,6 +79,7 @@ def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_p
             host=host,
             api_key=api_key,
             exit_on_error=exit_on_error,
+            exit_timeout_s=exit_timeout_s,
         )
         context = click.get_current_context(silent=True)
         if api_key and context and context.get_parameter_source("api_key") == click.core.ParameterSource.COMMANDLINE:

@@ -7,9 +7,11 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import tritonclient.http as httpclient
 
 from dspark.triton.server import ServerPorts
 
@@ -62,23 +64,30 @@ def test_demo_serves_and_prints_inference_results():
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"].strip(), body
 
 
-def test_serve_forwards_sigterm_as_a_clean_shutdown():
-    """The demo repository with one model loaded (the demo test above serves them all)."""
-    ports = ServerPorts.free()
+def serve_one_model(ports: ServerPorts, *options: str) -> subprocess.Popen:
+    """`dspark serve` on the demo repository with one model loaded (the demo test above serves
+    them all), once it says it is ready."""
     dspark = Path(sys.executable).parent / "dspark"
     process = subprocess.Popen(
         [str(dspark), "serve", f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
-         f"--metrics-port={ports.metrics}", "--model-control=explicit", "--load-model=mlp_classifier"],
+         f"--metrics-port={ports.metrics}", "--model-control=explicit", "--load-model=mlp_classifier", *options],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if "ready" in line:
+            return process
+    process.wait()
+    pytest.fail("".join(lines))
+
+
+def test_serve_forwards_sigterm_as_a_clean_shutdown():
+    ports = ServerPorts.free()
+    process = serve_one_model(ports)
     try:
-        lines = []
-        for line in process.stdout:
-            lines.append(line)
-            if "ready" in line:
-                break
-        assert any("ready" in line for line in lines), "".join(lines)
-        import tritonclient.http as httpclient
-        assert httpclient.InferenceServerClient(f"127.0.0.1:{ports.http}").is_model_ready("mlp_classifier")
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports.http}")
+        assert client.is_model_ready("mlp_classifier")
+        client.close()
         process.send_signal(signal.SIGTERM)
         output = process.communicate(timeout=60)[0]
     finally:
@@ -88,3 +97,22 @@ def test_serve_forwards_sigterm_as_a_clean_shutdown():
     assert "SIGTERM: stopping the server" in output
     with pytest.raises(Exception):
         httpclient.InferenceServerClient(f"127.0.0.1:{ports.http}").is_server_ready()
+
+
+def test_exit_timeout_bounds_a_stop_that_a_client_connection_holds():
+    """Triton serves open HTTP connections (idle keep-alive ones too) until its exit timeout."""
+    ports = ServerPorts.free()
+    process = serve_one_model(ports, "--exit-timeout=1")
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{ports.http}")
+    try:
+        assert client.is_server_ready()  # and keeps its connection open
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=60)[0]
+        stopped_s = time.monotonic() - started
+    finally:
+        client.close()
+        if process.poll() is None:
+            process.kill()
+    assert stopped_s < 10, f"the stop took {stopped_s:.1f} s with --exit-timeout=1 (the default waits 30 s)"
+    assert process.returncode == 1 and "Exit timeout expired" in output, output
