@@ -24,6 +24,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # TritonServer.stop kills the stubs left and removes their shared memory. The tests of a clean
 # stop set their own timeout.
 TEST_EXIT_TIMEOUT_S = 0
+# How often the routers of test repositories re-read their routing file (the default 500 ms is
+# the wait of every routing change a test makes): a change applies within ~0.1 s.
+TEST_ROUTER_POLL_MS = 100
 
 
 def dump_log_on_failure(request: pytest.FixtureRequest, server: TritonServer, failed_before: int) -> None:

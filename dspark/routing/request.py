@@ -38,7 +38,7 @@ class RouterParameters(BaseModel):
 
 
 HEADERS = ("dspark-tier", "dspark-user-id")
-_KEYS = ("tier", "dspark-tier", "user_id", "dspark-user-id")
+_KEYS = ("tier", "user_id", *HEADERS)  # what the router reads of a request's parameters
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from tests.conftest import TEST_EXIT_TIMEOUT_S, dump_log_on_failure
+from tests.conftest import TEST_EXIT_TIMEOUT_S, TEST_ROUTER_POLL_MS, dump_log_on_failure
 from dspark.bench.openloop import OpenLoopLoad, largest_gap
 from dspark.cli.rollout import rollout as rollout_cli
 from dspark.rollout import demo
@@ -31,7 +31,6 @@ from dspark.triton.access import DEFAULT_HEADER_PATTERN, header_forward_args
 
 pytestmark = pytest.mark.integration
 INTERVAL_S = 0.5
-POLL_MS = 100  # the router re-reads its routing file this often: each routing change confirms within ~0.1 s
 FAST_PLAN = {
     "steps": [{"shadow": 30, "hold_s": 1}, {"canary": 25, "hold_s": 1}, {"canary": 100, "hold_s": 0.5}],
     "analysis": {"interval_s": INTERVAL_S, "min_requests": 10},
@@ -47,7 +46,7 @@ def held_plan(canary_hold_s: float) -> dict:
 def site(request, tmp_path_factory):
     """One explicit-control server with rollout_demo behind its router, and client load on it."""
     root = tmp_path_factory.mktemp("rollout")
-    repo = demo.build_repository(root / "repo", poll_interval_ms=POLL_MS)
+    repo = demo.build_repository(root / "repo", poll_interval_ms=TEST_ROUTER_POLL_MS)
     server = TritonServer([repo], model_control="explicit", load_models=[demo.MODEL, demo.ROUTER],
                           exit_timeout_s=TEST_EXIT_TIMEOUT_S, extra_args=header_forward_args(DEFAULT_HEADER_PATTERN))
     failed_before = request.session.testsfailed

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.conftest import TEST_EXIT_TIMEOUT_S, dump_log_on_failure
+from tests.conftest import TEST_EXIT_TIMEOUT_S, TEST_ROUTER_POLL_MS, dump_log_on_failure
 from dspark.rollout import demo
 from dspark.rollout.controller import Controller
 from dspark.rollout.deployment import Deployment
@@ -51,7 +51,7 @@ def fleet(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("fleet")
     s3 = demo.serve_s3(free_port())
     url = f"s3://127.0.0.1:{s3._port}/models/repo"
-    local = demo.build_repository(root / "local", routing_file=root / "local" / "routing.yaml", poll_interval_ms=100)
+    local = demo.build_repository(root / "local", routing_file=root / "local" / "routing.yaml", poll_interval_ms=TEST_ROUTER_POLL_MS)
     demo.publish_to_s3(local, url)
     shutil.rmtree(local / demo.MODEL)  # the model lives in S3 only; the router stays local
     servers = []

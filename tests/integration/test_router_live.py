@@ -21,7 +21,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import serving
+from tests.conftest import TEST_ROUTER_POLL_MS, serving
 from dspark.cli.route import read_metrics, route
 from dspark.paths import project_root
 from dspark.routing.config import RoutingConfig, ShadowPolicy, TierPolicy
@@ -52,7 +52,7 @@ def live(request, tmp_path_factory):
         (repo / "router_demo_target" / str(version)).mkdir(exist_ok=True)
         set_parameter(repo / "router_demo_target", f"version_{version}", behaviour)
     set_parameter(repo / "router_demo", "target_versions", ",".join(str(v) for v in [1, *BEHAVIOUR]))
-    set_parameter(repo / "router_demo", "poll_interval_ms", "100")  # routing changes apply within 0.1 s
+    set_parameter(repo / "router_demo", "poll_interval_ms", str(TEST_ROUTER_POLL_MS))
     # explicit model control: the last test unloads and reloads the router
     with serving(request, [repo], model_control="explicit", load_models=MODELS) as server:
         server.repo = repo
