@@ -135,9 +135,10 @@ def stop_serving(server: TritonServer, api) -> None:
     server.stop()
 
 
-def serve_until_signal(server: TritonServer, api=None) -> None:
+def serve_until_signal(server: TritonServer, api=None, ready: str = "") -> None:
     """Forward SIGINT/SIGTERM to the server (and the OpenAI API, when ``api``) as a clean drain (a
-    second one kills the server); exit with its code."""
+    second one kills the server); exit with its code. ``ready`` is printed once the signals are
+    forwarded: a supervisor that stops the server as soon as it reads it gets a clean stop."""
     signals_seen = []
 
     def shut_down(signum, _frame):
@@ -153,6 +154,8 @@ def serve_until_signal(server: TritonServer, api=None) -> None:
 
     signal.signal(signal.SIGINT, shut_down)
     signal.signal(signal.SIGTERM, shut_down)
+    if ready:
+        click.echo(ready)
     code = server.wait()
     stopped_by_us = signals_seen and code in (-signal.SIGTERM, -signal.SIGKILL)
     if code != 0 and not stopped_by_us:
@@ -168,8 +171,7 @@ def serve_until_signal(server: TritonServer, api=None) -> None:
 def serve(**options) -> None:
     """Start Triton on a model repository with dspark's backends; Ctrl-C stops it cleanly."""
     server, api = start_server(**options)
-    click.echo("dspark: ready; press Ctrl-C to stop")
-    serve_until_signal(server, api)
+    serve_until_signal(server, api, "dspark: ready; press Ctrl-C to stop")
 
 
 @click.command()
@@ -191,5 +193,5 @@ def demo(exit_after: bool, **options) -> None:
     if exit_after:
         stop_serving(server, api)
         return
-    click.echo("dspark: still serving the demo repository; try the curl calls in README.md; Ctrl-C stops it")
-    serve_until_signal(server, api)
+    serve_until_signal(server, api, "dspark: still serving the demo repository; try the curl calls in README.md; "
+                                    "Ctrl-C stops it")
