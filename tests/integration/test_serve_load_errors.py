@@ -39,7 +39,7 @@ def serve(repository, *options, while_serving=None):
     ports = ServerPorts.free()
     seen = {}
 
-    def instead_of_waiting(server, _api=None):
+    def instead_of_waiting(server, _api=None, _ready=""):
         seen["answer"] = while_serving(server) if while_serving else None
         server.stop()
 

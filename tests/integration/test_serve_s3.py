@@ -31,7 +31,7 @@ def test_serve_reads_a_repository_from_s3(tmp_path):
         demo.publish_to_s3(project_root() / "model_repository", url, models=("mlp_classifier",))
         ports, seen = ServerPorts.free(), {}
 
-        def ask(server, _api=None):
+        def ask(server, _api=None, _ready=""):
             client = httpclient.InferenceServerClient(server.http_url)
             tensor = httpclient.InferInput("features", [1, 16], "FP32")
             tensor.set_data_from_numpy(np.ones((1, 16), np.float32))

@@ -351,7 +351,7 @@ def test_serve_prints_the_generated_key_and_warns_about_a_public_host(tmp_path, 
     monkeypatch.delenv("DSPARK_API_KEY", raising=False)
     seen = {}
 
-    def stop_at_once(server, _api=None):
+    def stop_at_once(server, _api=None, _ready=""):
         seen["server"], seen["log"] = server, server.log_text()
         server.stop()
 
@@ -373,7 +373,7 @@ def test_serve_takes_the_key_from_the_environment_and_does_not_print_it(tmp_path
     binary.write_text(FAKE_TRITON)
     key = "k" * 20
     monkeypatch.setenv("DSPARK_API_KEY", key)
-    monkeypatch.setattr("dspark.cli.serve.serve_until_signal", lambda server, _api=None: server.stop())
+    monkeypatch.setattr("dspark.cli.serve.serve_until_signal", lambda server, _api=None, _ready="": server.stop())
     ports = ServerPorts.free()
     result = CliRunner().invoke(cli, ["serve", "--server", str(binary), "-r", str(tmp_path),
                                       "--model-control", "explicit", f"--http-port={ports.http}",
