@@ -37,13 +37,18 @@ def import_(source: str, out_dir: Optional[Path], name: Optional[str], repositor
             result = import_gguf(source_gguf(source, out_dir), out_dir, force=force)
     except ConfigError as error:
         raise click.ClickException(str(error)) from None
+    from dspark.llm.gguf_model import GGUFModel
+    from dspark.llm.importer import import_source
+
     verb = "up to date" if result.skipped else f"imported in {result.seconds:.1f} s"
     click.echo(f"{result.out_dir}: {verb} ({Path(source).name})")
+    model = GGUFModel(import_source(result.out_dir))
+    if model.requantized:
+        counts = ", ".join(f"{n} {kind}" for kind, n in model.requantized.items())
+        click.echo(f"note: {counts} weight matrices run as Q8_0 blocks (quantized when the model loads, "
+                   "so outputs differ from the file's weights by Q8_0's rounding)")
     if name:
-        from dspark.llm.gguf_model import GGUFModel
-        from dspark.llm.importer import import_source
-
-        cfg = GGUFModel(import_source(result.out_dir)).config
+        cfg = model.config
         click.echo(f"{repository / name}: model '{name}' ({cfg.architecture}, {cfg.n_layer} layers, "
                    f"weights {'/'.join(sorted(set('/'.join(cfg.weight_types.values()).split('/'))))}); "
                    "load it with `dspark serve` or the repository API")

@@ -251,3 +251,39 @@ def test_llama_model_refuses_a_vocabulary_past_int32():
               "vocab": 2**31, "rms_eps": 1e-5, "rope_base": 1e4}
     with pytest.raises(ConfigError, match="vocab"):
         ext_llama.LlamaModel(config, {}, 1)
+
+
+LLAMA_CONFIG = {"n_layer": 1, "hidden": 64, "ffn": 64, "n_head": 1, "n_kv": 1, "head_dim": 64,
+                "vocab": 100, "rms_eps": 1e-5, "rope_base": 1e4}
+
+
+@pytest.mark.parametrize("change, threads, message", [
+    ({}, 2**31, r"^threads: 2147483648: expected 1\.\.64"),  # was a bare OverflowError naming nothing
+    ({}, 2.5, r"^threads: 2\.5: expected a whole number in 1\.\.64"),
+    ({"n_layer": 2**64}, 1, r"^n_layer: 18446744073709551616: expected 1\.\.2147483647"),
+    ({"hidden": -1}, 1, r"^hidden: -1: expected 1\.\.2147483647"),
+    ({"rms_eps": float("nan")}, 1, r"^rms_eps: nan: expected a finite positive number"),  # was accepted
+    ({"rms_eps": 0.0}, 1, r"^rms_eps: 0\.0: expected a finite positive number"),
+    ({"rms_eps": 1e39}, 1, r"^rms_eps: 1e\+39: expected a finite positive number"),  # inf as a C float
+    ({"rope_base": -1.0}, 1, r"^rope_base: -1\.0: expected a finite positive number"),  # was accepted
+    ({"rope_base": float("inf")}, 1, r"^rope_base: inf: expected a finite positive number"),
+    ({"rope_base": "10000"}, 1, r"^rope_base: '10000': expected a number"),
+    ({"embed_scale": float("nan")}, 1, r"^embed_scale: nan: expected a finite number"),
+    ({"windows": [2**70]}, 1, r"^windows: 1180591620717411303424: expected 0\.\.2147483647"),
+])
+def test_llama_model_names_a_bad_size_count_or_float_argument(change, threads, message):
+    from dspark._ext import llama as ext_llama
+    from dspark.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        ext_llama.LlamaModel({**LLAMA_CONFIG, **change}, {}, threads)
+
+
+@pytest.mark.parametrize("n, k, message", [(-16, 32, r"^n: -16: expected 0\.\."), (16, 2**64, r"^k: 18446744073709551616"),
+                                           (16.0, 32, r"^n: 16\.0: expected a whole number")])
+def test_packed_matrix_names_a_size_that_is_no_size(n, k, message):
+    from dspark._ext import llama as ext_llama
+    from dspark.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        ext_llama.PackedMatrix(np.zeros(0, np.uint8), "Q8_0", n, k)
