@@ -34,7 +34,8 @@ RUN pip install --no-cache-dir --no-index /tmp/wheels/*.whl \
 ENV DSPARK_HOME=/opt/dspark
 COPY backends /opt/dspark/backends
 COPY deploy/k8s/entrypoint.py /opt/dspark/deploy/k8s/entrypoint.py
-RUN useradd --system --uid 10001 --create-home --home-dir /home/dspark dspark
+RUN groupadd --system --gid 10001 dspark \
+    && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/dspark dspark
 USER 10001
 WORKDIR /home/dspark
 EXPOSE 8000 8001 8002
