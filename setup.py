@@ -1,5 +1,5 @@
 """Build of the dspark package and its compiled kernels in cython_ext/: one folder per kernel
-family (fused, llama, gemm_shim, pool, toy_lm, guard), and common/ for what they share (CPU
+family (fused, llama, gemm_shim, pool, guard), and common/ for what they share (CPU
 features, the ISA dispatcher)."""
 import os
 import platform
@@ -135,9 +135,6 @@ EXTENSIONS = [
                      libraries=[name for name, _ in SIMD_LIBRARIES] + [scipy_openblas32.get_library()],
                      extra_compile_args=["-O3"], **OPENBLAS),
     cython_extension("pool", ["pool/pool.pyx", "pool/bfc_pool.c"], extra_compile_args=["-O3"]),
-    cython_extension("lm_step", ["toy_lm/lm_step.pyx", "toy_lm/lm_forward.c"],
-                     libraries=[scipy_openblas32.get_library()], extra_compile_args=["-O3"],
-                     **OPENBLAS),
     cython_extension("llama", ["llama/llama.pyx", "llama/llama_forward.c", "llama/llama_dispatch.c",
                                "common/isa_dispatch.c"],
                      libraries=[name for name, _ in LLAMA_LIBRARIES],
