@@ -21,8 +21,9 @@ from dspark.bench.results import BenchResult
 from dspark.bench.table import Column
 
 VOCAB = 128_256  # Llama 3's
-BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}  # bytes per 256-weight super-block
-_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q6_K": (208,)}  # where each block's fp16 scales sit
+# bytes per 256-weight super-block of the K-quants, and where its fp16 scales sit
+K_QUANT_BYTES = {"Q2_K": 84, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+_K_SCALES = {"Q2_K": (80, 82), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 DRAFT_DEPTH = 4
 
 
@@ -47,13 +48,16 @@ SHAPES = {
 DRAFT_OF = {"8b": "1b"}  # the draft-model pair measured
 
 
-def random_k_blocks(rng: np.random.Generator, kind: str, rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
-    """Random super-blocks of a K-quant type (uint8 ``[rows, bytes]``) whose fp16 scale fields
-    are small finite numbers: the weights they encode spread about ``scale / sqrt(cols)``."""
-    blocks = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[kind]), dtype=np.uint8)
+def random_k_blocks(rng: np.random.Generator, kind: str, shape: tuple[int, int], scale: float = 1.0) -> np.ndarray:
+    """Random super-blocks of a K-quant type (uint8 ``[rows, bytes]`` for a ``(rows, columns)``
+    matrix) whose fp16 scale fields are small finite numbers (``gguf`` quantizes only the legacy
+    types): the weights they encode spread about ``scale / sqrt(columns)``."""
+    rows, cols = shape
+    blocks = rng.integers(0, 256, (rows, cols // 256, K_QUANT_BYTES[kind]), dtype=np.uint8)
     spread = scale / np.sqrt(cols)
-    d = {"Q4_K": spread / 32 / 4, "Q6_K": spread / 64 / 16}[kind]
-    for offset in _SCALE_OFFSETS[kind]:
+    # 6-bit sub-scales (Q4_K/Q5_K, ~32 on average) times 4/5-bit q; Q6_K: int8 scales times 6-bit q
+    d = {"Q2_K": spread / 8 / 2, "Q4_K": spread / 32 / 4, "Q5_K": spread / 32 / 8, "Q6_K": spread / 64 / 16}[kind]
+    for offset in _K_SCALES[kind]:
         values = (d * (0.5 + rng.random(blocks.shape[:2]))).astype(np.float16)
         blocks[:, :, offset:offset + 2] = values.view(np.uint8).reshape(blocks.shape[:2] + (2,))
     return blocks.reshape(rows, -1)
@@ -78,7 +82,7 @@ def _tensors(shape: Shape, n_layer: int) -> list[tuple[str, str, int, int]]:
 
 
 def _nbytes(kind: str, rows: int, cols: int) -> int:
-    return rows * cols * 4 if kind == "F32" else rows * cols // 256 * BLOCK_BYTES[kind]
+    return rows * cols * 4 if kind == "F32" else rows * cols // 256 * K_QUANT_BYTES[kind]
 
 
 def bytes_per_token(shape: Shape, n_layer: Optional[int] = None) -> int:
@@ -133,7 +137,7 @@ def write_shape_gguf(shape: Shape, path: Path, n_layer: Optional[int] = None, se
             writer.write_tensor_data((1 + 0.1 * rng.standard_normal(cols)).astype(np.float32))
         else:
             scale = 8.0 if name == "token_embd.weight" else 2.0 if "attn_q" in name or "attn_k" in name else 1.0
-            writer.write_tensor_data(random_k_blocks(rng, kind, rows, cols, scale))
+            writer.write_tensor_data(random_k_blocks(rng, kind, (rows, cols), scale))
     writer.close()
     partial.replace(path)
     return path
