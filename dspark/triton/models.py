@@ -69,5 +69,6 @@ def llm_generator(folder: Path, threads: int = 2, max_context: Optional[int] = N
     tokenizer = LlamaTokenizer.load(folder / "tokenizer.json")
     engine = SpeculativeEngine(target, standard_proposers(draft_lm, model_proposers=model_proposers),
                                eos_ids=[tokenizer.eos_id], batch_verification=batch_verification)
+    engine.verify_cost.measure(target)  # this model's pass costs by rows, before the first request
     longest = max(len(tokenizer.decode_bytes([i])) for i in range(tokenizer.vocab_size))
     return TextGenerator(engine, tokenizer, max_token_bytes=longest)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dspark.decoding.adaptive import AdaptiveDraftLength, best_k, expected_rates
-from dspark.decoding.engine import PromptTooLong, SpeculativeEngine
+from dspark.decoding.engine import PromptTooLong, SpeculativeEngine, VerifyCost
 from dspark.llm.kernel_runtime import KernelRuntime
 from dspark.runtimes.protocol import TargetRuntime
 from dspark.decoding.proposers import standard_proposers
@@ -114,6 +114,21 @@ def test_the_verify_length_weighs_the_rows_a_pass_costs():
     rates = expected_rates(0.99, 1.0, 4, cheap)
     assert rates.argmax() == 0  # plain decoding
     assert expected_rates(0.9, 0.05, 4, cheap).argmax() > 0
+
+
+def test_the_pass_cost_table_is_measured_at_load():
+    """Passes timed on the runtime (here a clock each forward advances by 10 ms + 2 ms a row)
+    seed the cost by rows before any request ran."""
+    now = [0.0]
+
+    class Timed(InexactTrees):
+        def forward(self, cache, tokens, positions, tree_mask=None, past_visible=None):
+            now[0] += 0.010 + 0.002 * (len(tokens) - 1)
+            return super().forward(cache, tokens, positions, tree_mask, past_visible)
+
+    cost = VerifyCost()
+    cost.measure(Timed(LMS["target"]), clock=lambda: now[0])
+    assert cost(1) == 1.0 and cost(8) == pytest.approx(1 + 0.2 * 7)
 
 
 def test_a_draft_that_does_not_pay_pauses_for_longer_each_time_and_resumes_when_it_pays():
@@ -346,8 +361,6 @@ def test_suffix_proposes_from_this_models_earlier_outputs():
 
 
 def test_verify_cost_learns_the_cost_per_row():
-    from dspark.decoding.engine import VerifyCost
-
     cost = VerifyCost(prior_row_cost=0.05)
     assert cost(9) == pytest.approx(1.4)
     for _ in range(5):
@@ -360,7 +373,6 @@ def test_one_slow_wide_pass_does_not_switch_speculation_off():
     """A noisy machine once made a 2-row pass look 10x a 1-row pass; sure guesses must still be
     verified afterwards, or wider passes are never measured again."""
     from dspark.decoding.adaptive import best_prefix
-    from dspark.decoding.engine import VerifyCost
 
     cost = VerifyCost()
     for _ in range(10):
