@@ -7,8 +7,9 @@ from typing import Optional
 
 import numpy as np
 
+from dspark.drafters.dspark.schedule import DraftGate
+
 VerifyCost = Callable[[int], float]  # a target pass over n rows relative to one row (1 row = 1.0)
-MAX_PAUSE = 32  # rounds of plain decoding at most before a draft that did not pay is tried again
 
 
 def expected_rates(rate: float, cost_ratio: float, k_max: int,
@@ -36,8 +37,8 @@ class AdaptiveDraftLength:
     With ``verify_cost`` (the target's measured cost of a pass by rows) the schedule also weighs
     the rows a guess adds to the pass, and where even the best k is expected to make fewer tokens
     per unit of cost than plain decoding, ``should_draft`` says no for a pause of rounds that
-    doubles each time (up to ``MAX_PAUSE``) until a drafted round pays again: rows that are dear
-    get few guesses or none, cheap ones many."""
+    doubles each time (``gate``, as DSpark's) until a drafted round pays again: rows that are
+    dear get few guesses or none, cheap ones many."""
 
     def __init__(self, k_max: int, cost_ratio: float, adaptive: bool = True,
                  start_rate: float = 0.7, smoothing: float = 0.2,
@@ -49,15 +50,11 @@ class AdaptiveDraftLength:
         self.adaptive = adaptive
         self.smoothing = smoothing
         self.verify_cost = verify_cost
-        self.pause = 0  # rounds left to decode plainly
-        self.backoff = 1
+        self.gate = DraftGate()
 
     def should_draft(self) -> bool:
         """Whether to guess this round (False during a pause, counting it down)."""
-        if self.pause > 0:
-            self.pause -= 1
-            return False
-        return True
+        return self.gate.should_draft()
 
     def update(self, proposed: int, accepted: int, cost_ratio: float | None = None) -> int:
         """After a pass that checked ``proposed`` guesses of this proposer and kept ``accepted``;
@@ -71,9 +68,9 @@ class AdaptiveDraftLength:
             self.k = int(np.argmax(rates[1:])) + 1
             if self.verify_cost is not None:
                 if rates[self.k] < rates[0]:  # plain decoding is expected to do better
-                    self.pause, self.backoff = self.backoff, min(2 * self.backoff, MAX_PAUSE)
+                    self.gate.hold_off()
                 else:
-                    self.backoff = 1
+                    self.gate.backoff = 1
         return self.k
 
 

@@ -138,15 +138,15 @@ def test_a_draft_that_does_not_pay_pauses_for_longer_each_time_and_resumes_when_
         while not length.should_draft():
             plain_rounds += 1
         length.update(proposed=4, accepted=0, cost_ratio=0.9)
-        if length.pause:
-            pauses.append(length.pause)
+        if length.gate.pause:
+            pauses.append(length.gate.pause)
     assert pauses[:7] == [1, 2, 4, 8, 16, 32, 32]  # once the smoothed figures say it does not pay
     assert plain_rounds == sum(pauses[:-1])
     for _ in range(20):  # a draft that became cheap and right
         while not length.should_draft():
             pass
         length.update(proposed=4, accepted=4, cost_ratio=0.02)
-    assert length.pause == 0 and length.backoff == 1 and length.k == 4 and length.should_draft()
+    assert length.gate.pause == 0 and length.gate.backoff == 1 and length.k == 4 and length.should_draft()
 
 
 def test_the_draft_method_decodes_plainly_where_its_draft_does_not_pay():
