@@ -152,7 +152,7 @@ def test_a_draft_that_does_not_pay_pauses_for_longer_each_time_and_resumes_when_
 def test_the_draft_method_decodes_plainly_where_its_draft_does_not_pay():
     """The unrelated draft (ENGINES[3]) is as large as the target and never right: after the
     first rounds the request mostly decodes plainly, with the same text."""
-    sampling = SamplingParams(max_tokens=80)
+    sampling = SamplingParams(max_tokens=120)
     stats = {adaptive: DecodeStats() for adaptive in (False, True)}
     outputs = [run(ENGINES[3], [1, 2, 3, 4, 5], sampling, SpeculativeParams("draft", adaptive=adaptive), s)
                for adaptive, s in stats.items()]
