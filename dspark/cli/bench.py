@@ -317,7 +317,7 @@ def crosscheck(model: str, http_url: Optional[str], grpc_url: Optional[str], con
 COMMANDS = [
     model, system, compare, profile, bench_all, crosscheck,
     kernels.bench_kernels, kernels.bench_pool, kernels.bench_gemm, kernels.micro,
-    bench_spec.spec, bench_spec.openai, bench_spec.llm_quality,
+    bench_spec.spec, bench_spec.shapes, bench_spec.openai, bench_spec.llm_quality,
     bench_router.router, bench_rollout.rollout_bench,
 ]
 for command in COMMANDS:

@@ -1,6 +1,8 @@
-"""`dspark bench spec` and `bench openai`: thin commands over dspark/bench/spec.py (speculative
-decoding on a served real model against plain decoding and llama.cpp on the same GGUF, in process
-and through Triton) and dspark/bench/openai_api.py (the OpenAI API's cost over Triton's generate)."""
+"""`dspark bench spec`, `bench shapes` and `bench openai`: thin commands over dspark/bench/spec.py
+(speculative decoding on a served real model against plain decoding and llama.cpp on the same GGUF,
+in process and through Triton), dspark/bench/shapes.py (the kernels on random-weight GGUFs of
+1B-8B shapes: pass cost by rows, decode against the bandwidth ceiling, a draft pair's step) and
+dspark/bench/openai_api.py (the OpenAI API's cost over Triton's generate)."""
 from __future__ import annotations
 
 import time
@@ -55,6 +57,37 @@ def spec(model: str, max_tokens: int, per_kind: int, repeats: int, threads: int,
     different = mismatched(result.rows)
     if different:
         raise click.ClickException(f"greedy outputs differ from plain decoding for {different}")
+
+
+@click.command("shapes")
+@click.option("--shape", "names", multiple=True, type=click.Choice(["1b", "3b", "8b"]),
+              help="Shapes to measure (repeatable)  [default: 1b, 3b, 8b]; 8b brings its 1b draft.")
+@click.option("--dir", "folder", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("bench-results") / "shapes", show_default=True,
+              help="Where the random-weight GGUFs are written (0.8-4.9 GB each) and kept for the next run.")
+@click.option("--layers", type=click.IntRange(min=1), default=None,
+              help="Cut every shape to this many blocks (a quick check of the command, not the shape's cost).")
+@click.option("--threads", default=2, show_default=True, help="Threads of dspark's kernels and of llama.cpp.")
+@click.option("--repeats", default=5, show_default=True, help="Interleaved repeats of each pass (median).")
+@click.option("--tokens", default=32, show_default=True, help="Tokens of each decode run.")
+@click.option("--llama-cpp/--no-llama-cpp", "peer", default=True, show_default=True,
+              help="llama.cpp on the same files, when llama_cpp is importable (make bench-deps).")
+@click.option("--pair/--no-pair", default=True, show_default=True,
+              help="The 8B shape with the 1B shape as its draft model (cost of a speculative step).")
+@click.option("--json", "--json-out", "json_path", type=click.Path(path_type=Path), default=None,
+              help="The result's path  [default: bench-results/shapes-<time>.json]")
+@bench_errors
+def shapes(names: tuple[str, ...], folder: Path, layers: Optional[int], threads: int, repeats: int, tokens: int,
+           peer: bool, pair: bool, json_path: Optional[Path]) -> None:
+    """dspark's kernels on random-weight GGUFs of the Llama 3.2 1B/3B and Llama 3.1 8B shapes
+    (Q4_K_M-like): pass cost by rows, plain decode against the memory-bandwidth ceiling and
+    llama.cpp, and the 8B + 1B draft pair's step against its parts. Random weights: for cost
+    only, the pair's acceptance is meaningless."""
+    from dspark.bench.shapes import run_shapes_bench
+
+    result = run_shapes_bench(list(names) or ["1b", "3b", "8b"], folder, threads, layers, repeats=repeats,
+                              tokens=tokens, peer=peer, pair=pair, log=lambda text: progress_log(f"  {text}"))
+    emit(result, json_path or Path("bench-results") / f"shapes-{time.strftime('%Y%m%d-%H%M%S')}.json")
 
 
 @click.command("openai")

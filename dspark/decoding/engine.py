@@ -14,7 +14,8 @@ verifies several requests' rows in one target call.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Optional
 
 import numpy as np
@@ -76,6 +77,25 @@ class VerifyCost:
 
     def __call__(self, rows: int) -> float:
         return 1.0 + self._row_cost * (max(rows, 1) - 1)
+
+    def measure(self, target: TargetRuntime, rows: Sequence[int] = (1, 2, 4, 8), repeats: int = 2,
+                past: int = 64, clock: Callable[[], float] = time.perf_counter) -> None:
+        """Seed the table from passes timed now (at load): ``repeats`` interleaved passes of each
+        row count after ``past`` cached rows, so the first requests' schedules start from this
+        model's costs on this machine rather than the prior; their own passes refine it."""
+        past = min(past, target.config.ctx - max(rows))
+        if past < 1:
+            return
+        cache = target.new_cache(past + max(rows))
+        rng = np.random.default_rng(0)
+        target.forward(cache, rng.integers(0, target.config.vocab, past), np.arange(past))
+        for _ in range(repeats):
+            for n in rows:
+                tokens = rng.integers(0, target.config.vocab, n)
+                started = clock()
+                target.forward(cache, tokens, np.arange(past, past + n))
+                self.observe(n, clock() - started)
+                cache.truncate(past)
 
 
 class SpeculativeEngine:

@@ -60,8 +60,15 @@ def llm_generator(folder: Path, threads: int = 2, max_context: Optional[int] = N
     # the runtime maps the GGUF only while packing it: its own mapping, dropped after load,
     # gives back the ~60 MiB of pages packing touched (sharing the drafter's kept them resident)
     target = KernelRuntime(source, threads=threads, max_context=context)
+    if draft_lm is not None and draft_lm.config.ctx < target.config.ctx:
+        from dspark.errors import ConfigError
+
+        raise ConfigError("draft", f"its context is {draft_lm.config.ctx} tokens, the target's "
+                          f"{target.config.ctx}: set the parameter max_context to at most {draft_lm.config.ctx}",
+                          draft_source)
     tokenizer = LlamaTokenizer.load(folder / "tokenizer.json")
     engine = SpeculativeEngine(target, standard_proposers(draft_lm, model_proposers=model_proposers),
                                eos_ids=[tokenizer.eos_id], batch_verification=batch_verification)
+    engine.verify_cost.measure(target)  # this model's pass costs by rows, before the first request
     longest = max(len(tokenizer.decode_bytes([i])) for i in range(tokenizer.vocab_size))
     return TextGenerator(engine, tokenizer, max_token_bytes=longest)

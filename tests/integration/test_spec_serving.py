@@ -52,7 +52,10 @@ def test_greedy_text_is_identical_for_every_method(server):
     plain = completion(server, MODEL, PROMPT, max_tokens=40, speculative={"method": "none"})
     assert len(plain) > 20
     for method in ("draft", "ngram", "suffix", "hybrid", "tree"):
+        accepted = metric(server, MODEL, "dspark_speculative_accepted_total")
         assert completion(server, MODEL, PROMPT, max_tokens=40, speculative={"method": method}) == plain, method
+        if method in ("draft", "tree"):  # the GGUF draft model guessed some of it
+            assert metric(server, MODEL, "dspark_speculative_accepted_total") > accepted, method
 
 
 BAD_PARAMETERS = [
@@ -109,22 +112,27 @@ def test_grpc_stream_errors_end_the_request_and_the_stream_serves_on(server):
         stream.close()
 
 
-def test_grpc_streaming_matches_http(server):
-    streamed = stream_once(server, MODEL, PROMPT, {"max_tokens": 40})
+@pytest.mark.parametrize("method", ["hybrid", "tree"])
+def test_grpc_streaming_matches_http(server, method):
+    streamed = stream_once(server, MODEL, PROMPT, {"max_tokens": 40, "speculative": {"method": method}})
     assert streamed.final and len(streamed.pieces) > 1
-    assert streamed.text == completion(server, MODEL, PROMPT, max_tokens=40)
+    assert streamed.text == completion(server, MODEL, PROMPT, max_tokens=40, speculative={"method": "none"})
 
 
 def test_cancelled_stream_stops_generating_at_once(server):
     """The generated-token counter moves with each streamed response, so the tokens made after
-    the cancel are those counted between the cancel and the request's end."""
+    the cancel are those counted between the cancel and the request's end: at most what the
+    model makes in 0.1 s (the cancel is asked every 20 ms), measured here, and at least 30."""
+    started = time.perf_counter()
+    completion(server, MODEL, PROMPT, max_tokens=200, speculative={"method": "none"})  # never ends early
+    bound = max(30, 0.1 * 200 / (time.perf_counter() - started))
     before = metric(server, MODEL, "dspark_speculative_generated_total")
     cancelled = stream_once(server, MODEL, PROMPT, LONG, cancel_after=2)
     at_cancel = metric(server, MODEL, "dspark_speculative_generated_total")
     assert len(cancelled.pieces) == 2
     wait_for(lambda: metric(server, MODEL, "dspark_speculative_requests_running") == 0, 2.0)
     after = metric(server, MODEL, "dspark_speculative_generated_total")
-    assert after - at_cancel < 30, f"{after - at_cancel} tokens generated after the cancel"
+    assert after - at_cancel < bound, f"{after - at_cancel} tokens generated after the cancel (bound {bound:.0f})"
     assert after - before < LONG["max_tokens"] / 2
     assert completion(server, MODEL, PROMPT, max_tokens=8)
 
@@ -141,7 +149,7 @@ def test_concurrent_requests_each_get_their_own_text(server):
 def test_statistics_reach_metrics(server):
     passes = metric(server, MODEL, "dspark_speculative_target_passes_total")
     accepted = metric(server, MODEL, "dspark_speculative_accepted_total")
-    text = completion(server, MODEL, "x = 1\nx = 1\nx = 1\n", max_tokens=32, speculative={"method": "ngram"})
+    text = completion(server, MODEL, PROMPT, max_tokens=32, speculative={"method": "draft"})
     assert text
     assert metric(server, MODEL, "dspark_speculative_target_passes_total") - passes < 32
     assert metric(server, MODEL, "dspark_speculative_accepted_total") > accepted

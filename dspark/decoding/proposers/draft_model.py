@@ -1,5 +1,6 @@
 """``draft``: a small draft LM (same tokenizer as the target) proposes a chain of k tokens, one
-draft step per token, k adapted to the measured acceptance and cost."""
+draft step per token, k (0: plain decoding for a while) chosen from the measured acceptance, the
+draft's cost and the target's cost of a pass by rows (``adaptive.AdaptiveDraftLength``)."""
 from __future__ import annotations
 
 import threading
@@ -18,7 +19,7 @@ from dspark.decoding.tree import DraftTree
 # A chain stops after a token the draft itself gives less than this probability: the next guess
 # would likely be rejected. It depends on the draft alone, so it changes no output.
 DRAFT_MIN_CONFIDENCE = 0.15
-DRAFT_START_COST = 0.25  # a draft step per target pass, before it is measured
+DRAFT_START_COST = 0.25  # a draft step per one-row target pass, before it is measured
 
 
 class Background:
@@ -64,7 +65,7 @@ class DraftModelDrafter(BaseDrafter):
         self.cache = lm.new_cache(request.context)
         self._prefill: Optional[Background] = Background(read_prompt, lm, self.cache, request.prompt)
         self.length = AdaptiveDraftLength(request.spec.num_speculative_tokens, DRAFT_START_COST,
-                                          request.spec.adaptive)
+                                          request.spec.adaptive, verify_cost=request.verify_cost)
         self.rows: dict[int, int] = {}  # node -> row of the draft cache, this round
         self.chain: list[int] = []  # the draft's own first-choice chain, this round
         self.committed = 0
@@ -84,7 +85,8 @@ class DraftModelDrafter(BaseDrafter):
 
     def propose(self, history: list[int], max_depth: int, max_nodes: int) -> DraftTree:
         start = time.perf_counter()
-        depth = min(self.length.k, max_depth, max_nodes)
+        # a pause of the schedule (drafting did not pay): plain decoding, the draft catches up later
+        depth = min(self.length.k, max_depth, max_nodes) if self.length.should_draft() else 0
         tree = DraftTree()
         if depth > 0:
             self._draft_chain(tree, history, depth)
@@ -126,7 +128,9 @@ class DraftModelDrafter(BaseDrafter):
             rows.append(self.rows[node] - self.committed)
         self.cache.keep_rows(self.committed, np.array(rows, dtype=np.int64))
         self.rows = {}
-        cost = self.seconds / len(self.chain) / target_s if target_s > 0 else None
+        # a draft step relative to a one-row target pass (the pass verified len(tree) + 1 rows)
+        cost = (self.seconds / len(self.chain) / target_s * self.request.verify_cost(len(tree) + 1)
+                if target_s > 0 else None)
         self.length.update(len(self.chain), agreed(self.chain, new), cost)
         self.chain = []
 

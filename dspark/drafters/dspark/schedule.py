@@ -113,12 +113,16 @@ class DraftGate:
             return False
         return True
 
+    def hold_off(self) -> None:
+        """Decode plainly for the next ``backoff`` rounds, and twice as long the next time."""
+        self.pause, self.backoff = self.backoff, min(2 * self.backoff, self.max_pause)
+
     def update(self, tokens: int, rows_cost: float, draft_cost: float) -> None:
         """After a drafted round that emitted ``tokens`` for a pass of ``rows_cost`` (relative
         to one row) and a draft of ``draft_cost`` (likewise)."""
         self.gain += self.smoothing * (tokens / (rows_cost + draft_cost) - self.gain)
         if self.gain < 1.0:
-            self.pause, self.backoff = self.backoff, min(2 * self.backoff, self.max_pause)
+            self.hold_off()
             self.gain = 1.0 + self.margin
         elif self.gain > 1.0 + self.margin:
             self.backoff = 1

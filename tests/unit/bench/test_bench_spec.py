@@ -6,7 +6,6 @@ import pytest
 from dspark.bench import docs, spec, spec_inprocess
 from dspark.bench.results import BenchResult
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
-from dspark.paths import project_root
 from tests.fixtures.gguf_pair import pair_generator
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dspark.decoding.adaptive import best_k
-from dspark.decoding.engine import PromptTooLong, SpeculativeEngine
+from dspark.decoding.adaptive import AdaptiveDraftLength, best_k, expected_rates
+from dspark.decoding.engine import PromptTooLong, SpeculativeEngine, VerifyCost
 from dspark.llm.kernel_runtime import KernelRuntime
 from dspark.runtimes.protocol import TargetRuntime
 from dspark.decoding.proposers import standard_proposers
@@ -103,6 +103,62 @@ def test_adaptive_k_follows_acceptance_and_cost():
     assert best_k(0.2, 0.1, 8) == 1  # mostly wrong: one guess per pass
     assert best_k(0.95, 1.0, 8) <= 2  # a draft as costly as the target barely pays
     assert best_k(0.7, 0.1, 8) < best_k(0.9, 0.1, 8)
+
+
+def test_the_verify_length_weighs_the_rows_a_pass_costs():
+    """R (1 + a + ... + a^k) / (T(k + 1) + k c): where rows are cheap (a 1B-8B model on a CPU,
+    +4 % a row) it guesses deep, where they are dear (+60 % a row) shallow, and a draft that
+    costs as much as the target does not pay even when always right."""
+    cheap, dear = (lambda n: 1 + 0.04 * (n - 1)), (lambda n: 1 + 0.6 * (n - 1))
+    assert best_k(0.9, 0.05, 8, cheap) >= 6 and best_k(0.9, 0.05, 8, dear) <= 2
+    rates = expected_rates(0.99, 1.0, 4, cheap)
+    assert rates.argmax() == 0  # plain decoding
+    assert expected_rates(0.9, 0.05, 4, cheap).argmax() > 0
+
+
+def test_the_pass_cost_table_is_measured_at_load():
+    """Passes timed on the runtime (here a clock each forward advances by 10 ms + 2 ms a row)
+    seed the cost by rows before any request ran."""
+    now = [0.0]
+
+    class Timed(InexactTrees):
+        def forward(self, cache, tokens, positions, tree_mask=None, past_visible=None):
+            now[0] += 0.010 + 0.002 * (len(tokens) - 1)
+            return super().forward(cache, tokens, positions, tree_mask, past_visible)
+
+    cost = VerifyCost()
+    cost.measure(Timed(LMS["target"]), clock=lambda: now[0])
+    assert cost(1) == 1.0 and cost(8) == pytest.approx(1 + 0.2 * 7)
+
+
+def test_a_draft_that_does_not_pay_pauses_for_longer_each_time_and_resumes_when_it_pays():
+    length = AdaptiveDraftLength(4, 0.05, verify_cost=lambda n: 1 + 0.05 * (n - 1))
+    pauses, plain_rounds = [], 0
+    for _ in range(12):  # drafted rounds, each never right and almost a target pass
+        while not length.should_draft():
+            plain_rounds += 1
+        length.update(proposed=4, accepted=0, cost_ratio=0.9)
+        if length.gate.pause:
+            pauses.append(length.gate.pause)
+    assert pauses[:7] == [1, 2, 4, 8, 16, 32, 32]  # once the smoothed figures say it does not pay
+    assert plain_rounds == sum(pauses[:-1])
+    for _ in range(20):  # a draft that became cheap and right
+        while not length.should_draft():
+            pass
+        length.update(proposed=4, accepted=4, cost_ratio=0.02)
+    assert length.gate.pause == 0 and length.gate.backoff == 1 and length.k == 4 and length.should_draft()
+
+
+def test_the_draft_method_decodes_plainly_where_its_draft_does_not_pay():
+    """The unrelated draft (ENGINES[3]) is as large as the target and never right: after the
+    first rounds the request mostly decodes plainly, with the same text."""
+    sampling = SamplingParams(max_tokens=120)
+    stats = {adaptive: DecodeStats() for adaptive in (False, True)}
+    outputs = [run(ENGINES[3], [1, 2, 3, 4, 5], sampling, SpeculativeParams("draft", adaptive=adaptive), s)
+               for adaptive, s in stats.items()]
+    assert outputs[0] == outputs[1] == run(ENGINES[3], [1, 2, 3, 4, 5], sampling, SpeculativeParams("none"))
+    assert stats[False].draft_calls >= stats[False].rounds
+    assert stats[True].draft_calls < stats[True].rounds / 2
 
 
 def test_hybrid_without_a_repeated_ngram_is_the_draft_alone():
@@ -305,8 +361,6 @@ def test_suffix_proposes_from_this_models_earlier_outputs():
 
 
 def test_verify_cost_learns_the_cost_per_row():
-    from dspark.decoding.engine import VerifyCost
-
     cost = VerifyCost(prior_row_cost=0.05)
     assert cost(9) == pytest.approx(1.4)
     for _ in range(5):
@@ -319,7 +373,6 @@ def test_one_slow_wide_pass_does_not_switch_speculation_off():
     """A noisy machine once made a 2-row pass look 10x a 1-row pass; sure guesses must still be
     verified afterwards, or wider passes are never measured again."""
     from dspark.decoding.adaptive import best_prefix
-    from dspark.decoding.engine import VerifyCost
 
     cost = VerifyCost()
     for _ in range(10):

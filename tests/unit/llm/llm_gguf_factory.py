@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark.bench.shapes import K_QUANT_BYTES, random_k_blocks
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -109,25 +111,6 @@ def write_llama_gguf(path: Path, weight_type: str = "Q4_1", head_type: str | Non
     writer.write_tensors_to_file()
     writer.close()
     return path
-
-
-# bytes per 256-weight super-block, and where its fp16 scales sit
-K_QUANT_BYTES = {"Q2_K": 84, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-_K_SCALES = {"Q2_K": (80, 82), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-
-
-def random_k_blocks(rng, kind: str, shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:
-    """Random super-blocks of a K-quant type whose fp16 scale fields are small finite numbers
-    (uint8 ``[rows, bytes]``); the weights they encode have about ``scale / sqrt(in)`` spread."""
-    rows, k = shape
-    blocks = rng.integers(0, 256, (rows, k // 256, K_QUANT_BYTES[kind]), dtype=np.uint8)
-    spread = scale / np.sqrt(k)
-    # 6-bit sub-scales (Q4_K/Q5_K, ~32 on average) times 4/5-bit q; Q6_K: int8 scales times 6-bit q
-    d = {"Q2_K": spread / 8 / 2, "Q4_K": spread / 32 / 4, "Q5_K": spread / 32 / 8, "Q6_K": spread / 64 / 16}[kind]
-    for offset in _K_SCALES[kind]:
-        values = (d * (0.5 + rng.random(blocks.shape[:2]))).astype(np.float16)
-        blocks[:, :, offset:offset + 2] = values.view(np.uint8).reshape(blocks.shape[:2] + (2,))
-    return blocks.reshape(rows, -1)
 
 
 def _override(writer, key: str, value) -> None:

@@ -145,3 +145,18 @@ def test_a_draft_of_another_vocabulary_is_refused_naming_both_files(tmp_path, ch
     message = result.output.strip()
     assert "\n" not in message and str(draft) in message and all(w in message for w in words), message
     assert not (repo / "pair").exists()  # refused before anything was written
+
+
+def test_a_draft_with_a_shorter_context_than_the_targets_is_refused_with_the_fix(tmp_path):
+    from dspark.triton.models import llm_generator
+
+    shape = dict(hidden=128, n_head=2, n_kv_head=1)
+    target = write_llama_gguf(tmp_path / "target.gguf", "Q8_0", **shape, metadata={"context_length": 512})
+    draft = write_llama_gguf(tmp_path / "draft.gguf", "Q8_0", **shape, n_layer=1)  # 256 tokens
+    import_gguf(target, tmp_path / "t")
+    import_gguf(draft, tmp_path / "d")
+    with pytest.raises(ConfigError, match="its context is 256 tokens, the target's 512: set the parameter "
+                                          "max_context to at most 256"):
+        llm_generator(tmp_path / "t", threads=1, model_proposers=(), draft=tmp_path / "d")
+    assert "draft" in llm_generator(tmp_path / "t", threads=1, max_context=256, model_proposers=(),
+                                    draft=tmp_path / "d").engine.methods
