@@ -34,7 +34,7 @@ def server_options(function):
                      help=f"Key clients must send in the {API_KEY_HEADER} header to use Triton's model-repository "
                           "(load/unload), shared-memory, logging, trace and statistics APIs. Prefer the "
                           "environment variable: a command line is visible to every local user. "
-                          "Default: a new random key, printed."),
+                          "Default: a new random key, written to a file only you can read, whose path is printed."),
         click.option("--log-verbose", default=0, show_default=True, help="Triton's log verbosity."),
         click.option("--log-file", type=click.Path(path_type=Path), default=None,
                      help="Where the server log goes and stays (default: a temporary folder, removed when the "
@@ -102,7 +102,7 @@ def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_p
     click.echo(f"  gRPC     {server.grpc_url}")
     click.echo(f"  metrics  {server.metrics_url}")
     click.echo(f"  log      {server.log_path}" + ("" if log_file else " (removed at a clean stop; --log-file keeps it)"))
-    shown = "from --api-key / " + API_KEY_ENV if api_key else server.api_key
+    shown = "from --api-key / " + API_KEY_ENV if api_key else f"in {server.key_path} (readable by you alone)"
     click.echo(f"  API key  {shown} (send it as the {API_KEY_HEADER} header to load/unload models, "
                "register shared memory, change logging or trace settings, read statistics)")
     api = start_openai(server, host, openai_port, explicit_key=api_key) if openai_port else None
@@ -123,7 +123,7 @@ def start_openai(server: TritonServer, host: str, port: int, explicit_key):
         server.stop()
         sys.exit(1)
     click.echo(f"  OpenAI   {api.url}" + ("" if key is None else
-               f" (Authorization: Bearer {'<--api-key>' if explicit_key else key})"))
+               f" (Authorization: Bearer <the API key>)"))
     return api
 
 

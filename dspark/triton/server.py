@@ -35,6 +35,15 @@ from dspark.triton.access import (API_KEY_ENV, API_KEY_HEADER, KEY_FD_ENV, LOOPB
 from dspark.triton.install import STUB_NAME, ServerInstall, build_backend_directory, find_server
 
 LOG_NAME = "tritonserver.log"
+KEY_FILE_NAME = "api-key"  # a generated key, 0600 in the server's 0700 temporary folder
+
+
+def open_private(path: Union[Path, str], mode: str = "wb"):
+    """``path`` opened for writing, owner-only (0600) whatever the umask, also when it existed:
+    a server log names models, requests' errors and, at higher verbosity, their contents."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, mode)
 
 # A model's load failure in Triton's log, with its reason: E1203 05:43:40.558571 23046
 # model_lifecycle.cc:642] "failed to load 'bad' version 1: Invalid argument: ..."
@@ -217,10 +226,12 @@ class TritonServer:
         self._own_ports = self.ports is None
         if self._own_ports:
             self.ports = ServerPorts.free()
+        self.key_generated = not self.api_key
         if self.api_key:
             check_api_key(self.api_key)
         else:
             self.api_key = new_api_key()
+        self.key_path: Optional[Path] = None  # where a generated key is (0600) while the server runs
         self._process: Optional[subprocess.Popen] = None
         self._workdir: Optional[Path] = None
         self._log_file = None
@@ -323,7 +334,11 @@ class TritonServer:
             stub_priority.wrap_stub(backend_directory / "python" / STUB_NAME, start_nice)
         if self.log_path is None:
             self.log_path = self._workdir / LOG_NAME
-        self._log_file = open(self.log_path, "wb")
+        self._log_file = open_private(self.log_path)
+        if self.key_generated:  # printed nowhere: the file's path is, and it goes at the stop
+            self.key_path = self._workdir / KEY_FILE_NAME
+            with open_private(self.key_path, "w") as key_file:
+                key_file.write(self.api_key + "\n")
         self._stop_requested = False
         environment, key_read = self.launch_environment(install)
         try:
@@ -494,6 +509,7 @@ class TritonServer:
             self._finalizer.detach()
             if keep_log and Path(self.log_path).parent == self._workdir:
                 shutil.rmtree(self._workdir / "backends", ignore_errors=True)
+                (self._workdir / KEY_FILE_NAME).unlink(missing_ok=True)
             else:
                 shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None

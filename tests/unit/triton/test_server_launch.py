@@ -279,14 +279,23 @@ def test_stop_removes_the_shared_memory_a_server_left_behind(tmp_path, monkeypat
     assert server.left_shm_regions == ([] if ending == "clean exit" else [region.name])
 
 
-def test_the_log_stays_where_log_file_says(tmp_path, private_tmpdir):
+@pytest.mark.parametrize("existing", [False, True])
+def test_the_log_stays_where_log_file_says_owner_only(tmp_path, private_tmpdir, existing):
     binary = fake_server(tmp_path, "")
     binary.write_text(FAKE_TRITON)
     log = tmp_path / "logs/server.log"
     log.parent.mkdir()
-    with TritonServer(repositories=[tmp_path], server_path=str(binary), log_path=log):
-        pass
+    if existing:
+        log.write_text("old")
+        log.chmod(0o644)
+    old_umask = os.umask(0o022)
+    try:
+        with TritonServer(repositories=[tmp_path], server_path=str(binary), log_path=log):
+            pass
+    finally:
+        os.umask(old_umask)
     assert "fake tritonserver" in log.read_text()
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
     assert list(private_tmpdir.iterdir()) == []
 
 
@@ -345,7 +354,9 @@ def test_a_weak_or_unusable_api_key_is_refused(tmp_path, key):
         TritonServer(repositories=[tmp_path], model_control="explicit", api_key=key)
 
 
-def test_serve_prints_the_generated_key_and_warns_about_a_public_host(tmp_path, monkeypatch):
+def test_serve_prints_where_the_generated_key_is_never_the_key_and_warns_about_a_public_host(tmp_path, monkeypatch):
+    """A captured stdout (a 0644 log read by another user) must not hold the key: it goes to a
+    0600 file in the server's 0700 folder, and only that file's path is printed."""
     binary = fake_server(tmp_path, "")
     binary.write_text(FAKE_TRITON)
     monkeypatch.delenv("DSPARK_API_KEY", raising=False)
@@ -353,6 +364,8 @@ def test_serve_prints_the_generated_key_and_warns_about_a_public_host(tmp_path, 
 
     def stop_at_once(server, _api=None, _ready=""):
         seen["server"], seen["log"] = server, server.log_text()
+        seen["key file"] = server.key_path.read_text(), stat.S_IMODE(server.key_path.stat().st_mode)
+        seen["folder mode"] = stat.S_IMODE(server.key_path.parent.stat().st_mode)
         server.stop()
 
     monkeypatch.setattr("dspark.cli.serve.serve_until_signal", stop_at_once)
@@ -363,7 +376,10 @@ def test_serve_prints_the_generated_key_and_warns_about_a_public_host(tmp_path, 
     assert result.exit_code == 0, result.output
     server = seen["server"]
     assert "--http-address=0.0.0.0" in seen["log"]
-    assert f"API key  {server.api_key} (send it as the dspark-api-key header" in result.output
+    assert server.api_key not in result.output
+    assert f"API key  in {server.key_path} (readable by you alone) (send it as the dspark-api-key header" in result.output
+    assert seen["key file"] == (server.api_key + "\n", 0o600) and seen["folder mode"] == 0o700
+    assert not server.key_path.exists()
     assert "warning: --host 0.0.0.0 makes the server reachable from other machines" in result.output
     assert f"HTTP     http://127.0.0.1:{ports.http}" in result.output
 
