@@ -25,6 +25,7 @@ def main() -> None:
         model_control="explicit",
         load_models=[m for m in os.environ.get("LOAD_MODELS", "").split(",") if m],
         host="0.0.0.0",  # a pod serves its cluster; the restricted APIs stay behind the key
+        metrics_host="0.0.0.0",  # scraped by the cluster's Prometheus (the pod annotations say so)
         api_key=os.environ["DSPARK_API_KEY"],
         extra_args=[f"--model-repository={os.environ['MODEL_REPOSITORY']}",
                     *header_forward_args(DEFAULT_HEADER_PATTERN)],

@@ -23,6 +23,9 @@ def server_options(function):
                           "as://). Default: the demo model_repository/ and ensembles/."),
         click.option("--host", default=LOOPBACK, show_default=True,
                      help="Address to listen on. Loopback by default; 0.0.0.0 exposes the server to the network."),
+        click.option("--metrics-host", default=LOOPBACK, show_default=True,
+                     help="Address of the metrics port. Loopback by default whatever --host says: Triton's "
+                          "/metrics takes no key and its series name every model."),
         click.option("--http-port", default=8000, show_default=True),
         click.option("--grpc-port", default=8001, show_default=True),
         click.option("--metrics-port", default=8002, show_default=True),
@@ -59,7 +62,7 @@ def server_options(function):
     return function
 
 
-def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_port: int, metrics_port: int,
+def start_server(repositories: Sequence[Path], host: str, metrics_host: str, http_port: int, grpc_port: int, metrics_port: int,
                  model_control: str, load_models: Sequence[str], api_key, log_verbose: int, log_file, server_path,
                  forward_headers: str, exit_on_error: bool = True, exit_timeout_s: int = 30,
                  openai_port=None) -> tuple[TritonServer, object]:
@@ -77,6 +80,7 @@ def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_p
             server_path=server_path,
             extra_args=extra,
             host=host,
+            metrics_host=metrics_host,
             api_key=api_key,
             exit_on_error=exit_on_error,
             exit_timeout_s=exit_timeout_s,
@@ -86,8 +90,13 @@ def start_server(repositories: Sequence[Path], host: str, http_port: int, grpc_p
             click.echo(f"dspark: warning: --api-key on the command line is visible to every local user in the "
                        f"process list; set {API_KEY_ENV} instead", err=True)
         if not is_loopback(host):
-            click.echo(f"dspark: warning: --host {host} makes the server reachable from other machines; "
+            exposed = f"HTTP port {http_port}, gRPC port {grpc_port}" + \
+                (f", OpenAI port {openai_port}" if openai_port else "")
+            click.echo(f"dspark: warning: --host {host} makes the server reachable from other machines ({exposed}); "
                        "anyone who can reach it can run inference", err=True)
+        if not is_loopback(metrics_host):
+            click.echo(f"dspark: warning: --metrics-host {metrics_host} makes metrics port {metrics_port} reachable "
+                       "from other machines, without a key (its series name every model)", err=True)
         server.start()
     except ServerError as error:
         click.echo(f"dspark: {error}", err=True)

@@ -86,11 +86,11 @@ def is_loopback(host: str) -> bool:
     return ipaddress.ip_address(host).is_loopback
 
 
-def check_host(host: str) -> str:
+def check_host(host: str, option: str = "--host") -> str:
     try:
         ipaddress.ip_address(host)
     except ValueError:
-        raise ServerError(f"--host {host!r}: expected an IP address such as 127.0.0.1 (the default), "
+        raise ServerError(f"{option} {host!r}: expected an IP address such as 127.0.0.1 (the default), "
                           "::1, or 0.0.0.0 for every interface") from None
     return host
 

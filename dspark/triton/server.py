@@ -206,6 +206,9 @@ class TritonServer:
     log_path: Optional[Path] = None
     server_path: Optional[str] = None
     host: str = LOOPBACK
+    # Triton's /metrics has no key (its series name every model): loopback unless asked for,
+    # whatever ``host`` is.
+    metrics_host: str = LOOPBACK
     # How long Triton waits on SIGTERM for in-flight requests and open client connections.
     exit_timeout_s: int = 30
     api_key: Optional[str] = None
@@ -223,6 +226,7 @@ class TritonServer:
             if not is_remote_repository(repository) and not Path(repository).is_dir():
                 raise ServerError(f"model repository {repository} does not exist")
         check_host(self.host)
+        check_host(self.metrics_host, "--metrics-host")
         self._own_ports = self.ports is None
         if self._own_ports:
             self.ports = ServerPorts.free()
@@ -249,7 +253,7 @@ class TritonServer:
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{_url_host(self.host)}:{self.ports.metrics}/metrics"
+        return f"http://{_url_host(self.metrics_host)}:{self.ports.metrics}/metrics"
 
     @property
     def repository_headers(self) -> dict[str, str]:
@@ -267,7 +271,7 @@ class TritonServer:
             f"--http-port={self.ports.http}",
             f"--grpc-address={self.host}",
             f"--grpc-port={self.ports.grpc}",
-            f"--metrics-address={self.host}",
+            f"--metrics-address={self.metrics_host}",
             f"--metrics-port={self.ports.metrics}",
             f"--model-control-mode={self.model_control}",
             f"--log-verbose={self.log_verbose}",

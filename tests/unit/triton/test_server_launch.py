@@ -318,6 +318,8 @@ def test_binds_loopback_and_restricts_the_same_apis_in_every_control_mode_with_t
     server = TritonServer(repositories=[tmp_path], model_control=control)
     args = server.command(install, tmp_path)
     assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"} <= set(args)
+    public = TritonServer(repositories=[tmp_path], model_control=control, host="0.0.0.0").command(install, tmp_path)
+    assert {"--http-address=0.0.0.0", "--metrics-address=127.0.0.1"} <= set(public)
     key = server.api_key
     assert len(key) >= 32 and key != TritonServer(repositories=[tmp_path], model_control=control).api_key
     apis = "model-repository,shared-memory,logging,trace,statistics"
@@ -380,8 +382,35 @@ def test_serve_prints_where_the_generated_key_is_never_the_key_and_warns_about_a
     assert f"API key  in {server.key_path} (readable by you alone) (send it as the dspark-api-key header" in result.output
     assert seen["key file"] == (server.api_key + "\n", 0o600) and seen["folder mode"] == 0o700
     assert not server.key_path.exists()
-    assert "warning: --host 0.0.0.0 makes the server reachable from other machines" in result.output
+    assert (f"warning: --host 0.0.0.0 makes the server reachable from other machines (HTTP port {ports.http}, "
+            f"gRPC port {ports.grpc})") in result.output
     assert f"HTTP     http://127.0.0.1:{ports.http}" in result.output
+    # the metrics port (no key, every model's name) stays on loopback though --host is public
+    assert "--metrics-address=127.0.0.1" in seen["log"] and "--metrics-host" not in result.output
+    assert f"metrics  http://127.0.0.1:{ports.metrics}/metrics" in result.output
+
+
+def test_metrics_host_opts_the_metrics_port_out_of_loopback_with_a_warning(tmp_path, monkeypatch):
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    seen = {}
+
+    def stop_at_once(server, _api=None, _ready=""):
+        seen["log"] = server.log_text()
+        server.stop()
+
+    monkeypatch.setattr("dspark.cli.serve.serve_until_signal", stop_at_once)
+    ports = ServerPorts.free()
+    result = CliRunner().invoke(cli, ["serve", "--server", str(binary), "-r", str(tmp_path), "--metrics-host", "0.0.0.0",
+                                      f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
+                                      f"--metrics-port={ports.metrics}"])
+    assert result.exit_code == 0, result.output
+    assert "--metrics-address=0.0.0.0" in seen["log"] and "--http-address=127.0.0.1" in seen["log"]
+    assert (f"warning: --metrics-host 0.0.0.0 makes metrics port {ports.metrics} reachable from other machines, "
+            "without a key") in result.output
+    assert "--host" not in result.output
+    with pytest.raises(ServerError, match="--metrics-host 'example.com': expected an IP address"):
+        TritonServer(repositories=[tmp_path], metrics_host="example.com")
 
 
 def test_serve_takes_the_key_from_the_environment_and_does_not_print_it(tmp_path, monkeypatch):
