@@ -53,6 +53,10 @@ def server_options(function):
                      show_default=True,
                      help="Seconds a stop waits for running requests, model unloads and clients' open HTTP "
                           "connections (idle keep-alive ones too) before Triton exits anyway (exit code 1)."),
+        click.option("--allow-shared-repository", is_flag=True,
+                     help="Serve a repository whose folders (the repository, a model's, a version's) its group "
+                          "or other users may write, with a warning for each; refused otherwise, since whoever "
+                          "can write there can have the server run their code."),
         click.option("--openai-port", type=click.IntRange(1, 65535), default=None,
                      help="Also serve the OpenAI-compatible API (/v1/chat/completions, ...) on this port, on "
                           "--host. Off by default. Beyond loopback it needs the API key as a Bearer token."),
@@ -65,7 +69,7 @@ def server_options(function):
 def start_server(repositories: Sequence[Path], host: str, metrics_host: str, http_port: int, grpc_port: int, metrics_port: int,
                  model_control: str, load_models: Sequence[str], api_key, log_verbose: int, log_file, server_path,
                  forward_headers: str, exit_on_error: bool = True, exit_timeout_s: int = 30,
-                 openai_port=None) -> tuple[TritonServer, object]:
+                 openai_port=None, allow_shared_repository: bool = False) -> tuple[TritonServer, object]:
     """Start the server (and the OpenAI API when ``openai_port``: the second item, else None), or
     exit with one line saying why it could not."""
     try:
@@ -84,7 +88,10 @@ def start_server(repositories: Sequence[Path], host: str, metrics_host: str, htt
             api_key=api_key,
             exit_on_error=exit_on_error,
             exit_timeout_s=exit_timeout_s,
+            allow_shared_repository=allow_shared_repository,
         )
+        for warning in server.warnings:
+            click.echo(f"dspark: warning: {warning} (--allow-shared-repository)", err=True)
         context = click.get_current_context(silent=True)
         if api_key and context and context.get_parameter_source("api_key") == click.core.ParameterSource.COMMANDLINE:
             click.echo(f"dspark: warning: --api-key on the command line is visible to every local user in the "

@@ -7,6 +7,7 @@ import ipaddress
 import itertools
 import re
 import secrets
+import stat
 from pathlib import Path
 from typing import Optional
 
@@ -118,3 +119,33 @@ def header_forward_args(pattern: str) -> list[str]:
         raise ServerError(f"--forward-headers {pattern!r} matches {leaks[0]}, which would hand every model "
                           f"the API key; name the headers, e.g. {DEFAULT_HEADER_PATTERN!r}")
     return [f"--http-header-forward-pattern={pattern}", f"--grpc-header-forward-pattern={pattern}"]
+
+
+def writable_by_others(repository: Path) -> list[tuple[Path, int]]:
+    """The folders of a local model repository that its group or other users may write, with
+    their modes: the repository, each model folder and each version folder in it. Triton loads
+    (in poll mode, by itself) any model.py found there and runs it as the server's user."""
+    found = []
+    folders = [repository]
+    for model in sorted(p for p in repository.iterdir() if p.is_dir()) if repository.is_dir() else []:
+        folders.append(model)
+        folders += sorted(p for p in model.iterdir() if p.is_dir())
+    for folder in folders:
+        mode = folder.stat().st_mode
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            found.append((folder, stat.S_IMODE(mode)))
+    return found
+
+
+def check_repository_permissions(repository: Path, allow_shared: bool) -> list[str]:
+    """ServerError naming the first folder of ``repository`` others may write, unless
+    ``allow_shared``: then one warning per such folder."""
+    warnings = []
+    for folder, mode in writable_by_others(repository):
+        who = "others" if mode & stat.S_IWOTH else "its group"
+        line = (f"model folder {folder} is writable by {who} (mode {mode:o}): whoever can write there can have "
+                "the server run their code as you")
+        if not allow_shared:
+            raise ServerError(f"{line}; chmod go-w it, or pass --allow-shared-repository")
+        warnings.append(line)
+    return warnings

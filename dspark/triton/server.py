@@ -30,7 +30,7 @@ import psutil
 from dspark.paths import backends_dir
 from dspark.triton import stub_priority
 from dspark.triton.access import (API_KEY_ENV, API_KEY_HEADER, KEY_FD_ENV, LOOPBACK, SERVER_UMASK, ServerError,
-                                  check_api_key, check_host, guard_library, new_api_key, repository_headers,
+                                  check_api_key, check_host, check_repository_permissions, guard_library, new_api_key, repository_headers,
                                   restricted_api_args)
 from dspark.triton.install import STUB_NAME, ServerInstall, build_backend_directory, find_server
 
@@ -215,6 +215,11 @@ class TritonServer:
     # False: a model that fails to load does not stop the server, which serves the others and
     # says ready (Triton's --exit-on-error=false --strict-readiness=false)
     exit_on_error: bool = True
+    # False: a repository, model or version folder others may write is refused (ServerError);
+    # True: each is a line of ``warnings``
+    allow_shared_repository: bool = False
+    # What the caller should show the user before it serves (shared folders it was allowed).
+    warnings: list[str] = field(default_factory=list, init=False)
     # After stop(): the shared-memory regions the server left behind (stop removed them).
     left_shm_regions: list[str] = field(default_factory=list, init=False)
     _regions: set[Path] = field(default_factory=set, init=False, repr=False)
@@ -225,6 +230,8 @@ class TritonServer:
         for repository in self.repositories:
             if not is_remote_repository(repository) and not Path(repository).is_dir():
                 raise ServerError(f"model repository {repository} does not exist")
+            if not is_remote_repository(repository):
+                self.warnings += check_repository_permissions(Path(repository), self.allow_shared_repository)
         check_host(self.host)
         check_host(self.metrics_host, "--metrics-host")
         self._own_ports = self.ports is None

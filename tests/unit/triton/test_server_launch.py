@@ -543,3 +543,33 @@ def test_the_kubernetes_entrypoint_hands_the_key_through_the_pipe(tmp_path):
     finally:
         entrypoint.kill()
         entrypoint.wait(timeout=30)
+
+
+@pytest.mark.parametrize("where", ["repository", "model", "version"])
+@pytest.mark.parametrize("control", ["none", "explicit", "poll"])
+def test_a_repository_others_can_write_is_refused_unless_allowed_with_a_warning(tmp_path, monkeypatch, where,
+                                                                                 control):
+    """In poll mode Triton loads a model.py another user drops into a 1777 folder, and runs it as
+    the server's user: refused in one line naming the folder; --allow-shared-repository serves it
+    with a warning naming it."""
+    binary = fake_server(tmp_path / "triton", "")
+    binary.write_text(FAKE_TRITON)
+    repository = tmp_path / "repo"
+    folder = {"repository": repository, "model": repository / "m", "version": repository / "m/1"}[where]
+    (repository / "m/1").mkdir(parents=True)
+    folder.chmod(0o1777)
+    ports = ServerPorts.free()
+    args = ["serve", "--server", str(binary), "-r", str(repository), "--model-control", control,
+            f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}"]
+    refused = CliRunner().invoke(cli, args)
+    assert refused.exit_code == 1
+    assert refused.output.strip() == (f"dspark: model folder {folder} is writable by others (mode 1777): whoever can "
+                                      "write there can have the server run their code as you; chmod go-w it, or "
+                                      "pass --allow-shared-repository")
+    monkeypatch.setattr("dspark.cli.serve.serve_until_signal", lambda server, _api=None, _ready="": server.stop())
+    allowed = CliRunner().invoke(cli, [*args, "--allow-shared-repository"])
+    assert allowed.exit_code == 0, allowed.output
+    assert f"dspark: warning: model folder {folder} is writable by others (mode 1777)" in allowed.output
+    folder.chmod(0o775)
+    with pytest.raises(ServerError, match=f"model folder {folder} is writable by its group"):
+        TritonServer(repositories=[repository], model_control=control)
