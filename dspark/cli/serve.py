@@ -9,7 +9,7 @@ from typing import Sequence
 import click
 
 from dspark.paths import demo_repositories
-from dspark.triton.server import ServerPorts, TritonServer, is_remote_repository
+from dspark.triton.server import ServerPorts, StartCancelled, TritonServer, is_remote_repository
 from dspark.triton.access import API_KEY_ENV, API_KEY_HEADER, DEFAULT_HEADER_PATTERN, LOOPBACK, ServerError, header_forward_args, is_loopback
 
 
@@ -104,13 +104,15 @@ def start_server(repositories: Sequence[Path], host: str, metrics_host: str, htt
         if not is_loopback(metrics_host):
             click.echo(f"dspark: warning: --metrics-host {metrics_host} makes metrics port {metrics_port} reachable "
                        "from other machines, without a key (its series name every model)", err=True)
+        signals_seen = stop_on_signal_while_starting(server)
         server.start()
     except ServerError as error:
         click.echo(f"dspark: {error}", err=True)
         sys.exit(1)
-    except KeyboardInterrupt:  # start() has stopped the server already
-        click.echo("dspark: interrupted while the server was starting; stopped it", err=True)
-        sys.exit(130)
+    except (StartCancelled, KeyboardInterrupt):  # start() has stopped the server already
+        name = signal.Signals(signals_seen[0]).name if signals_seen else "SIGINT"
+        click.echo(f"dspark: {name} while the server was starting; stopped it", err=True)
+        sys.exit(128 + (signals_seen[0] if signals_seen else signal.SIGINT))
     for failure in server.load_failures():
         click.echo(f"dspark: warning: {failure} (serving the other models: --keep-serving)", err=True)
     click.echo(f"dspark: serving {', '.join(str(r) for r in server.repositories)}")
@@ -123,6 +125,26 @@ def start_server(repositories: Sequence[Path], host: str, metrics_host: str, htt
                "register shared memory, change logging or trace settings, read statistics)")
     api = start_openai(server, host, openai_port, explicit_key=api_key) if openai_port else None
     return server, api
+
+
+def stop_on_signal_while_starting(server: TritonServer) -> list[int]:
+    """SIGINT/SIGTERM handlers, installed before tritonserver is started, that cancel the start
+    (start() then stops the server) or, once it is ready, drain it: a signal's default action
+    would end this process and leave the server (in its own session) running alone. The
+    signals seen, in order."""
+    seen: list[int] = []
+
+    def cancel(signum, _frame):
+        seen.append(signum)
+        server.cancel_start()
+        if len(seen) > 1:
+            server.kill()
+        elif server.ready:  # after start() returned, before serve_until_signal took over: drain
+            server.terminate()
+
+    signal.signal(signal.SIGINT, cancel)
+    signal.signal(signal.SIGTERM, cancel)
+    return seen
 
 
 def start_openai(server: TritonServer, host: str, port: int, explicit_key):
@@ -175,9 +197,12 @@ def serve_until_signal(server: TritonServer, api=None, ready: str = "") -> None:
     code = server.wait()
     stopped_by_us = signals_seen and code in (-signal.SIGTERM, -signal.SIGKILL)
     if code != 0 and not stopped_by_us:
-        click.echo(f"dspark: tritonserver exited with code {code}: {server.first_error()} "
+        click.echo(f"dspark: tritonserver exited with code {code}: {server.exit_reason(code)} "
                    f"(log: {server.log_path})", err=True)
         stop_serving(server, api)
+        removed = server.left_shm_regions
+        if removed:
+            click.echo(f"dspark: removed the {len(removed)} shared-memory regions its model stubs left", err=True)
         sys.exit(1)
     stop_serving(server, api)
 

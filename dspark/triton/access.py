@@ -38,6 +38,8 @@ API_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~-]{16,256}")
 # descriptor named by KEY_FD_ENV, so the key is in no process list and no stub's environment.
 KEY_MARKER = "@DSPARK_API_KEY@"
 KEY_FD_ENV = "DSPARK_KEY_FD"
+# Set to the launcher's pid, the guard library has tritonserver SIGTERMed when its parent dies.
+PARENT_PID_ENV = "DSPARK_PARENT_PID"
 GUARD_LIBRARY = "libserverguard.so"
 # Files the server and its stubs create are the user's alone; the guard library makes the
 # Python backend's /dev/shm IPC regions (which hold requests and responses) honour it too.

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,7 +30,8 @@ import psutil
 
 from dspark.paths import backends_dir
 from dspark.triton import stub_priority
-from dspark.triton.access import (API_KEY_ENV, API_KEY_HEADER, KEY_FD_ENV, LOOPBACK, SERVER_UMASK, ServerError,
+from dspark.triton.access import (API_KEY_ENV, API_KEY_HEADER, KEY_FD_ENV, LOOPBACK, PARENT_PID_ENV, SERVER_UMASK,
+                                  ServerError,
                                   check_api_key, check_host, check_repository_permissions, guard_library, new_api_key, repository_headers,
                                   restricted_api_args)
 from dspark.triton.install import STUB_NAME, ServerInstall, build_backend_directory, find_server
@@ -172,6 +174,18 @@ def remove_left_regions(regions: set[Path]) -> list[str]:
     return removed
 
 
+_NOISE = ("CUDA", "NVML", "DCGM", "CudaDriverHelper", "pinned memory", "GPU")  # a start without a GPU
+
+
+def _error_line(lines: Sequence[str]) -> Optional[str]:
+    """The most telling error line of a server log's ``lines``, if any."""
+    for marker in ("failed to load", "error:", "Error", "E1", "E0"):
+        for line in lines:
+            if marker in line and not any(word in line for word in _NOISE):
+                return line.strip()
+    return None
+
+
 def _clean_up(started: dict) -> None:
     """Last resort when a started server is never stopped (interpreter exit): kill it, free its
     shared memory, drop its files. ``started`` holds its "workdir" and, once running, its "process"."""
@@ -185,6 +199,10 @@ def _clean_up(started: dict) -> None:
         process.wait()
         remove_left_regions(regions)
     shutil.rmtree(started["workdir"], ignore_errors=True)
+
+
+class StartCancelled(Exception):
+    """start() was cancelled (cancel_start(), e.g. from a signal handler); the server is stopped."""
 
 
 @dataclass
@@ -247,6 +265,9 @@ class TritonServer:
         self._workdir: Optional[Path] = None
         self._log_file = None
         self._stop_requested = False
+        self._cancelled = False
+        self.ready = False  # start() has returned and stop() has not been called
+        self._ready_log_chars = 0  # how much of the log was written before it was ready
         self._finalizer: Optional[weakref.finalize] = None
         self._keeper: Optional[stub_priority.PriorityKeeper] = None
 
@@ -332,7 +353,14 @@ class TritonServer:
                     self.log_path = None
                 self.ports = ServerPorts.free()
 
+    def cancel_start(self) -> None:
+        """Make a start() in progress (or about to begin) stop the server and raise StartCancelled
+        (safe inside a signal handler: it only sets a flag that the wait for readiness reads)."""
+        self._cancelled = True
+
     def _start(self, timeout_s: float) -> None:
+        if self._cancelled:
+            raise StartCancelled("the start was cancelled")
         install = find_server(self.server_path)
         self.ports.check_free(self.host)
         self._workdir = Path(tempfile.mkdtemp(prefix="dspark-server-"))
@@ -352,6 +380,10 @@ class TritonServer:
                 key_file.write(self.api_key + "\n")
         self._stop_requested = False
         environment, key_read = self.launch_environment(install)
+        if threading.current_thread() is threading.main_thread():
+            # the kernel's death signal follows the thread that forked: only the main one lives
+            # as long as this process
+            environment[PARENT_PID_ENV] = str(os.getpid())
         try:
             self._process = subprocess.Popen(
                 self.command(install, backend_directory),
@@ -382,6 +414,8 @@ class TritonServer:
         deadline = time.monotonic() + timeout_s
         url = f"http://{self.http_url}/v2/health/ready"
         while time.monotonic() < deadline:
+            if self._cancelled:
+                raise StartCancelled("the start was cancelled")
             code = self._process.poll()
             if code is not None:
                 raise ServerError(
@@ -393,6 +427,9 @@ class TritonServer:
                     with urllib.request.urlopen(url, timeout=1) as response:
                         if response.status == 200 and self.running:
                             self._check_key_in_force()
+                            self._ready_log_chars = len(self.log_text())
+                            self._note_regions()
+                            self.ready = True
                             return
                 except (urllib.error.URLError, ConnectionError, TimeoutError):
                     pass
@@ -426,13 +463,21 @@ class TritonServer:
         failures = self.load_failures()
         if failures:
             return failures[0] + (f" (and {len(failures) - 1} more models)" if len(failures) > 1 else "")
-        noise = ("CUDA", "NVML", "DCGM", "CudaDriverHelper", "pinned memory", "GPU")
         lines = self.log_text().splitlines()
-        for marker in ("failed to load", "error:", "Error", "E1", "E0"):
-            for line in lines:
-                if marker in line and not any(word in line for word in noise):
-                    return line.strip()
-        return lines[-1].strip() if lines else "no output"
+        return _error_line(lines) or (lines[-1].strip() if lines else "no output")
+
+    def exit_reason(self, code: int) -> str:
+        """Why a server that was ready exited with ``code``: the signal that killed it and the
+        first error line it wrote since it was ready, never a line from before (a load failure
+        it served on with --keep-serving)."""
+        error = _error_line(self.log_text()[self._ready_log_chars:].splitlines())
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"killed by {name}" + (f"; its last error: {error}" if error else "")
+        return error or "no error line in its log since it was ready"
 
     def log_text(self) -> str:
         if self.log_path is None or not Path(self.log_path).exists():
@@ -464,8 +509,14 @@ class TritonServer:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
-    def wait(self) -> int:
-        return self._process.wait()
+    def wait(self, note_every_s: float = 2.0) -> int:
+        """Wait for the server to exit, noting its models' shared-memory regions meanwhile, so that
+        stop() removes them however it ends (killed from outside too); its exit code."""
+        while True:
+            try:
+                return self._process.wait(note_every_s)
+            except subprocess.TimeoutExpired:
+                self._note_regions()
 
     def terminate(self) -> None:
         """Ask the server to drain and exit, without waiting (safe inside a signal handler)."""
@@ -496,6 +547,7 @@ class TritonServer:
         are removed and named in `left_shm_regions`."""
         timeout_s = self.exit_timeout_s + 10
         code = None
+        self.ready = False
         if self._process is not None:
             if self.running:
                 self.terminate()

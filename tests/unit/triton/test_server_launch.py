@@ -3,19 +3,23 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import stat
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
+import psutil
 import pytest
 import re2
 from click.testing import CliRunner
 
 from dspark._ext import cpu_features
+from dspark.cli import serve as serve_cli
 from dspark.cli.main import cli
 from dspark.paths import project_root
 from dspark.triton.server import ServerPorts, TritonServer
@@ -25,7 +29,8 @@ from dspark.triton.install import build_backend_directory, find_server
 # A stand-in for tritonserver: listens where --http-address/--http-port say, answers the
 # readiness check, refuses GET /v2/logging without the key its --http-restricted-api names (as
 # the preloaded guard library filled it in), exits 0 on SIGTERM. FAKE_EXIT_AFTER_S=<s> makes it
-# exit 3 after that long without listening (a server that dies at start).
+# exit 3 after that long without listening (a server that dies at start); FAKE_READY_AFTER_S=<s>
+# makes it listen after that long; FAKE_OLD_ERROR=<text> logs an error line at start.
 FAKE_TRITON = f"""#!{sys.executable}
 import os, signal, sys, time
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -35,6 +40,9 @@ if os.environ.get("FAKE_EXIT_AFTER_S"):
     time.sleep(float(os.environ["FAKE_EXIT_AFTER_S"]))
     print("error: creating server: fake failure", flush=True)
     sys.exit(3)
+if os.environ.get("FAKE_OLD_ERROR"):  # an error it logs at start and serves on after
+    print("error: " + os.environ["FAKE_OLD_ERROR"], flush=True)
+time.sleep(float(os.environ.get("FAKE_READY_AFTER_S", "0")))  # a slow start
 region = os.environ.get("FAKE_SHM_REGION")  # mapped by the server and a stub, as the Python backend's
 if region:
     import mmap, subprocess
@@ -573,3 +581,99 @@ def test_a_repository_others_can_write_is_refused_unless_allowed_with_a_warning(
     folder.chmod(0o775)
     with pytest.raises(ServerError, match=f"model folder {folder} is writable by its group"):
         TritonServer(repositories=[repository], model_control=control)
+
+
+def _wait_for(condition, timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _fake_pids(binary: Path) -> list[int]:
+    """Processes running the fake tritonserver script ``binary``."""
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[1:2] == [str(binary)]]
+
+
+def test_a_signal_while_the_server_starts_stops_it_instead_of_leaving_it_alone(tmp_path, private_tmpdir,
+                                                                              monkeypatch):
+    """SIGTERM to `dspark serve` before the server is ready: the handlers are in place before
+    tritonserver starts, so serve stops it (and its folder goes) rather than dying and leaving
+    it running on its ports, in its own session, with a key nobody was shown."""
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    monkeypatch.setenv("FAKE_READY_AFTER_S", "600")
+    monkeypatch.setenv("TMPDIR", str(private_tmpdir))
+    ports = ServerPorts.free()
+    serve = subprocess.Popen([str(Path(sys.executable).parent / "dspark"), "serve", "--server", str(binary),
+                              "-r", str(tmp_path), f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
+                              f"--metrics-port={ports.metrics}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        assert _wait_for(lambda: _fake_pids(binary)), "the fake server never started"
+        [server_pid] = _fake_pids(binary)
+        serve.send_signal(signal.SIGTERM)
+        output, _ = serve.communicate(timeout=60)
+    finally:
+        serve.kill()
+    assert serve.returncode == 128 + signal.SIGTERM, output
+    assert "dspark: SIGTERM while the server was starting; stopped it" in output
+    assert not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
+    assert list(private_tmpdir.iterdir()) == []
+
+
+@pytest.mark.parametrize("when", ["starting", "ready"])
+def test_the_server_dies_with_the_process_that_started_it(tmp_path, monkeypatch, when):
+    """The launcher killed (SIGKILL: no handler runs): the guard library's PR_SET_PDEATHSIG has
+    the kernel send tritonserver SIGTERM, and it drains and exits instead of running alone."""
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    if when == "starting":
+        monkeypatch.setenv("FAKE_READY_AFTER_S", "600")
+    code = ("import sys; from pathlib import Path; from dspark.triton.server import TritonServer; "
+            "s = TritonServer(repositories=[Path(sys.argv[1])], server_path=sys.argv[2]); s.start(); "
+            "print('ready', flush=True); s.wait()")
+    launcher = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(binary)], stdout=subprocess.PIPE,
+                                text=True)
+    try:
+        if when == "ready":
+            assert launcher.stdout.readline() == "ready\n"
+        assert _wait_for(lambda: _fake_pids(binary)), "the fake server never started"
+        [server_pid] = _fake_pids(binary)
+        launcher.kill()
+        launcher.wait()
+        gone = _wait_for(lambda: not psutil.pid_exists(server_pid), timeout_s=20)
+    finally:
+        for pid in _fake_pids(binary):
+            os.kill(pid, signal.SIGKILL)
+    assert gone, "tritonserver outlived the process that started it"
+
+
+def test_a_server_killed_from_outside_is_reported_with_its_own_reason_and_its_regions_removed(
+        tmp_path, monkeypatch, capsys):
+    """SIGKILL to tritonserver while `dspark serve` waits: the message says it was killed, not
+    an error line from its start it had served on after, and its stubs' regions are gone."""
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    region = Path(f"/dev/shm/dspark_test_{os.getpid()}_{secrets.token_hex(4)}")
+    monkeypatch.setenv("FAKE_SHM_REGION", region.name)
+    monkeypatch.setenv("FAKE_OLD_ERROR", "an old failure it served on after")
+    server = TritonServer(repositories=[tmp_path], server_path=str(binary))
+    server.start(timeout_s=20)
+    try:
+        assert region.exists()
+        killer = threading.Timer(0.5, os.kill, (server._process.pid, signal.SIGKILL))
+        killer.start()
+        with pytest.raises(SystemExit) as exited:
+            serve_cli.serve_until_signal(server)
+    finally:
+        server.stop()
+        left = region.exists()
+        region.unlink(missing_ok=True)
+    assert exited.value.code == 1 and not left
+    error = capsys.readouterr().err
+    assert f"dspark: tritonserver exited with code -9: killed by SIGKILL (log: {server.log_path})" in error
+    assert "old failure" not in error
+    assert "dspark: removed the 1 shared-memory regions its model stubs left" in error
