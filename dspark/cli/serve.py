@@ -53,6 +53,11 @@ def server_options(function):
                      show_default=True,
                      help="Seconds a stop waits for running requests, model unloads and clients' open HTTP "
                           "connections (idle keep-alive ones too) before Triton exits anyway (exit code 1)."),
+        click.option("--key-inference", is_flag=True,
+                     help="Inference needs the API key too (HTTP header / gRPC metadata, as for the other "
+                          "restricted APIs). Without it anyone who can reach the server may run inference, and "
+                          "use a client's shared-memory region if they know the name it was registered under "
+                          "(register under dspark.triton.access.new_region_name())."),
         click.option("--allow-shared-repository", is_flag=True,
                      help="Serve a repository whose folders (the repository, a model's, a version's) its group "
                           "or other users may write, with a warning for each; refused otherwise, since whoever "
@@ -69,10 +74,14 @@ def server_options(function):
 def start_server(repositories: Sequence[Path], host: str, metrics_host: str, http_port: int, grpc_port: int, metrics_port: int,
                  model_control: str, load_models: Sequence[str], api_key, log_verbose: int, log_file, server_path,
                  forward_headers: str, exit_on_error: bool = True, exit_timeout_s: int = 30,
-                 openai_port=None, allow_shared_repository: bool = False) -> tuple[TritonServer, object]:
+                 openai_port=None, allow_shared_repository: bool = False,
+                 key_inference: bool = False) -> tuple[TritonServer, object]:
     """Start the server (and the OpenAI API when ``openai_port``: the second item, else None), or
     exit with one line saying why it could not."""
     try:
+        if key_inference and openai_port:
+            raise ServerError("--key-inference with --openai-port: the OpenAI API does not send the key on its "
+                              "inference calls; serve it without --key-inference (it has its own Bearer key)")
         extra = header_forward_args(forward_headers) if forward_headers else []
         server = TritonServer(
             repositories=[r if is_remote_repository(r) else Path(r) for r in repositories] or demo_repositories(),
@@ -89,6 +98,7 @@ def start_server(repositories: Sequence[Path], host: str, metrics_host: str, htt
             exit_on_error=exit_on_error,
             exit_timeout_s=exit_timeout_s,
             allow_shared_repository=allow_shared_repository,
+            key_inference=key_inference,
         )
         for warning in server.warnings:
             click.echo(f"dspark: warning: {warning} (--allow-shared-repository)", err=True)

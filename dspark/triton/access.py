@@ -69,12 +69,27 @@ def repository_headers(api_key: Optional[str]) -> dict[str, str]:
     return {API_KEY_HEADER: api_key, GRPC_API_KEY_HEADER: api_key} if api_key else {}
 
 
-def restricted_api_args() -> list[str]:
-    """Triton flags that refuse calls to RESTRICTED_APIS over HTTP and gRPC without the key
-    (KEY_MARKER stands for it)."""
-    apis = ",".join(RESTRICTED_APIS)
+# Inference names client shared-memory regions by their registered name (an input's or an
+# output's `shared_memory_region` parameter), which Triton resolves in its frontend before any
+# backend sees the request: a backend cannot tell, so a region registered under a name others
+# can guess is readable and writable by anyone who can run inference. Keying inference too
+# (`key_inference`) closes that; the default keeps inference open and registers under names
+# new_region_name() makes, which nobody can guess.
+INFERENCE_API = "inference"
+
+
+def restricted_api_args(key_inference: bool = False) -> list[str]:
+    """Triton flags that refuse calls to RESTRICTED_APIS (and inference, when ``key_inference``)
+    over HTTP and gRPC without the key (KEY_MARKER stands for it)."""
+    apis = ",".join(RESTRICTED_APIS + ((INFERENCE_API,) if key_inference else ()))
     return [f"--http-restricted-api={apis}:{API_KEY_HEADER}={KEY_MARKER}",
             f"--grpc-restricted-protocol={apis}:{API_KEY_HEADER}={KEY_MARKER}"]
+
+
+def new_region_name() -> str:
+    """A name to register a client shared-memory region under that nobody can guess (128 random
+    bits): inference names a region by it, and without --key-inference anyone may run inference."""
+    return f"dspark-{secrets.token_hex(16)}"
 
 
 def guard_library() -> Path:

@@ -236,6 +236,8 @@ class TritonServer:
     # False: a repository, model or version folder others may write is refused (ServerError);
     # True: each is a line of ``warnings``
     allow_shared_repository: bool = False
+    # True: inference needs the key too (so does every shared-memory region named in a request)
+    key_inference: bool = False
     # What the caller should show the user before it serves (shared folders it was allowed).
     warnings: list[str] = field(default_factory=list, init=False)
     # After stop(): the shared-memory regions the server left behind (stop removed them).
@@ -305,7 +307,7 @@ class TritonServer:
             f"--log-verbose={self.log_verbose}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
         ]
-        args += restricted_api_args()
+        args += restricted_api_args(self.key_inference)
         if self.model_control == "poll":
             args.append("--repository-poll-secs=2")
         args += [f"--load-model={name}" for name in self.load_models]
