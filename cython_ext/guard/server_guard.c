@@ -1,4 +1,4 @@
-/* libserverguard.so: preloaded by dspark.triton.server into tritonserver and, through the
+/* libserverguard.so: preloaded by dspark.server.launcher into tritonserver and, through the
  * inherited environment, into its Python backend stubs.
  *
  * The API key reaches the server through an inherited pipe instead of its command line: argv

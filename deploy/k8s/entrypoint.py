@@ -13,9 +13,9 @@ import tempfile
 from pathlib import Path
 
 from dspark.paths import backends_dir
-from dspark.triton.server import ServerPorts, TritonServer
-from dspark.triton.access import DEFAULT_HEADER_PATTERN, SERVER_UMASK, header_forward_args
-from dspark.triton.install import build_backend_directory, find_server
+from dspark.server.launcher import ServerPorts, TritonServer
+from dspark.server.access import DEFAULT_HEADER_PATTERN, SERVER_UMASK, header_forward_args
+from dspark.server.install import build_backend_directory, find_server
 
 
 def main() -> None:

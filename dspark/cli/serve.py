@@ -9,8 +9,8 @@ from typing import Sequence
 import click
 
 from dspark.paths import demo_repositories
-from dspark.triton.server import ServerPorts, StartCancelled, TritonServer, is_remote_repository
-from dspark.triton.access import API_KEY_ENV, API_KEY_HEADER, DEFAULT_HEADER_PATTERN, LOOPBACK, ServerError, header_forward_args, is_loopback
+from dspark.server.launcher import ServerPorts, StartCancelled, TritonServer, is_remote_repository
+from dspark.server.access import API_KEY_ENV, API_KEY_HEADER, DEFAULT_HEADER_PATTERN, LOOPBACK, ServerError, header_forward_args, is_loopback
 
 
 DEMO_OPENAI_PORT = 8003
@@ -57,7 +57,7 @@ def server_options(function):
                      help="Inference needs the API key too (HTTP header / gRPC metadata, as for the other "
                           "restricted APIs). Without it anyone who can reach the server may run inference, and "
                           "use a client's shared-memory region if they know the name it was registered under "
-                          "(register under dspark.triton.access.new_region_name())."),
+                          "(register under dspark.server.access.new_region_name())."),
         click.option("--allow-shared-repository", is_flag=True,
                      help="Serve a repository whose folders (the repository, a model's, a version's) its group "
                           "or other users may write, with a warning for each; refused otherwise, since whoever "

@@ -15,7 +15,7 @@ import tritonclient.utils.shared_memory as client_shm
 from tritonclient.utils import InferenceServerException
 
 from dspark.paths import project_root
-from dspark.triton.access import new_region_name
+from dspark.server.access import new_region_name
 from tests.conftest import serving
 
 pytestmark = pytest.mark.integration

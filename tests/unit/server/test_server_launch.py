@@ -22,9 +22,9 @@ from dspark._ext import cpu_features
 from dspark.cli import serve as serve_cli
 from dspark.cli.main import cli
 from dspark.paths import project_root
-from dspark.triton.server import ServerPorts, TritonServer
-from dspark.triton.access import API_KEY_HEADER, DEFAULT_HEADER_PATTERN, GRPC_API_KEY_HEADER, ServerError, KEY_FD_ENV, KEY_MARKER, SERVER_UMASK, header_forward_args
-from dspark.triton.install import build_backend_directory, find_server
+from dspark.server.launcher import ServerPorts, TritonServer
+from dspark.server.access import API_KEY_HEADER, DEFAULT_HEADER_PATTERN, GRPC_API_KEY_HEADER, ServerError, KEY_FD_ENV, KEY_MARKER, SERVER_UMASK, header_forward_args
+from dspark.server.install import build_backend_directory, find_server
 
 # A stand-in for tritonserver: listens where --http-address/--http-port say, answers the
 # readiness check, refuses GET /v2/logging without the key its --http-restricted-api names (as
@@ -632,7 +632,7 @@ def test_the_server_dies_with_the_process_that_started_it(tmp_path, monkeypatch,
     binary.write_text(FAKE_TRITON)
     if when == "starting":
         monkeypatch.setenv("FAKE_READY_AFTER_S", "600")
-    code = ("import sys; from pathlib import Path; from dspark.triton.server import TritonServer; "
+    code = ("import sys; from pathlib import Path; from dspark.server.launcher import TritonServer; "
             "s = TritonServer(repositories=[Path(sys.argv[1])], server_path=sys.argv[2]); s.start(); "
             "print('ready', flush=True); s.wait()")
     launcher = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(binary)], stdout=subprocess.PIPE,

@@ -1,5 +1,5 @@
 """Run a real `tritonserver` with dspark's Python-based backends loaded (found by
-dspark.triton.install; its API key and bound addresses from dspark.triton.access), watch it
+dspark.server.install; its API key and bound addresses from dspark.server.access), watch it
 start, and stop it leaving nothing behind (its shared-memory regions, its files).
 
 Used by `dspark serve` and by the test fixture, so the two start the server the same way.
@@ -29,12 +29,12 @@ from typing import Optional, Sequence, Union
 import psutil
 
 from dspark.paths import backends_dir
-from dspark.triton import stub_priority
-from dspark.triton.access import (API_KEY_ENV, API_KEY_HEADER, KEY_FD_ENV, LOOPBACK, PARENT_PID_ENV, SERVER_UMASK,
+from dspark.server import stub_priority
+from dspark.server.access import (API_KEY_ENV, API_KEY_HEADER, KEY_FD_ENV, LOOPBACK, PARENT_PID_ENV, SERVER_UMASK,
                                   ServerError,
                                   check_api_key, check_host, check_repository_permissions, guard_library, new_api_key, repository_headers,
                                   restricted_api_args)
-from dspark.triton.install import STUB_NAME, ServerInstall, build_backend_directory, find_server
+from dspark.server.install import STUB_NAME, ServerInstall, build_backend_directory, find_server
 
 LOG_NAME = "tritonserver.log"
 KEY_FILE_NAME = "api-key"  # a generated key, 0600 in the server's 0700 temporary folder
