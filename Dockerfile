@@ -3,9 +3,10 @@
 #
 #   docker build -t dspark/triton:0.1.0 .
 #
-# The build stage compiles dspark's kernels and gathers every wheel of requirements.txt from the
-# package registry; the image installs them from that folder alone (--no-index), so nothing is
-# downloaded when a pod starts. The Python minor version must be one that pytriton ships a
+# The build stage compiles dspark's kernels and gathers every wheel of requirements-runtime.txt
+# (what serving and rollouts need: no build, test or benchmark tools, which requirements.txt adds
+# for the project's virtualenv) from the package registry; the image installs them from that
+# folder alone (--no-index), so nothing is downloaded when a pod starts. The Python minor version must be one that pytriton ships a
 # backend stub for (3.8-3.13); 3.11 is the one the test suite runs on.
 FROM python:3.11.7-slim-bookworm AS build
 # Debian packages are not pinned: the mirror drops superseded versions, so a pin breaks the
@@ -15,10 +16,10 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends build-essential \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY requirements.txt setup.py pyproject.toml README.md ./
+COPY requirements-runtime.txt setup.py pyproject.toml README.md ./
 COPY cython_ext cython_ext
 COPY dspark dspark
-RUN pip wheel --no-cache-dir --wheel-dir /wheels -r requirements.txt \
+RUN pip wheel --no-cache-dir --wheel-dir /wheels -r requirements-runtime.txt \
     && pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM python:3.11.7-slim-bookworm
@@ -34,7 +35,8 @@ RUN pip install --no-cache-dir --no-index /tmp/wheels/*.whl \
 ENV DSPARK_HOME=/opt/dspark
 COPY backends /opt/dspark/backends
 COPY deploy/k8s/entrypoint.py /opt/dspark/deploy/k8s/entrypoint.py
-RUN useradd --system --uid 10001 --create-home --home-dir /home/dspark dspark
+RUN groupadd --system --gid 10001 dspark \
+    && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/dspark dspark
 USER 10001
 WORKDIR /home/dspark
 EXPOSE 8000 8001 8002

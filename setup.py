@@ -1,5 +1,5 @@
 """Build of the dspark package and its compiled kernels in cython_ext/: one folder per kernel
-family (fused, llama, gemm_shim, pool, toy_lm, guard), and common/ for what they share (CPU
+family (fused, llama, gemm_shim, pool, guard), and common/ for what they share (CPU
 features, the ISA dispatcher)."""
 import os
 import platform
@@ -12,6 +12,11 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
+# what dspark needs to serve and roll out, listed once (the image installs the same file);
+# tritonserver's wheel is the "server" extra, for a machine that runs Triton otherwise
+RUNTIME = [line.split("#", 1)[0].strip() for line in (HERE / "requirements-runtime.txt").read_text().splitlines()
+           if line.split("#", 1)[0].strip()]
+SERVER = "nvidia-pytriton"
 # DSPARK_SANITIZE=1: build with AddressSanitizer + UndefinedBehaviorSanitizer (`make sanitize`,
 # into its own build folder; the package's own build is never sanitized).
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g"] \
@@ -130,9 +135,6 @@ EXTENSIONS = [
                      libraries=[name for name, _ in SIMD_LIBRARIES] + [scipy_openblas32.get_library()],
                      extra_compile_args=["-O3"], **OPENBLAS),
     cython_extension("pool", ["pool/pool.pyx", "pool/bfc_pool.c"], extra_compile_args=["-O3"]),
-    cython_extension("lm_step", ["toy_lm/lm_step.pyx", "toy_lm/lm_forward.c"],
-                     libraries=[scipy_openblas32.get_library()], extra_compile_args=["-O3"],
-                     **OPENBLAS),
     cython_extension("llama", ["llama/llama.pyx", "llama/llama_forward.c", "llama/llama_dispatch.c",
                                "common/isa_dispatch.c"],
                      libraries=[name for name, _ in LLAMA_LIBRARIES],
@@ -157,25 +159,9 @@ setup(
         include_path=[COMMON],  # isa_dispatch.pxi
         compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False},
     ),
-    install_requires=[
-        "numpy>=1.24,<2",
-        "onnxruntime>=1.18",
-        "onnx>=1.16",
-        "ml-dtypes>=0.4",
-        "onnx-ir>=1.0",
-        "tritonclient[http,grpc]>=2.51",
-        "protobuf>=4.24",
-        "google-re2>=1.1",
-        "click>=8.1",
-        "PyYAML>=6.0",
-        "pydantic>=2.5",
-        "psutil>=5.9",
-        "scipy-openblas32>=0.3.27",
-        "scipy>=1.10",
-        "threadpoolctl>=3.1",
-    ],
+    install_requires=[r for r in RUNTIME if not r.startswith(SERVER)],
     extras_require={
-        "server": ["nvidia-pytriton==0.7.0"],
+        "server": [r for r in RUNTIME if r.startswith(SERVER)],
         "train": ["torch"],
     },
     entry_points={"console_scripts": ["dspark=dspark.cli.main:main"]},

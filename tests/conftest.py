@@ -15,8 +15,8 @@ LOG_TAIL_LINES = 200
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """The test fixture LM pair's graphs (tests/fixtures/toy_lm), built once from its weights."""
-    from tests.fixtures.toy_lm.build import build_all
+    """The test fixture GGUF pair (tests/fixtures/gguf_pair.py), written and imported once."""
+    from tests.fixtures.gguf_pair import build_all
 
     build_all()
 # Triton's exit timeout for test servers: a fixture's stop exits at once (Triton would otherwise

@@ -5,6 +5,8 @@ Wrapped by dspark.llm.kernel_runtime.KernelRuntime. Every entry point checks its
 raises dspark.errors.RequestError / ConfigError naming the argument: a bad token id, short
 positions or a cache of another shape never reach the C code. One module (~500 lines) because
 it is one extension: the packed matrices, the model and its caches share C declarations."""
+import math
+
 import numpy as np
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t
@@ -91,6 +93,7 @@ cdef extern from "llama_forward.h" nogil:
 FORMATS = {"Q4_0": LLAMA_Q4_0, "Q4_1": LLAMA_Q4_1, "Q8_0": LLAMA_Q8_0, "Q5_0": LLAMA_Q5_0, "Q5_1": LLAMA_Q5_1,
            "Q4_K": LLAMA_Q4_K, "Q5_K": LLAMA_Q5_K, "Q6_K": LLAMA_Q6_K}
 MAX_POSITION = 2 ** 31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def isa_info():
@@ -139,11 +142,12 @@ cdef class PackedMatrix:
     cdef readonly object data
     cdef readonly str fmt
 
-    def __cinit__(self, data, str fmt, size_t n, size_t k):
+    def __cinit__(self, data, str fmt, n, k):
         if fmt not in FORMATS:
             raise ConfigError("fmt", f"{fmt!r} is not one of {sorted(FORMATS)}")
+        n, k = _whole(n, "n"), _whole(k, "k")
         cdef size_t inputs = llama_block_inputs(FORMATS[fmt])
-        if n == 0 or n % 16 or k == 0 or k % inputs:
+        if n <= 0 or n % 16 or k <= 0 or k % inputs:
             raise ConfigError("shape", f"{n} x {k}: need a positive multiple of 16 x {inputs} for {fmt}")
         if n > MAX_ROWS or k > MAX_ROWS:  # row and column indices are int32 in the kernels
             raise ConfigError("shape", f"{n} x {k}: at most {MAX_ROWS} rows and columns")
@@ -210,31 +214,33 @@ cdef class LlamaModel:
     cdef dict keep
     cdef readonly dict config
 
-    def __cinit__(self, dict config, dict weights, int threads=2, isa=None):
+    def __cinit__(self, dict config, dict weights, threads=2, isa=None):
         self.keep = {}
         keys = ("n_layer", "hidden", "ffn", "n_head", "n_kv", "head_dim", "vocab")
         for key in keys + ("rms_eps", "rope_base"):
             if key not in config:
                 raise ConfigError(key, "missing from the model config")
-        cdef size_t n_layer = config["n_layer"], d = config["hidden"], ffn = config["ffn"]
-        cdef size_t nh = config["n_head"], nkv = config["n_kv"], hd = config["head_dim"]
+        # checked as Python numbers: a C parameter would raise a bare OverflowError naming nothing
+        sizes = {key: _whole(config[key], key, 1, MAX_ROWS) for key in keys if key != "vocab"}
+        threads = _whole(threads, "threads", 1, 64)
+        cdef size_t n_layer = sizes["n_layer"], d = sizes["hidden"], ffn = sizes["ffn"]
+        cdef size_t nh = sizes["n_head"], nkv = sizes["n_kv"], hd = sizes["head_dim"]
         if nh == 0 or nkv == 0 or nh % nkv or nh // nkv > 64:
             raise ConfigError("n_kv", f"{nh} heads over {nkv} KV heads: need a divisor, at most 64 heads per KV head")
         if hd == 0 or hd % 64 or hd > 512:
             raise ConfigError("head_dim", f"{hd}: the kernels need a multiple of 64 (at most 512)")
-        if threads < 1 or threads > 64:
-            raise ConfigError("threads", f"{threads}: expected 1..64")
         self.config = dict(config)
         self.model.n_layer, self.model.hidden, self.model.ffn = n_layer, d, ffn
         self.model.n_head, self.model.n_kv, self.model.head_dim = nh, nkv, hd
-        if not 0 < config["vocab"] <= MAX_ROWS:
-            raise ConfigError("vocab", f"{config['vocab']}: expected 1..{MAX_ROWS} (token ids are int32)")
-        self.model.vocab = config["vocab"]
-        self.model.rms_eps, self.model.rope_base = config["rms_eps"], config["rope_base"]
+        self.model.vocab = _whole(config["vocab"], "vocab", 1, MAX_ROWS, " (token ids are int32)")
+        # the GGUF reader checks these too; a caller building the config itself gets the same
+        self.model.rms_eps = _finite(config["rms_eps"], "rms_eps", FLOAT32_MAX, positive=True)
+        self.model.rope_base = _finite(config["rope_base"], "rope_base", positive=True)
         arch = {**ARCH_DEFAULTS, **{k: v for k, v in config.items() if k in ARCH_DEFAULTS}}
         self.model.rope_neox, self.model.ffn_gelu = bool(arch["rope_neox"]), bool(arch["ffn_gelu"])
-        self.model.embed_scale, self.model.rope_base_local = arch["embed_scale"], arch["rope_base_local"]
-        windows = list(arch["windows"] or [0] * n_layer)
+        self.model.embed_scale = _finite(arch["embed_scale"], "embed_scale", FLOAT32_MAX)
+        self.model.rope_base_local = _finite(arch["rope_base_local"], "rope_base_local")
+        windows = [_whole(w, "windows", 0, MAX_POSITION) for w in (arch["windows"] or [0] * n_layer)]
         local = list(arch["local_rope"] or [False] * n_layer)
         if len(windows) != n_layer or len(local) != n_layer:
             raise ConfigError("windows", f"expected one sliding window and local-RoPE flag per layer ({n_layer})")
@@ -346,10 +352,10 @@ cdef class LlamaModel:
             raise RequestError(field, f"token id {bad} is outside the vocabulary [0, {self.model.vocab})")
         return arr.astype(np.int32)
 
-    def cache_shapes(self, size_t capacity):
+    def cache_shapes(self, capacity):
         """(keys shape, values shape) of a cache with room for ``capacity`` rows (slots are
         rounded up to a multiple of 16)."""
-        slots = (capacity + 15) // 16 * 16
+        slots = (_whole(capacity, "capacity", 0, MAX_POSITION) + 15) // 16 * 16
         m = self.model
         return ((m.n_layer, m.n_kv, slots // 16, m.head_dim, 16), (m.n_layer, m.n_kv, slots, m.head_dim))
 
@@ -509,6 +515,27 @@ cdef object _int64s(object value, str field, str what):
     if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.shape[0]):
         raise RequestError(field, f"expected a 1-D sequence of integer {what}, got shape {arr.shape} {arr.dtype}")
     return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _whole(value, str name, lo=0, hi=2**64 - 1, str why=""):
+    """``value`` as a Python int in [lo, hi], or ConfigError naming ``name``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(name, f"{value!r}: expected a whole number in {lo}..{hi}")
+    if not lo <= value <= hi:
+        raise ConfigError(name, f"{value}: expected {lo}..{hi}{why}")
+    return int(value)
+
+
+def _finite(value, str name, limit=float("inf"), bint positive=False):
+    """``value`` as a float, finite, at most ``limit`` in size (and > 0 when ``positive``), or
+    ConfigError naming ``name``: NaN reaches the C code as NaN in every norm and rotation."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ConfigError(name, f"{value!r}: expected a number")
+    number = float(value)
+    if not math.isfinite(number) or abs(number) > limit or (positive and not number > 0):
+        raise ConfigError(name, f"{value!r}: expected a finite {'positive ' if positive else ''}number"
+                                + (f" of at most {limit:g}" if math.isfinite(limit) else ""))
+    return number
 
 
 def _field(where, name):

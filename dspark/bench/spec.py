@@ -94,7 +94,7 @@ def demo_llm_folder(model: str) -> Path:
 
 def run_spec_bench(settings: SpecBenchSettings, log: Callable[[str], None] = lambda _: None) -> BenchResult:
     """Load the model in this process, measure everything the settings ask for, return the result."""
-    from dspark.decoding.models import llm_generator
+    from dspark.triton.models import llm_generator
     from dspark.triton.request_pool import limit_heap_growth
     from dspark.llm.importer import import_source
 

@@ -1,6 +1,9 @@
 """`dspark rollout`: staged model updates (shadow, canary, promotion, automatic rollback) on one
 Triton server or a fleet. The work is done by ``dspark.rollout``; these commands parse options,
-hold the per-model lock and print. Exit status of ``run``/``recover``: 0 promoted, 3 rolled back."""
+hold the per-model lock and print. Exit status of ``run``/``recover``: 0 promoted, 3 rolled back,
+4 no rollout of the model in progress (``recover``, ``rollback``, ``promote``, ``pause``,
+``resume``), 1 any failure (the lock held, a server unreachable, the state file unusable), 2 a
+wrong command line."""
 from __future__ import annotations
 
 import json
@@ -19,6 +22,9 @@ from dspark.rollout.plan import Plan
 from dspark.rollout.state import ModelLock, StateStore, default_state_path
 
 ROLLED_BACK_EXIT = 3
+# distinct from every failure, so the Kubernetes Job starts `run` only when there is truly nothing
+# to recover (exit 1 was both, and a state volume it could not write sent it on to `run`)
+NOTHING_IN_PROGRESS_EXIT = 4
 
 
 def _state_option(function):
@@ -52,7 +58,10 @@ def _fleet_options(function):
 
 
 def _open_state(path: Optional[Path]) -> StateStore:
-    return StateStore(path or default_state_path())
+    try:
+        return StateStore(path or default_state_path())
+    except DsparkError as error:
+        _fail(error)
 
 
 def _fail(error: Exception) -> None:
@@ -110,7 +119,8 @@ def _active(state_path: Optional[Path], model: str):
     state = _open_state(state_path)
     active = state.active(model)
     if active is None:
-        _fail(click.ClickException(f"no rollout of '{model}' in progress"))
+        click.echo(f"no rollout of '{model}' in progress (exit {NOTHING_IN_PROGRESS_EXIT})", err=True)
+        sys.exit(NOTHING_IN_PROGRESS_EXIT)
     return state, active
 
 

@@ -5,7 +5,7 @@ rejection sampler keeps the longest accepted path and adds the target's own next
 What is guessed comes from a ``Proposer`` (``dspark.decoding.proposers``), selected per request
 by ``speculative.method``; how guesses are accepted from ``dspark.decoding.rejection``. Greedy
 acceptance follows the target's argmax, so the output equals plain decoding token for token: the
-target's rows are bit-identical however they are batched (see ``dspark.runtimes.toy_lm.graph`` and
+target's rows are bit-identical however they are batched (see
 ``dspark.llm.kernel_runtime``). Sampled acceptance is lossless speculative sampling.
 
 One request's loop is a ``dspark.decoding.generation.Generation``; ``dspark.decoding.batching``

@@ -125,6 +125,9 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, TensorInfo], mmap.mmap]:
             raise ConfigError(name, f"unknown GGML type {kind}", path) from None
         if any(d < 1 or d > c.size for d in dims) or dims[0] % block:
             raise ConfigError(name, f"dimensions {dims} do not fit a {qtype.name} tensor in this file", path)
+        if offset % alignment:  # GGUF aligns every tensor's data; the kernels read it as aligned blocks
+            raise ConfigError(name, f"data offset {offset} is not a multiple of general.alignment ({alignment}): "
+                              "the tensor table is damaged (its data would be read from the wrong bytes)", path)
         elements = int(np.prod(dims, dtype=np.float64))
         nbytes = elements // block * type_size
         begin = start + offset

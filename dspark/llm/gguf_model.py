@@ -46,7 +46,8 @@ ARCHITECTURES = {
 }
 # Weight types the import takes. F32/F16/BF16 run as Q8_0 blocks, the others as stored
 # (dspark.llm.kernel_runtime.pack_matrix).
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+FLOAT_TYPES = ("F32", "F16", "BF16")
+SUPPORTED_TYPES = (*FLOAT_TYPES, "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 BLOCK_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _MAX_LAYERS = 1024
 _MAX_CONTEXT = 1 << 20
@@ -251,6 +252,17 @@ class GGUFModel:
                                   "from the metadata", self.path)
 
     # -- tensors ----------------------------------------------------------------------------
+    @property
+    def requantized(self) -> dict[str, int]:
+        """How many matrices of each float type (F32, F16, BF16) the kernels run as Q8_0 blocks,
+        quantized when the model loads: the import says so, since outputs then differ from the
+        file's weights by Q8_0's rounding."""
+        counts: dict[str, int] = {}
+        for tensor in self._tensors.values():
+            if len(tensor.shape) == 2 and tensor.type_name in FLOAT_TYPES:
+                counts[tensor.type_name] = counts.get(tensor.type_name, 0) + 1
+        return dict(sorted(counts.items()))
+
     def has(self, name: str) -> bool:
         return name in self._tensors
 

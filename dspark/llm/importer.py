@@ -88,6 +88,7 @@ def import_gguf(gguf: str | Path, out_dir: str | Path, force: bool = False) -> I
 
 # --- a servable model in a repository -------------------------------------------------------------
 LLM_FOLDER = "model"  # the import's folder inside the version folder (parameter llm_model)
+DRAFT_FOLDER = "draft"  # a draft model's import beside it (parameter draft_llm)
 # The speculative backend's model config for an imported LLM (the tensors are the backend's own).
 _SERVING_PARAMETERS = {"default_method": "suffix", "num_speculative_tokens": "4", "tree_width": "4",
                        "intra_op_threads": "2", "max_concurrent_requests": "4", "max_context": "2048",
@@ -144,15 +145,35 @@ def source_gguf(source: str | Path, dest: Path) -> Path:
     raise ConfigError("source", f"package '{source}' holds no .gguf file and no assemble()")
 
 
+def check_same_vocabulary(target: str | Path, draft: str | Path) -> None:
+    """A draft's guesses are token ids the target verifies: refuse a draft GGUF unless it lists
+    the target's tokens with the same ids, in one line naming the first token that differs (or
+    the sizes)."""
+    from dspark.errors import ConfigError
+    from dspark.llm.gguf_model import GGUFModel
+
+    ours, theirs = (GGUFModel(path).vocabulary["tokens"] for path in (target, draft))
+    if len(ours) != len(theirs):
+        raise ConfigError("draft", f"its vocabulary has {len(theirs)} tokens, the target's "
+                          f"({Path(target).name}) {len(ours)}; give a draft of the target's family", draft)
+    for token_id, (mine, other) in enumerate(zip(ours, theirs)):
+        if mine != other:
+            raise ConfigError("draft", f"token {token_id} is {other!r}, in the target "
+                              f"({Path(target).name}) {mine!r}; give a draft of the target's family", draft)
+
+
 def _tensor(triton: dict) -> dict:
     out = {"name": triton["name"], "dtype": triton["data_type"].removeprefix("TYPE_"), "dims": triton["dims"]}
     return {**out, "optional": True} if triton.get("optional") else out
 
 
-def add_llm_model(source: str | Path, name: str, repository: str | Path, force: bool = False) -> ImportResult:
+def add_llm_model(source: str | Path, name: str, repository: str | Path, force: bool = False,
+                  draft: str | Path | None = None) -> ImportResult:
     """Make ``repository/name`` a servable model of the speculative backend for the GGUF that
     ``source`` names (see :func:`source_gguf`): modelspec.yaml and config.pbtxt (Triton's schema),
-    version 1 holding the import (and the GGUF when it came out of a wheel file or was assembled)."""
+    version 1 holding the import (and the GGUF when it came out of a wheel file or was assembled).
+    ``draft``: a draft model's GGUF (same vocabulary, checked first), imported beside it and named
+    by the ``draft_llm`` parameter (methods ``draft`` and ``tree``)."""
     from dspark.repository import atomic
     from dspark.repository.modelspec import CONFIG_FILENAME, SPEC_FILENAME, ModelSpec, check_model_name
     from dspark.tensors import GENERATE_INPUTS, GENERATE_OUTPUTS
@@ -161,7 +182,12 @@ def add_llm_model(source: str | Path, name: str, repository: str | Path, force: 
     directory = Path(repository) / name
     folder = directory / "1" / LLM_FOLDER
     gguf = source_gguf(source, folder)
+    draft_gguf = source_gguf(draft, directory / "1" / DRAFT_FOLDER) if draft is not None else None
+    if draft_gguf is not None:
+        check_same_vocabulary(gguf, draft_gguf)  # before anything is written
     result = import_gguf(gguf, folder, force=force)
+    if draft_gguf is not None:
+        import_gguf(draft_gguf, directory / "1" / DRAFT_FOLDER, force=force)
     spec_path = directory / SPEC_FILENAME
     spec = ModelSpec.load(spec_path) if spec_path.is_file() else ModelSpec.from_dict({
         "name": name, "framework": "python", "backend": "speculative", "decoupled": True,
@@ -170,6 +196,8 @@ def add_llm_model(source: str | Path, name: str, repository: str | Path, force: 
         "inputs": [_tensor(t) for t in GENERATE_INPUTS], "outputs": [_tensor(t) for t in GENERATE_OUTPUTS],
         "instance_groups": [{"kind": "CPU", "count": 1}],
         "parameters": {"llm_model": LLM_FOLDER, **_SERVING_PARAMETERS}})
+    if draft_gguf is not None:
+        spec.parameters["draft_llm"] = DRAFT_FOLDER
     atomic.write_text(spec_path, yaml.safe_dump(spec.to_dict(), sort_keys=False), only_if_changed=True)
     atomic.write_text(directory / CONFIG_FILENAME, spec.config_text(), only_if_changed=True)
     return result

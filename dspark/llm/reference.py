@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspark.llm.gguf_model import GGUFModel
-
-# Types the kernels take as Q8_0 blocks produced by quantizing the dequantized weights.
-_REQUANTIZED = ("F32", "F16", "BF16")
+from dspark.llm.gguf_model import FLOAT_TYPES, GGUFModel
 
 
 def int8_blocks(x: np.ndarray) -> np.ndarray:
@@ -33,7 +30,7 @@ def kernel_matrix(model: GGUFModel, name: str) -> np.ndarray:
 
     value = model.dequantized(name)
     kind = model.tensor_type(name)
-    if kind in _REQUANTIZED:
+    if kind in FLOAT_TYPES:  # the kernels quantize these to Q8_0 blocks
         q8 = GGMLQuantizationType.Q8_0
         value = dequantize(quantize(value, q8), q8).reshape(value.shape)
     return value.astype(np.float64)

@@ -56,8 +56,9 @@ def _special_tokens(tokens: Sequence[str], token_types: Sequence[int]):
 
 
 def build_hf_tokenizer(tokens: Sequence[str], token_types: Sequence[int], merges: Sequence[str],
-                       pre: str = "default"):
-    """An HF ``tokenizers.Tokenizer`` for a GGUF ``gpt2`` vocabulary (see module docstring)."""
+                       pre: str = "default", path: Path | None = None):
+    """An HF ``tokenizers.Tokenizer`` for a GGUF ``gpt2`` vocabulary (see module docstring);
+    errors name ``path``, the GGUF file."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {token: i for i, token in enumerate(tokens)}
@@ -65,7 +66,7 @@ def build_hf_tokenizer(tokens: Sequence[str], token_types: Sequence[int], merges
     try:
         tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False))
     except Exception as exc:  # tokenizers raises plain Exception for merges outside the vocabulary
-        raise ConfigError("tokenizer.ggml.merges", f"not usable with tokenizer.ggml.tokens ({exc})") from None
+        raise ConfigError("tokenizer.ggml.merges", f"not usable with tokenizer.ggml.tokens ({exc})", path) from None
     if pre in _PRE_REGEX:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(_PRE_REGEX[pre]), behavior="isolated"),
@@ -76,7 +77,7 @@ def build_hf_tokenizer(tokens: Sequence[str], token_types: Sequence[int], merges
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
     else:
         raise ConfigError("tokenizer.ggml.pre", f"pre-tokenizer '{pre}' is not implemented "
-                          f"(known: {', '.join(sorted(set(_PRE_REGEX) | set(_GPT2_PRE)))})")
+                          f"(known: {', '.join(sorted(set(_PRE_REGEX) | set(_GPT2_PRE)))})", path)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(_special_tokens(tokens, token_types))
     return tok
@@ -100,7 +101,7 @@ class LlamaTokenizer(Tokenizer):
         """From a :class:`dspark.llm.gguf_model.GGUFModel`."""
         v, cfg = model.vocabulary, model.config
         if v["model"] == "gpt2":
-            tok = build_hf_tokenizer(v["tokens"], v["types"], v["merges"], v["pre"])
+            tok = build_hf_tokenizer(v["tokens"], v["types"], v["merges"], v["pre"], model.path)
         else:
             tok = SentencePieceBPE(v["tokens"], v["scores"], v["types"], v["add_space_prefix"])
         # SentencePiece models are trained with BOS first; byte-level BPE models here are not

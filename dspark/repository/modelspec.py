@@ -32,6 +32,10 @@ SemVer = Annotated[str, Field(pattern=SEMVER_PATTERN)]
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$"
 ModelName = Annotated[str, Field(pattern=MODEL_NAME_PATTERN)]
 STRICT = ConfigDict(extra="forbid")
+# A spec or config is a few kB; parsing is pure Python (a 50 MB modelspec took 48 s and 185 MB),
+# and every nesting level of YAML is a Python call, so both are capped before and while parsing
+MAX_FILE_BYTES = 256 * 1024
+MAX_NESTING = 64
 
 
 @dataclass(frozen=True)
@@ -196,9 +200,11 @@ class ModelSpec:
     @classmethod
     def load(cls, path: Path) -> "ModelSpec":
         try:
-            data = yaml.safe_load(read_text(path))
+            data = yaml.load(read_text(path), Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader)
+        except _TooDeep as error:
+            raise SpecError("", str(error), path) from None
         except yaml.YAMLError as error:
-            raise SpecError("", f"not valid YAML: {error}", path) from None
+            raise SpecError("", f"not valid YAML: {one_line(str(error))}", path) from None
         if not isinstance(data, dict):
             raise SpecError("", "must be a mapping of ModelSpec fields", path)
         try:
@@ -379,7 +385,7 @@ def parse_config_text(text: str, path: Optional[Path] = None) -> mc.ModelConfig:
     try:
         text_format.Parse(text, config)
     except text_format.ParseError as error:
-        raise SpecError("", str(error), path) from None
+        raise SpecError("", one_line(str(error)), path) from None
     return config
 
 
@@ -387,9 +393,43 @@ def load_config(path: Path) -> mc.ModelConfig:
     return parse_config_text(read_text(path), path)
 
 
+def one_line(message: str, limit: int = 300) -> str:
+    """A parser's message as one line of at most about ``limit`` characters (protobuf quotes the
+    whole offending line, which may be the whole file)."""
+    message = " ".join(message.split())
+    return message if len(message) <= limit else f"{message[:limit - 60]} ... {message[-50:]}"
+
+
+class _TooDeep(Exception):
+    pass
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """safe_load's loader, refusing nesting deeper than MAX_NESTING (100,000 nested brackets
+    were a RecursionError)."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        if self._depth >= MAX_NESTING:
+            mark = self.peek_event().start_mark
+            raise _TooDeep(f"nests lists or mappings deeper than {MAX_NESTING} levels (line {mark.line + 1}, "
+                           f"column {mark.column + 1}): a model spec needs a few")
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
 def read_text(path: Path) -> str:
-    """A repository file's text; SpecError naming the file and the first bad byte if it is not UTF-8."""
-    data = Path(path).read_bytes()
+    """A repository file's text; SpecError naming the file if it is larger than MAX_FILE_BYTES,
+    or the first bad byte if it is not UTF-8."""
+    with Path(path).open("rb") as handle:
+        data = handle.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise SpecError("", f"is larger than {MAX_FILE_BYTES // 1024} KiB, the most a model's spec or config "
+                            "may be (they are a few kB; weights belong in the version folders)", path)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:

@@ -65,6 +65,15 @@ def model_dirs(repository: Path) -> list[Path]:
                   if p.is_dir() and ((p / CONFIG_FILENAME).exists() or (p / SPEC_FILENAME).exists()))
 
 
+def _check_inside(repository: Path, path: Path) -> None:
+    """SpecError if ``path`` (a model folder or one of its files) is a link that leads out of
+    the repository: dspark would read, or write, someone else's files through it."""
+    target = Path(path).resolve()
+    if not target.is_relative_to(Path(repository).resolve()):
+        raise SpecError("", f"is a link to {target}, outside the repository: replace it with the model's "
+                            f"{'folder' if target.is_dir() else 'file'}", path)
+
+
 def init_repository(repository: Path) -> list[Path]:
     """Create the folder, and adopt each model that has a config.pbtxt but no modelspec.yaml.
 
@@ -75,6 +84,7 @@ def init_repository(repository: Path) -> list[Path]:
     repository.mkdir(parents=True, exist_ok=True)
     written = []
     for directory in model_dirs(repository):
+        _check_inside(repository, directory)
         spec_path = directory / SPEC_FILENAME
         if spec_path.exists():
             continue
@@ -117,10 +127,7 @@ def add_version(repository: Path, name: str, artifact: Path, semver: str,
         raise SpecError("artifact", f"{artifact} does not exist")
     semver_key(semver)
     directory = Path(repository) / name
-    target = directory.resolve()
-    if not target.is_relative_to(Path(repository).resolve()):
-        raise SpecError("", f"is a link to {target}, outside the repository: replace it with the model's "
-                            "folder", directory)
+    _check_inside(repository, directory)
     spec_path = directory / SPEC_FILENAME
     if spec_path.exists():
         spec = ModelSpec.load(spec_path)
@@ -166,6 +173,7 @@ def sync(repository: Path, names: Sequence[str] = ()) -> list[Path]:
     for directory in model_dirs(repository):
         if names and directory.name not in names:
             continue
+        _check_inside(repository, directory)
         spec_path = directory / SPEC_FILENAME
         if spec_path.exists():
             (directory / CONFIG_FILENAME).write_text(ModelSpec.load(spec_path).config_text())
@@ -180,15 +188,22 @@ def load_entries(repositories: Iterable[Path]) -> tuple[list[ModelEntry], list[P
             problems.append(Problem(Path(repository), "", "repository folder does not exist"))
             continue
         for directory in model_dirs(repository):
+            try:
+                _check_inside(repository, directory)
+            except SpecError as error:
+                problems.append(Problem(error.path, error.field, error.reason + " (not read)"))
+                continue
             spec = config = None
             try:
                 if (directory / SPEC_FILENAME).exists():
+                    _check_inside(repository, directory / SPEC_FILENAME)
                     spec = ModelSpec.load(directory / SPEC_FILENAME)
             except SpecError as error:
                 problems.append(Problem(error.path or directory, error.field, error.reason))
             config_path = directory / CONFIG_FILENAME
             try:
                 if config_path.exists():
+                    _check_inside(repository, config_path)
                     config = load_config(config_path)
                 elif spec is not None:
                     problems.append(Problem(config_path, "", "missing: run `dspark repo sync` to write it"))

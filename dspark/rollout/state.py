@@ -77,6 +77,12 @@ HEARTBEAT_S = 2.0
 MISSED_BEATS = 2  # a lease this many intervals old belongs to a dead controller
 
 
+# what to do about a state path this user cannot write
+_WRITABLE_FIX = ("give the pod securityContext.fsGroup (deploy/k8s/rollout-job.yaml sets 10001, the image's "
+                 "user), chown the folder to this user, or point --state / $DSPARK_ROLLOUT_STATE at a "
+                 "writable path")
+
+
 def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
 
@@ -147,17 +153,40 @@ def heartbeat_interval() -> float:
     return value
 
 
+def _check_writable(path: Path) -> None:
+    """ConfigError in one line unless this user can write ``path`` and its folder: SQLite (WAL)
+    and the model locks create files beside it. A volume whose root is root-owned 0755, as block
+    storage usually is, mounted in a pod that runs as uid 10001 without ``fsGroup``, made the
+    Job's `recover` die with sqlite3's "unable to open database file" traceback."""
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError("state", f"cannot create the rollout state folder ({error.strerror}): "
+                                   f"{_WRITABLE_FIX}", folder) from None
+    for where in (folder, path):
+        if where.exists() and not os.access(where, os.W_OK | (os.X_OK if where.is_dir() else 0)):
+            info = where.stat()
+            raise ConfigError("state", f"the rollout state {'folder' if where.is_dir() else 'file'} is not "
+                                       f"writable by uid {os.geteuid()} (owner uid {info.st_uid}, gid "
+                                       f"{info.st_gid}, mode {info.st_mode & 0o7777:04o}): {_WRITABLE_FIX}",
+                              where)
+
+
 class StateStore:
     """Rollouts, events and commands in SQLite (WAL; each call is its own committed transaction)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(SCHEMA)
+        _check_writable(self.path)
+        try:
+            self._db = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(SCHEMA)
+        except sqlite3.DatabaseError as error:  # not a database, damaged, locked past the timeout
+            raise ConfigError("state", f"cannot open the rollout state file: {error}", self.path) from None
 
     def close(self) -> None:
         self._db.close()

@@ -45,6 +45,9 @@ MAX_WEIGHT = 1_000_000.0
 MAX_FACTOR = 100.0  # fluctuation.max: base x (1 + f) stays finite for any weight
 MAX_INFLIGHT = 256  # lane threads: up to 2 x max_inflight + headroom of them
 MAX_ROUTING_BYTES = 64 * 1024
+# the config version is exported as a gauge (a double), which rollouts compare to confirm a step:
+# above 2**53 - 1 neighbouring versions round to one value, and a huge one fails the update
+MAX_CONFIG_VERSION = 2**53 - 1
 
 # YAML gives numbers their own types: strict types keep `2.7` from becoming 2 and `true` from 1.0
 Positive = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
@@ -55,7 +58,6 @@ NonNegativeMs = Annotated[float, Strict(), Field(ge=0, le=MAX_MS, allow_inf_nan=
 Seconds = Annotated[float, Strict(), Field(gt=0, le=MAX_S, allow_inf_nan=False)]
 Percent = Annotated[float, Strict(), Field(ge=0, le=100, allow_inf_nan=False)]
 Count = Annotated[int, Strict(), Field(gt=0)]
-NonNegativeInt = Annotated[int, Strict(), Field(ge=0)]
 SlotCount = Annotated[int, Strict(), Field(ge=0, le=MAX_INFLIGHT)]
 _FIELDS = ConfigDict(extra="forbid")
 
@@ -138,7 +140,8 @@ class RoutingConfig:
     # left (a rollout's canary steps name the current version: a failing canary is answered by
     # it); the failure still counts against its version. None: the client gets the failure
     fallback_version: Optional[Annotated[int, Strict()]] = None
-    version: NonNegativeInt = 0  # bumped by `dspark route set`; exported as a metric to confirm a reload
+    # bumped by `dspark route set`; exported as a metric to confirm a reload
+    version: Annotated[int, Strict(), Field(ge=0, le=MAX_CONFIG_VERSION)] = 0
     # fast path: when nothing is queued and a slot is free, execute calls the target itself,
     # but only while the target's recent latency (EWMA) is at most this; 0 turns it off
     inline_max_ms: NonNegativeMs = 5.0
@@ -290,6 +293,10 @@ def update_routing(path: Path, allowed_versions: set[int] | None = None, **chang
     validate against ``allowed_versions`` and save. Raises ConfigError (nothing written)."""
     path = Path(path)
     current = load_routing(path, allowed_versions) if path.exists() else RoutingConfig()
+    if current.version >= MAX_CONFIG_VERSION:
+        raise ConfigError("version", f"is {current.version}, the highest a routing version may be (2**53 - 1, "
+                                     "the largest a metric holds exactly): write a lower version into the file "
+                                     "(the router applies any valid one)", path)
     try:
         new = replace(current, version=current.version + 1, **changes)
     except TypeError as exc:  # a field name that does not exist

@@ -2,9 +2,8 @@
 a KV cache per request and a forward pass over new rows, with what the runtime can do declared as
 typed members, not probed.
 
-Runtimes: ``dspark.llm.kernel_runtime.KernelRuntime`` (a GGUF LLM on dspark's C kernels) and
-the small test-fixture LM pair of ``dspark.runtimes.toy_lm.runtime``; ``Tokenizer``: what the text generator
-needs of a tokenizer.
+Runtime: ``dspark.llm.kernel_runtime.KernelRuntime`` (a GGUF LLM on dspark's C kernels, the
+target and a draft model alike); ``Tokenizer``: what the text generator needs of a tokenizer.
 """
 from __future__ import annotations
 
@@ -66,8 +65,7 @@ class TargetRuntime(Protocol):
 
 
 class Tokenizer(Protocol):
-    """What the generator needs of a tokenizer (``dspark.llm.tokenizer.LlamaTokenizer``, the
-    test fixture's ``dspark.runtimes.toy_lm.tokenizer.BPETokenizer``)."""
+    """What the generator needs of a tokenizer (``dspark.llm.tokenizer.LlamaTokenizer``)."""
 
     chat_template: Optional[str] = None  # the model's chat format; None: it cannot chat
     chat_stop: tuple[str, ...] = ()  # stop strings every chat reply gets from that format

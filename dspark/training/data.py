@@ -110,7 +110,7 @@ def vocab(args) -> None:
     """FR-Spec: the draft head covers the tokens the target emits most often. Counted over the
     target's answers (weight `--answer-weight`) plus the training corpus, whose counts rank
     the long tail that the gathered answers are too few to rank."""
-    from dspark.decoding.corpus import split_documents
+    from dspark.training.corpus import split_documents
 
     seqs = load_data()
     answers = np.zeros(49152, dtype=np.int64)

@@ -2,7 +2,7 @@
 
 The drafter learns to predict what the TARGET says, so training sequences are these prompts
 followed by the target's own answers (self-distillation, dspark.training.data.gather). Text
-comes only from what every CPython install carries (dspark.decoding.corpus, its TRAIN split:
+comes only from what every CPython install carries (dspark.training.corpus, its TRAIN split:
 the held-out documents stay unseen) plus the templates below; `heldout_prompts` builds the
 evaluation set from the held-out split and from questions no training template produces.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import re
 
-from dspark.decoding.corpus import Document, split_documents
+from dspark.training.corpus import Document, split_documents
 
 SUBJECTS = """photosynthesis|black holes|the water cycle|plate tectonics|vaccines|the immune system|
 inflation in economics|compound interest|the French Revolution|the Roman Empire|the printing press|

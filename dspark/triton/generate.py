@@ -15,54 +15,39 @@ from typing import Optional
 
 import numpy as np
 
-from dspark.decoding.models import llm_generator, toy_generator
 from dspark.decoding.request import parse_generate_options, parse_messages
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.decoding.stats import DecodeStats
 from dspark.decoding.text import TextGenerator
 from dspark.errors import ConfigError, RequestError, UnavailableError
 from dspark.llm.importer import STAMP_FILE
+from dspark.triton.models import llm_generator
 from dspark.triton.params import SpeculativeParameters
 
 InputReader = Callable[[str], Optional[np.ndarray]]  # a request's input tensor by name, None if absent
 
 
-def _model_file(repository: Path, name: str) -> Path:
-    """A sibling model's graph (``name``), or a model folder given relative to this one."""
-    folder = repository / name if "/" in name else repository.parent / name
-    return (folder / "1" / "model.onnx").resolve()
+def _imported(version_dir: Path, parameter: str, name: str) -> Path:
+    """An imported LLM's folder (relative to the version folder), or ConfigError naming the parameter."""
+    folder = version_dir / name
+    if not (folder / STAMP_FILE).is_file():
+        raise ConfigError(f"parameter '{parameter}'", f"{folder}/{STAMP_FILE} does not exist: run "
+                          "`make setup` (it imports the demo models) or `dspark llm import`")
+    return folder
 
 
 def build_generator(settings: SpeculativeParameters, repository: Path, version: str) -> tuple[TextGenerator, str]:
     """The generator ``settings`` name, and a few words saying what it serves (for the log)."""
     version_dir = repository / version
-    if settings.llm_model:
-        folder = version_dir / settings.llm_model
-        # the kernels read the GGUF the import names
-        if not (folder / STAMP_FILE).is_file():
-            raise ConfigError("parameter 'llm_model'", f"{folder}/{STAMP_FILE} does not exist: run "
-                              "`make setup` (it imports the model) or `dspark llm import`")
-        generator = llm_generator(folder, settings.intra_op_threads, settings.max_context or None,
-                                  settings.batch_verification)
-        served = f"llm={settings.llm_model} runtime={settings.llm_runtime}"
-    else:
-        if not settings.target_model:
-            raise ConfigError("parameter 'target_model'", "give llm_model (an imported LLM) or "
-                              "target_model (an LM pair in dspark's graph format)")
-        target = _model_file(repository, settings.target_model)
-        draft = _model_file(repository, settings.draft_model) if settings.draft_model else None
-        tokenizer = version_dir / settings.tokenizer
-        for path in (target, draft, tokenizer):
-            if path is not None and not path.is_file():
-                raise ConfigError("parameters", f"{path} does not exist: run `make setup` (it "
-                                                "builds the models) or fix the model's parameters")
-        generator = toy_generator(target, draft, tokenizer, settings.intra_op_threads, settings.draft_runtime,
-                                  settings.batch_verification, settings.max_context or None)
-        served = f"target={settings.target_model} draft={settings.draft_model or 'none'}"
+    folder = _imported(version_dir, "llm_model", settings.llm_model)
+    draft = _imported(version_dir, "draft_llm", settings.draft_llm) if settings.draft_llm else None
+    generator = llm_generator(folder, settings.intra_op_threads, settings.max_context or None,
+                              settings.batch_verification, draft=draft)
+    served = f"llm={settings.llm_model} draft={settings.draft_llm or 'none'}"
     if settings.default_method not in generator.engine.methods:
         raise ConfigError("parameter 'default_method'",
                           f"{settings.default_method!r} is not one of this model's methods "
-                          f"{generator.engine.methods} (a draft method needs draft_model)")
+                          f"{generator.engine.methods} (a draft method needs draft_llm)")
     return generator, served
 
 

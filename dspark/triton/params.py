@@ -42,21 +42,16 @@ class FusedTransformerParameters(ConfigParameters):
 class SpeculativeParameters(ConfigParameters):
     """backends/speculative: the model it serves, its speculative defaults, the request pool."""
 
-    # a real LLM imported by `dspark llm import`: its folder, relative to the version folder;
-    # when set, target_model/draft_model/tokenizer (an LM pair in dspark's own graph format) are unused
-    llm_model: str = ""
-    # what runs the imported LLM: dspark's C kernels over the GGUF's blocks (the ONNX Runtime graph
-    # they replaced was 3-4x slower, docs/llm.md)
-    llm_runtime: Literal["kernel"] = "kernel"
-    target_model: str = ""
-    draft_model: str = ""  # none
-    tokenizer: str = "tokenizer.json"
+    # a real LLM imported by `dspark llm import`: its folder, relative to the version folder
+    llm_model: str = Field(min_length=1)
+    # a draft LLM of the same vocabulary (another imported folder, relative to the version
+    # folder), for the methods draft and tree; none: those methods are not offered
+    draft_llm: str = ""
     default_method: str = "hybrid"
     num_speculative_tokens: int = Field(4, ge=1, le=16)
     tree_width: int = Field(4, ge=1, le=8)
     intra_op_threads: int = Field(2, ge=1, le=256)
     stream_interval_ms: int = Field(10, ge=0, le=10_000)
-    draft_runtime: Literal["kernel", "onnxruntime"] = "kernel"
     max_concurrent_requests: int = Field(4, ge=1, le=256)
     max_queued_requests: int = Field(16, ge=0, le=100_000)
     max_queue_wait_ms: int = Field(30_000, ge=0)

@@ -33,7 +33,7 @@ def test_served_pass_keeps_each_prompts_text_in_order_with_its_timings(triton_se
 def test_interleaved_pass_serves_and_runs_each_prompt_in_process(triton_server):
     """Concurrency 1 with the in-process reference interleaved: the served text of each prompt
     is the in-process text, and both times cover every request."""
-    from dspark.decoding.models import llm_generator
+    from dspark.triton.models import llm_generator
     from dspark.decoding.sampling import SamplingParams, SpeculativeParams
     from dspark.paths import project_root
 

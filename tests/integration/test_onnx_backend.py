@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -141,45 +142,57 @@ def test_backend_metrics_reach_the_metrics_endpoint(triton_server):
     assert _counter(triton_server, "dspark_onnx_batches_total", "mlp_classifier") == before + 1
 
 
+def write_shaped_graph(folder: Path) -> None:
+    """A model whose graph names its dimensions: ``scores = (tokens + positions) + keys``, tokens
+    and positions of length T, keys of length S (that S must equal T the graph does not declare)."""
+    from onnx import TensorProto, helper
+
+    from dspark.repository.modelspec import ModelSpec
+
+    def tensor(name: str, dim: str):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, dim])
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["tokens", "positions"], ["summed"]),
+         helper.make_node("Add", ["summed", "keys"], ["scores"])], "shaped",
+        [tensor("tokens", "T"), tensor("positions", "T"), tensor("keys", "S")], [tensor("scores", "T")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (folder / "1").mkdir(parents=True)
+    onnx.save(model, str(folder / "1" / "model.onnx"))
+    spec = ModelSpec.from_dict({"name": folder.name, "framework": "onnx", "max_batch_size": 0,
+                                "versions": [{"semver": "1.0.0", "folder": 1, "artifact": "model.onnx"}],
+                                "instance_groups": [{"kind": "CPU", "count": 1}]})
+    (folder / "config.pbtxt").write_text(spec.config_text())
+
+
 @pytest.fixture(scope="module")
-def toy_graph_server(request):
-    """The test fixture LM's target graph (tests/spec_toy_repository/spec_target) on the onnx backend."""
-    with serving(request, [project_root() / "tests" / "spec_toy_repository"], model_control="explicit",
-                 load_models=("spec_target",)) as server:
+def shaped_graph_server(request, tmp_path_factory):
+    """A graph with named dimensions (write_shaped_graph) on the onnx backend."""
+    repository = tmp_path_factory.mktemp("onnx_repository")
+    write_shaped_graph(repository / "shaped")
+    with serving(request, [repository]) as server:
         yield server
 
 
-def spec_target_inputs(server, tokens: int, keys: int, past: int, positions: int | None = None) -> dict:
-    """Inputs of the speculative target graph: T new tokens, S key positions (S = P + T), P cached rows."""
-    metadata = httpclient.InferenceServerClient(server.http_url).get_model_metadata("spec_target")
-    arrays = {"input_ids": np.zeros((1, tokens), np.int64), "positions": np.arange(positions or tokens)[None],
-              "key_positions": np.arange(keys)[None], "attention_mask": np.ones((1, tokens, keys), bool)}
-    for tensor in metadata["inputs"]:
-        if tensor["name"].startswith("past_"):
-            arrays[tensor["name"]] = np.zeros([1, past, *tensor["shape"][2:]], np.float32)
-    return arrays
-
-
-DATATYPES = {np.dtype(np.int64): "INT64", np.dtype(np.bool_): "BOOL", np.dtype(np.float32): "FP32"}
+def shaped_inputs(tokens: int, keys: int, positions: int | None = None) -> dict:
+    return {"tokens": np.ones((1, tokens), np.float32), "positions": np.ones((1, positions or tokens), np.float32),
+            "keys": np.ones((1, keys), np.float32)}
 
 
 @pytest.mark.parametrize("shapes, words", [
-    ({"tokens": 3, "keys": 5, "past": 2, "positions": 4},
-     ["input tensors 'input_ids' and 'positions': disagree on dimension 'T'", "input_ids has 3, positions has 4"]),
-    ({"tokens": 3, "keys": 7, "past": 2},
-     ["input tensors 'input_ids', 'positions', 'key_positions', 'attention_mask' and 12 more",
-      "inconsistent with each other (sizes T=3, S=7, P=2)", "broadcast"]),
+    ({"tokens": 3, "keys": 3, "positions": 4},
+     ["input tensors 'tokens' and 'positions': disagree on dimension 'T'", "tokens has 3, positions has 4"]),
+    ({"tokens": 3, "keys": 7},
+     ["input tensors 'tokens', 'positions', 'keys': are inconsistent with each other (sizes T=3, S=7)",
+      "broadcast"]),
 ], ids=["named-dim", "undeclared-relation"])
-def test_inputs_inconsistent_with_each_other_get_invalid_arg_naming_them(toy_graph_server, shapes, words):
+def test_inputs_inconsistent_with_each_other_get_invalid_arg_naming_them(shaped_graph_server, shapes, words):
     """Each tensor passes Triton's own check; together they do not fit the graph."""
-    triton_server = toy_graph_server
-    arrays = spec_target_inputs(triton_server, **shapes)
-    datatypes = {name: DATATYPES[array.dtype] for name, array in arrays.items()}
     with pytest.raises(InferenceServerException) as raised:
-        http_infer(triton_server, "spec_target", arrays, datatypes)
+        http_infer(shaped_graph_server, "shaped", shaped_inputs(**shapes))
     assert raised.value.status() == "400", raised.value
     for word in words:
         assert word in str(raised.value)
-    good = spec_target_inputs(triton_server, tokens=3, keys=5, past=2)
-    logits = http_infer(triton_server, "spec_target", good, {n: DATATYPES[a.dtype] for n, a in good.items()})
-    assert logits.as_numpy("logits").shape == (3, 1024)
+    scores = http_infer(shaped_graph_server, "shaped", shaped_inputs(tokens=3, keys=3)).as_numpy("scores")
+    np.testing.assert_array_equal(scores, np.full((1, 3), 3.0, np.float32))

@@ -249,7 +249,7 @@ def test_a_config_that_cannot_serve_its_default_method_fails_the_load(server):
     url = f"http://{server.http_url}/v2/repository/models/{ONE}/load"
     original = requests.get(f"http://{server.http_url}/v2/models/{ONE}/config", timeout=10).json()
     config = json.loads(json.dumps(original))
-    config["parameters"].update({"draft_model": {"string_value": ""}, "default_method": {"string_value": "draft"}})
+    config["parameters"].update({"draft_llm": {"string_value": ""}, "default_method": {"string_value": "draft"}})
     reply = requests.post(url, json={"parameters": {"config": json.dumps(config)}}, headers=server.repository_headers, timeout=120)
     assert reply.status_code == 400
     assert "parameter 'default_method': 'draft' is not one of this model's methods" in reply.text

@@ -11,9 +11,6 @@ import numpy as np
 import pytest
 
 from dspark._ext import fused as ext_fused
-from dspark._ext.lm_step import LMStep
-from dspark.runtimes.toy_lm.runtime import KVCache, KernelLM
-from dspark.runtimes.toy_lm.graph import LMConfig, build_lm_onnx, random_weights
 from dspark.kernels.fused import FusedLNGeluMatMul, ln_gelu, sgemm
 from dspark.kernels.pool import MemoryPool, PoolError
 
@@ -145,93 +142,6 @@ def test_pool_has_no_raw_handle_api():
     assert pool.stats().bytes_in_use == 0
 
 
-# --- dspark._ext.lm_step and KernelLM -----------------------------------------------------------
-
-CFG = LMConfig(n_layer=2, d_model=16, n_head=2, vocab=12, ctx=32)
-OTHER = LMConfig(n_layer=2, d_model=16, n_head=4, vocab=12, ctx=32)
-
-
-@pytest.fixture(scope="module")
-def kernel_lm():
-    return KernelLM(build_lm_onnx(random_weights(CFG), CFG))
-
-
-@pytest.fixture(scope="module")
-def step_weights():
-    from onnx import numpy_helper
-
-    model = build_lm_onnx(random_weights(CFG), CFG)
-    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-
-
-@pytest.mark.parametrize("change, argument", [
-    (dict(n_head=0), "n_head"), (dict(n_head=3), "n_head"), (dict(n_layer=0), "n_layer"),
-    (dict(n_layer=3), "weights: missing 'h2."), (dict(vocab=13), "weights\\['tok_emb'\\]"),
-])
-def test_lm_step_checks_its_config_against_the_weights(step_weights, change, argument):
-    args = dict(n_layer=CFG.n_layer, n_head=CFG.n_head, vocab=CFG.vocab) | change
-    with pytest.raises(ValueError, match=f"^{argument}"):
-        LMStep(step_weights, args["n_layer"], args["n_head"], args["vocab"])
-
-
-def test_lm_step_names_a_wrong_weight_shape(step_weights):
-    weights = dict(step_weights) | {"h1.fc.b": np.zeros(3, np.float32)}
-    with pytest.raises(ValueError, match=r"^weights\['h1.fc.b'\]: expected shape \(64,\)"):
-        LMStep(weights, CFG.n_layer, CFG.n_head, CFG.vocab)
-
-
-def _step_call(lm: KernelLM, cache: KVCache, **change):
-    t, length = 2, cache.length
-    args = dict(keys=cache.keys, values=cache.values, tokens=np.array([1, 2], np.int64),
-                positions=np.array([length, length + 1], np.int64), mask=np.ones((t, length + t), np.uint8),
-                length=length, key_positions=np.arange(length + t, dtype=np.int64),
-                logits=np.empty((t, CFG.vocab), np.float32)) | change
-    lm._step.forward(*args.values())
-
-
-@pytest.mark.parametrize("change, argument", [
-    (dict(tokens=np.array([1, 12], np.int64)), "tokens: id 12"),
-    (dict(tokens=np.array([-1, 2], np.int64)), "tokens: id -1"),
-    (dict(tokens=np.array([], np.int64)), "tokens"),
-    (dict(positions=np.array([0], np.int64)), "positions"),
-    (dict(key_positions=np.arange(1, dtype=np.int64)), "key_positions"),
-    (dict(mask=np.ones((2, 1), np.uint8)), "mask"),
-    (dict(logits=np.empty((2, 5), np.float32)), "logits"),
-    (dict(length=40, key_positions=np.arange(42, dtype=np.int64), mask=np.ones((2, 42), np.uint8)), "length"),
-    (dict(length=HUGE), "length"),
-    (dict(keys=[]), "keys"),
-])
-def test_lm_step_forward_names_the_bad_argument(kernel_lm, change, argument):
-    cache = kernel_lm.new_cache(8)  # 8 + 32 padding slots
-    with pytest.raises(ValueError, match=f"^{argument}"):
-        _step_call(kernel_lm, cache, **change)
-
-
-@pytest.mark.parametrize("tokens, positions, argument", [
-    ([3, 12], [0, 1], "tokens: id 12 at 1 is outside 0..11"),
-    ([3, -1], [0, 1], "tokens: id -1 at 1"),
-    ([3, 4, 5], [0, 1], "positions"),
-    ([3, 4, 5], [0], "positions"),
-])
-def test_kernel_lm_forward_refuses_bad_tokens_and_positions_and_keeps_the_cache(kernel_lm, tokens, positions, argument):
-    cache = kernel_lm.new_cache()
-    kernel_lm.forward(cache, [1, 2], [0, 1])
-    with pytest.raises(ValueError, match=f"^{argument}"):
-        kernel_lm.forward(cache, tokens, positions)
-    assert cache.length == 2
-    assert kernel_lm.forward(cache, [3], [2]).shape == (1, CFG.vocab)
-
-
-def test_kernel_lm_refuses_a_cache_built_for_another_model(kernel_lm):
-    foreign = KVCache.allocate(OTHER, 16)
-    with pytest.raises(ValueError, match=r"^keys\[0\]: expected .*\(1, slots, 2, 8\), got float32 \(1, 48, 4, 4\) \(a cache made for"):
-        kernel_lm.forward(foreign, [1, 2], [0, 1])
-    strided = kernel_lm.new_cache(16)
-    strided.keys[0] = strided.keys[0][:, ::2]
-    with pytest.raises(ValueError, match=r"^keys\[0\]: expected a writeable C-order float32"):
-        kernel_lm.forward(strided, [1], [0])
-
-
 # --- dspark._ext.llama -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("n,k", [(2**63, 32), (16, 2**63), (2**40, 2**40), (2**32, 32)])
@@ -251,3 +161,39 @@ def test_llama_model_refuses_a_vocabulary_past_int32():
               "vocab": 2**31, "rms_eps": 1e-5, "rope_base": 1e4}
     with pytest.raises(ConfigError, match="vocab"):
         ext_llama.LlamaModel(config, {}, 1)
+
+
+LLAMA_CONFIG = {"n_layer": 1, "hidden": 64, "ffn": 64, "n_head": 1, "n_kv": 1, "head_dim": 64,
+                "vocab": 100, "rms_eps": 1e-5, "rope_base": 1e4}
+
+
+@pytest.mark.parametrize("change, threads, message", [
+    ({}, 2**31, r"^threads: 2147483648: expected 1\.\.64"),  # was a bare OverflowError naming nothing
+    ({}, 2.5, r"^threads: 2\.5: expected a whole number in 1\.\.64"),
+    ({"n_layer": 2**64}, 1, r"^n_layer: 18446744073709551616: expected 1\.\.2147483647"),
+    ({"hidden": -1}, 1, r"^hidden: -1: expected 1\.\.2147483647"),
+    ({"rms_eps": float("nan")}, 1, r"^rms_eps: nan: expected a finite positive number"),  # was accepted
+    ({"rms_eps": 0.0}, 1, r"^rms_eps: 0\.0: expected a finite positive number"),
+    ({"rms_eps": 1e39}, 1, r"^rms_eps: 1e\+39: expected a finite positive number"),  # inf as a C float
+    ({"rope_base": -1.0}, 1, r"^rope_base: -1\.0: expected a finite positive number"),  # was accepted
+    ({"rope_base": float("inf")}, 1, r"^rope_base: inf: expected a finite positive number"),
+    ({"rope_base": "10000"}, 1, r"^rope_base: '10000': expected a number"),
+    ({"embed_scale": float("nan")}, 1, r"^embed_scale: nan: expected a finite number"),
+    ({"windows": [2**70]}, 1, r"^windows: 1180591620717411303424: expected 0\.\.2147483647"),
+])
+def test_llama_model_names_a_bad_size_count_or_float_argument(change, threads, message):
+    from dspark._ext import llama as ext_llama
+    from dspark.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        ext_llama.LlamaModel({**LLAMA_CONFIG, **change}, {}, threads)
+
+
+@pytest.mark.parametrize("n, k, message", [(-16, 32, r"^n: -16: expected 0\.\."), (16, 2**64, r"^k: 18446744073709551616"),
+                                           (16.0, 32, r"^n: 16\.0: expected a whole number")])
+def test_packed_matrix_names_a_size_that_is_no_size(n, k, message):
+    from dspark._ext import llama as ext_llama
+    from dspark.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        ext_llama.PackedMatrix(np.zeros(0, np.uint8), "Q8_0", n, k)

@@ -1,5 +1,5 @@
-"""The package's shape: its layers (pyproject.toml, [tool.importlinter]) hold, and no modules
-import each other in a circle (an import inside a function counts too)."""
+"""The package's shape: its layers and forbidden imports (pyproject.toml, [tool.importlinter])
+hold, and no modules import each other in a circle (an import inside a function counts too)."""
 from __future__ import annotations
 
 import subprocess
@@ -16,7 +16,8 @@ def test_every_import_goes_down_the_layers():
     result = subprocess.run([str(lint), "--config", "pyproject.toml", "--no-cache"], cwd=project_root(),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert "1 kept, 0 broken" in result.stdout
+    # the layers, decoding assembles no models, no pb_utils in dspark/, no torch in serving
+    assert "4 kept, 0 broken" in result.stdout
 
 
 def _circles(graph) -> list[list[str]]:

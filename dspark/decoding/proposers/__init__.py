@@ -5,8 +5,8 @@
 | ``none`` | ``base.PlainDecoding`` | - |
 | ``ngram`` | ``ngram`` (prompt lookup) | - |
 | ``suffix`` | ``suffix`` (SuffixDecoding: this request + earlier outputs) | - |
-| ``draft`` | ``draft_model`` (a draft LM's chain) | a draft LM |
-| ``tree`` | ``draft_tree`` (a draft LM's tree) | a draft LM |
+| ``draft`` | ``draft_model`` (a draft LM's chain) | a draft LM (parameter ``draft_llm``) |
+| ``tree`` | ``draft_tree`` (a draft LM's tree) | a draft LM (parameter ``draft_llm``) |
 | ``dspark`` | ``dspark`` (DSpark block drafter) | the DSpark drafter |
 | ``hybrid`` | ``hybrid`` (a model-based proposer + a lookup) | a model-based proposer |
 """

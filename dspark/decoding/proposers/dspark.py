@@ -16,20 +16,16 @@ draft costs what plain decoding does.
 """
 from __future__ import annotations
 
-import logging
 import time
-from pathlib import Path
 from typing import ClassVar, Optional
 
 import numpy as np
 
-from dspark.drafters.dspark.model import DSparkDrafter, default_weights, drafter_target
+from dspark.drafters.dspark.model import DSparkDrafter
 from dspark.drafters.dspark.schedule import CostCurve, DraftGate, choose_verify_length
 from dspark.decoding.proposers.base import BaseDrafter, DraftRequest
 from dspark.decoding.tree import DraftTree
-from dspark.llm.importer import import_source
 
-log = logging.getLogger(__name__)
 DRAFT_START_COST = 0.3  # a draft pass relative to a one-row target pass, until measured
 STOP_BELOW = 0.05  # stop drafting a block where the drafts so far all hold with less than this
 SMOOTHING = 0.2
@@ -41,16 +37,6 @@ class DSparkProposer:
 
     def __init__(self, drafter: DSparkDrafter):
         self.drafter = drafter
-
-    @classmethod
-    def for_import(cls, folder: str | Path, weights: str | Path | None = None,
-                   backend: str = "kernel", threads: int = 2) -> "DSparkProposer":
-        """For a model imported by ``dspark llm import`` (its import.json names the GGUF the
-        drafter shares the embedding with); ``weights`` default: the drafter trained for
-        SmolLM2-135M-Instruct."""
-        from dspark.llm.gguf_model import GGUFModel
-
-        return cls(DSparkDrafter.for_gguf(GGUFModel(import_source(folder)), weights, backend, threads))
 
     def start(self, request: DraftRequest) -> "DSparkRequestDrafter":
         return DSparkRequestDrafter(self.drafter, request)
@@ -116,19 +102,3 @@ class DSparkRequestDrafter(BaseDrafter):
             self.draft_cost += SMOOTHING * (self.draft_s / (target_s / rows_cost) - self.draft_cost)
             self.gate.update(len(new), rows_cost, self.draft_cost)
         self.draft_s = 0.0
-
-
-def dspark_proposers(folder: str | Path, weights: str | Path | None = None) -> tuple[DSparkProposer, ...]:
-    """DSpark's proposer for an imported model when a drafter was trained for it (the weights
-    name the GGUF they were trained on), else none: the model still serves every other method."""
-    path = Path(weights or default_weights())
-    if not path.is_file():
-        log.info("dspark: no drafter weights at %s; method 'dspark' not offered", path)
-        return ()
-    trained_on = drafter_target(path)
-    source = import_source(folder)
-    if trained_on != source.name:
-        log.info("dspark: drafter %s was trained for %s, not %s; method 'dspark' not offered",
-                 path, trained_on, source.name)
-        return ()
-    return (DSparkProposer.for_import(folder, path),)

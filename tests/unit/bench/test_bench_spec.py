@@ -5,23 +5,14 @@ import pytest
 
 from dspark.bench import docs, spec, spec_inprocess
 from dspark.bench.results import BenchResult
-from dspark.decoding.engine import SpeculativeEngine
-from dspark.runtimes.toy_lm.runtime import OnnxLM
-from dspark.runtimes.toy_lm.graph import LMConfig, build_lm_onnx, random_weights
-from dspark.decoding.proposers import standard_proposers
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
-from dspark.decoding.text import TextGenerator
-from dspark.runtimes.toy_lm.tokenizer import BPETokenizer
 from dspark.paths import project_root
+from tests.fixtures.gguf_pair import pair_generator
 
 
 @pytest.fixture(scope="module")
 def generator():
-    tokenizer = BPETokenizer.load(project_root() / "tests" / "fixtures" / "toy_lm" / "spec_bpe.json")
-    cfg = LMConfig(n_layer=1, d_model=32, n_head=2, vocab=tokenizer.vocab_size, ctx=256)
-    target = OnnxLM(build_lm_onnx(random_weights(cfg, seed=11, scale=2.0), cfg))
-    draft = OnnxLM(build_lm_onnx(random_weights(cfg, seed=12, scale=2.0), cfg))
-    return TextGenerator(SpeculativeEngine(target, standard_proposers(draft)), tokenizer)
+    return pair_generator()
 
 
 def test_prompts_interleave_the_kinds_so_a_short_run_covers_each():

@@ -1,37 +1,16 @@
-"""Tokenizer, request parsing and the text layer (stop strings, streaming) of the speculative
+"""Request parsing and the text layer (stop strings, streaming) of the speculative
 backend."""
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
 
-from dspark.decoding.engine import SpeculativeEngine
-from dspark.runtimes.toy_lm.runtime import OnnxLM
-from dspark.runtimes.toy_lm.graph import LMConfig, build_lm_onnx, random_weights
-from dspark.decoding.proposers import standard_proposers
 from dspark.decoding.request import parse_sampling_parameters
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
-from dspark.decoding.text import TextGenerator, send_coalesced
-from dspark.runtimes.toy_lm.tokenizer import BPETokenizer
+from dspark.decoding.text import send_coalesced
 from dspark.errors import RequestError
-from dspark.paths import project_root
+from tests.fixtures.gguf_pair import pair_generator
 
 METHODS = ("none", "draft", "ngram", "suffix", "hybrid", "tree")
-TOKENIZER = BPETokenizer.load(project_root() / "tests" / "fixtures" / "toy_lm" / "spec_bpe.json")
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.one_of(st.text(), st.binary()))
-def test_tokenizer_round_trips_any_text_or_bytes(text):
-    ids = TOKENIZER.encode(text)
-    data = text.encode("utf-8") if isinstance(text, str) else text
-    assert TOKENIZER.decode(ids) == data
-    assert all(0 <= i < TOKENIZER.vocab_size for i in ids)
-
-
-def test_tokenizer_merges_common_code():
-    text = "    def __init__(self, name):\n        self.name = name\n"
-    assert len(TOKENIZER.encode(text)) < len(text) / 2
 
 
 @pytest.mark.parametrize("raw,field", [
@@ -77,10 +56,7 @@ def test_sampling_parameters_fill_defaults_and_override_the_method():
 
 @pytest.fixture(scope="module")
 def generator():
-    cfg = LMConfig(n_layer=1, d_model=32, n_head=2, vocab=TOKENIZER.vocab_size, ctx=256)
-    target = OnnxLM(build_lm_onnx(random_weights(cfg, seed=11, scale=2.0), cfg))
-    draft = OnnxLM(build_lm_onnx(random_weights(cfg, seed=12, scale=2.0), cfg))
-    return TextGenerator(SpeculativeEngine(target, standard_proposers(draft)), TOKENIZER)
+    return pair_generator()
 
 
 def test_stream_pieces_join_to_the_complete_text(generator):
@@ -92,9 +68,9 @@ def test_stream_pieces_join_to_the_complete_text(generator):
 
 def test_stop_string_is_cut_with_everything_after_it(generator):
     sampling = SamplingParams(max_tokens=60, temperature=1.0, seed=5)
-    whole = generator.complete("x = ", sampling, SpeculativeParams("none"))
+    whole = generator.complete("import os\n", sampling, SpeculativeParams("none"))
     stop = whole[20:23]
-    cut = generator.complete("x = ", SamplingParams(max_tokens=60, temperature=1.0, seed=5, stop=[stop]),
+    cut = generator.complete("import os\n", SamplingParams(max_tokens=60, temperature=1.0, seed=5, stop=[stop]),
                              SpeculativeParams("none"))
     assert cut == whole[:whole.index(stop)]
 

@@ -311,5 +311,40 @@ def test_bad_merges_are_refused_naming_the_field(tmp_path, merges, found):
     path = write_llama_gguf(tmp_path / "m.gguf", **WIDE, metadata={"tokenizer.ggml.merges": merges})
     with pytest.raises(ConfigError) as error:
         import_gguf(path, tmp_path / "out")
-    assert "tokenizer.ggml.merges" in str(error.value) and found in str(error.value), str(error.value)
+    message = str(error.value)
+    assert message.startswith(f"{path}: tokenizer.ggml.merges") and found in message, message
     assert not (tmp_path / "out").exists()
+
+
+def test_a_misaligned_tensor_offset_is_refused_naming_the_tensor(tmp_path):
+    """GGUF aligns each tensor's data to general.alignment; an offset 4 bytes off read the
+    tensor from the wrong bytes, imported and produced garbage."""
+    import struct
+
+    path = write_llama_gguf(tmp_path / "m.gguf", **WIDE)
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    at += 4 + 8 * n_dims + 4  # past the dimensions and the type: the offset
+    struct.pack_into("<Q", data, at, struct.unpack_from("<Q", data, at)[0] + 4)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ConfigError) as error:
+        GGUFModel(path)
+    assert str(error.value).startswith(f"{path}: blk.0.attn_q.weight: data offset ")
+    assert "is not a multiple of general.alignment (32)" in str(error.value)
+
+
+def test_the_import_says_which_float_weights_run_as_q8_0(tmp_path):
+    from click.testing import CliRunner
+
+    from dspark.cli.main import cli
+
+    path = write_llama_gguf(tmp_path / "m.gguf", "BF16", "Q8_0", **WIDE)
+    assert GGUFModel(path).requantized == {"BF16": 7 * 3}
+    result = CliRunner().invoke(cli, ["llm", "import", str(path), str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert f"note: {7 * 3} BF16 weight matrices run as Q8_0 blocks" in result.output
+    quantized = CliRunner().invoke(cli, ["llm", "import", str(write_llama_gguf(tmp_path / "q.gguf", "Q4_0", **WIDE)),
+                                         str(tmp_path / "q")])
+    assert quantized.exit_code == 0 and "note:" not in quantized.output

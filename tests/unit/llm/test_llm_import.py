@@ -105,3 +105,43 @@ def test_a_k_quant_or_gemma_file_imports_then_skips_unchanged(tmp_path):
         assert not import_gguf(path, out).skipped
         assert {p.name for p in out.iterdir()} == {"tokenizer.json", "tokenizer_meta.json", "import.json"}
         assert import_gguf(path, out).skipped
+
+
+def test_import_with_a_draft_adds_a_model_that_serves_the_draft_methods(tmp_path):
+    """`--draft DRAFT.gguf`: the draft imported beside the model and named by draft_llm; the
+    backend assembles the pair with the draft methods."""
+    from dspark.repository.modelspec import load_config
+    from dspark.triton.generate import build_generator
+    from dspark.triton.params import SpeculativeParameters
+
+    target = write_llama_gguf(tmp_path / "target.gguf", "Q8_0", hidden=128, n_head=2, n_kv_head=1)
+    draft = write_llama_gguf(tmp_path / "draft.gguf", "Q8_0", hidden=128, n_head=2, n_kv_head=1, n_layer=1)
+    repo = tmp_path / "repo"
+    result = CliRunner().invoke(cli, ["llm", "import", str(target), "--name", "pair", "--draft", str(draft),
+                                      "-r", str(repo)])
+    assert result.exit_code == 0 and "draft draft.gguf" in result.output, result.output
+    config = load_config(repo / "pair" / "config.pbtxt")
+    assert config.parameters["draft_llm"].string_value == "draft"
+    assert (repo / "pair" / "1" / "draft" / "import.json").is_file()
+    params = SpeculativeParameters(**{k: v.string_value for k, v in config.parameters.items()})
+    generator, served = build_generator(params, repo / "pair", "1")
+    assert {"draft", "tree"} <= set(generator.engine.methods) and "draft=draft" in served
+    alone = CliRunner().invoke(cli, ["llm", "import", str(target), str(tmp_path / "out"), "--draft", str(draft)])
+    assert alone.exit_code != 0 and "--draft needs --name" in alone.output
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"vocab": 300}, ["its vocabulary has 300 tokens, the target's (target.gguf) 288"]),
+    ({"metadata": {"tokenizer.ggml.tokens": ["<|endoftext|>", "<|im_start|>", "<|im_stop|>"] + ["x"] * 285}},
+     ["token 2 is '<|im_stop|>', in the target (target.gguf) '<|im_end|>'"]),
+])
+def test_a_draft_of_another_vocabulary_is_refused_naming_both_files(tmp_path, change, words):
+    target = write_llama_gguf(tmp_path / "target.gguf", "Q8_0")
+    draft = write_llama_gguf(tmp_path / "draft.gguf", "Q8_0", **change)
+    repo = tmp_path / "repo"
+    result = CliRunner().invoke(cli, ["llm", "import", str(target), "--name", "pair", "--draft", str(draft),
+                                      "-r", str(repo)])
+    assert result.exit_code != 0
+    message = result.output.strip()
+    assert "\n" not in message and str(draft) in message and all(w in message for w in words), message
+    assert not (repo / "pair").exists()  # refused before anything was written

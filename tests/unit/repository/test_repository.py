@@ -124,3 +124,57 @@ def test_validate_names_a_file_that_is_not_utf8(repository, filename):
     assert result.exit_code == 1
     assert f"error: {path}: is not UTF-8 text (byte 0xe9 at offset" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("hostile, why", [
+    ("a: " + "[" * 100_000 + "]" * 100_000, "nests lists or mappings deeper than 64 levels (line 1, column 67)"),
+    ("- " * 100_000 + "x", "nests lists or mappings deeper than 64 levels"),
+    ("name: clf\n" + "#" * (50 * 1024 * 1024), "is larger than 256 KiB, the most a model's spec or config may be"),
+])
+def test_validate_reports_a_hostile_modelspec_in_one_line_and_goes_on(repository, hostile, why):
+    """100,000 nested brackets were a RecursionError that ended the whole report; a 50 MB spec
+    took 48 s and 185 MB before "ok"."""
+    repo.add_version(repository, "clf", DEMO_ONNX, "1.0.0")
+    repo.add_version(repository, "good", DEMO_ONNX, "1.0.0")
+    (repository / "good/config.pbtxt").write_text((repository / "good/config.pbtxt").read_text() + "max_batch: 8\n")
+    path = repository / "clf/modelspec.yaml"
+    path.write_text(hostile)
+    result = CliRunner().invoke(cli, ["repo", "validate", str(repository)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert errors[0].startswith(f"error: {path}: {why}") and len(errors[0]) < 400, errors
+    assert any(f"{repository / 'good/config.pbtxt'}:" in line and "max_batch" in line for line in errors), \
+        "the other model is still reported"
+
+
+def test_validate_quotes_a_config_pbtxt_error_in_one_short_line(repository):
+    repo.add_version(repository, "clf", DEMO_ONNX, "1.0.0")
+    path = repository / "clf/config.pbtxt"
+    path.write_text('parameters { key: "a" value ' + "{" * 100_000 + "}" * 100_001)
+    problems = [str(p) for p in repo.validate([repository])]
+    assert problems[0].startswith(f"{path}: 1:30 : ") and len(problems[0]) < 400, problems[0][:500]
+
+
+@pytest.mark.parametrize("link", ["folder", "modelspec.yaml", "config.pbtxt"])
+def test_validate_reports_a_model_that_links_out_of_the_repository_and_does_not_read_it(tmp_path, link):
+    repository, outside = tmp_path / "models", tmp_path / "outside"
+    repo.add_version(repository, "clf", DEMO_ONNX, "1.0.0")
+    shutil.copytree(repository / "clf", outside)
+    (outside / "config.pbtxt").write_text('name: "secret"\n')
+    if link == "folder":
+        shutil.rmtree(repository / "clf")
+        (repository / "clf").symlink_to(outside)
+        where, target = repository / "clf", outside
+    else:
+        (repository / "clf" / link).unlink()
+        (repository / "clf" / link).symlink_to(outside / link)
+        where, target = repository / "clf" / link, outside / link
+    result = CliRunner().invoke(cli, ["repo", "validate", str(repository)])
+    assert result.exit_code == 1
+    assert f"error: {where}: is a link to {target}, outside the repository" in result.output
+    assert "secret" not in result.output
+    for command in (["repo", "sync", "-r", str(repository)], ["repo", "init", str(repository)]):
+        if link == "folder":
+            result = CliRunner().invoke(cli, command)
+            assert result.exit_code == 1 and f"{where}: is a link to {target}, outside the repository" in result.output
+    assert (outside / "config.pbtxt").read_text() == 'name: "secret"\n', "nothing written through the link"

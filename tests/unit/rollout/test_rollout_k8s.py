@@ -184,6 +184,39 @@ def test_a_crashed_controller_is_restarted_and_recovers_first():
     assert first[:3] == ["dspark", "rollout", "recover"]
 
 
+@pytest.mark.parametrize("recover_exit, runs, job_exit", [(4, True, 0), (0, False, 0), (3, False, 3), (1, False, 1)])
+def test_the_job_starts_run_only_when_recover_finds_nothing_in_progress(tmp_path, recover_exit, runs, job_exit):
+    """The Job's own shell line, with `dspark` a stand-in that exits as `recover` would: a failure
+    of recover (1: lock held, server unreachable, state unwritable) fails the pod instead of
+    going on to `run`, as exit 1 used to."""
+    from dspark.cli.rollout import NOTHING_IN_PROGRESS_EXIT
+
+    assert NOTHING_IN_PROGRESS_EXIT == 4
+    job = next(d for d in documents("rollout-job.yaml") if d["kind"] == "Job")
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    fake = tmp_path / "dspark"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {tmp_path}/calls\n'
+                    f'[ "$2" = recover ] && exit {recover_exit}\nexit 0\n')
+    fake.chmod(0o755)
+    result = subprocess.run(command, env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert result.returncode == job_exit
+    assert [c.split()[1] for c in calls] == (["recover", "run"] if runs else ["recover"])
+
+
+def test_every_pod_runs_as_the_images_user_with_its_volumes_group_writable():
+    """fsGroup: a state volume whose root is root-owned 0755 becomes writable for uid 10001."""
+    uid = next(args for kind, args in instructions() if kind == "USER")
+    for name in MANIFESTS:
+        for doc in documents(name):
+            pod = doc.get("spec", {}).get("template", {}).get("spec")
+            if pod is None:
+                continue
+            context = pod["securityContext"]
+            assert context["runAsNonRoot"] is True and str(context["runAsUser"]) == uid, name
+            assert str(context["fsGroup"]) == uid == str(context["runAsGroup"]), name
+
+
 # ---------------------------------------------------------------- the Dockerfile
 def instructions() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) of the Dockerfile, continuation lines joined."""

@@ -304,3 +304,68 @@ def test_rollout_refuses_a_model_or_router_name_that_is_not_a_folder_name(tmp_pa
     field = "model" if option == "model" else "router"
     assert f"{field}: {name!r} is not a valid model name: use letters, digits" in result.output
     assert sorted(tmp_path.rglob("*")) == before  # no lock file, no state file, nothing elsewhere
+
+
+def test_recover_with_nothing_in_progress_exits_4_and_a_failure_exits_1(tmp_path):
+    """The Job starts `run` only on exit 4; exit 1 was both "nothing to recover" and every failure."""
+    from click.testing import CliRunner
+
+    from dspark.cli.main import cli
+    from dspark.cli.rollout import NOTHING_IN_PROGRESS_EXIT
+
+    state = tmp_path / "rollout.sqlite"
+    result = CliRunner().invoke(cli, ["rollout", "recover", "m", "--state", str(state)])
+    assert (result.exit_code, NOTHING_IN_PROGRESS_EXIT) == (4, 4)
+    assert "no rollout of 'm' in progress (exit 4)" in result.output
+    damaged = tmp_path / "damaged.sqlite"
+    damaged.write_bytes(b"not a database" * 100)  # a failure, not "nothing in progress"
+    result = CliRunner().invoke(cli, ["rollout", "recover", "m", "--state", str(damaged)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert f"{damaged}: state: cannot open the rollout state file: file is not a database" in result.output
+
+
+def test_a_state_folder_this_user_cannot_write_is_one_line_naming_it_and_the_fix():
+    """The Kubernetes Job's case: a volume whose root is root-owned 0755 and a process of another
+    uid (nobody here; as a user other than root, a folder of its own made 0555). It was
+    sqlite3's "unable to open database file" traceback and exit 1, read as nothing to recover."""
+    import json
+    import shutil
+    import tempfile
+
+    from click.testing import CliRunner
+
+    from dspark.cli.main import cli
+
+    base = Path(tempfile.mkdtemp(prefix="dspark-state-"))  # pytest's own folder is 0700: out of nobody's reach
+    try:
+        base.chmod(0o755)
+        folder = base / "state"
+        folder.mkdir()
+        as_root = os.geteuid() == 0
+        mode = 0o755 if as_root else 0o555
+        folder.chmod(mode)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: another uid, then the command the Job runs first
+            try:
+                if as_root:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                result = CliRunner().invoke(cli, ["rollout", "recover", "rollout_demo", "--state",
+                                                  str(folder / "rollout.sqlite")])
+                os.write(write, json.dumps([os.geteuid(), result.exit_code, result.output]).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            uid, code, output = json.loads(pipe.read())
+        os.waitpid(pid, 0)
+        owner, group = folder.stat().st_uid, folder.stat().st_gid
+        folder.chmod(0o755)
+        contents = list(folder.iterdir())
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert code == 1 and "Traceback" not in output and len(output.strip().splitlines()) == 1, output
+    assert (f"{folder}: state: the rollout state folder is not writable by uid {uid} (owner uid {owner}, "
+            f"gid {group}, mode {mode:04o}): give the pod securityContext.fsGroup") in output, output
+    assert contents == [], "nothing written"

@@ -79,6 +79,9 @@ def test_load_and_round_trip(tmp_path):
     ("fallback_version: two", "fallback_version: Input should be a valid integer"),
     ("shares: [1, 2]", "shares: Input should be a valid dictionary (got [1, 2])"),
     ("tiers: {gold: {weight: 1", "not valid YAML"),
+    ("version: " + "9" * 400, "version: Input should be less than or equal to 9007199254740991"),
+    ("version: 9007199254740993", "version: Input should be less than or equal to 9007199254740991"),
+    ("version: -1", "version: Input should be greater than or equal to 0"),
 ])
 def test_bad_config_names_the_field(tmp_path, text, field):
     path = tmp_path / "routing.yaml"
@@ -168,6 +171,20 @@ def test_update_routing_bumps_the_version_and_validates(tmp_path):
     with pytest.raises(ConfigError, match="tiers.gold.weight: Input should be a finite number"):
         update_routing(path, {1, 2}, tiers={"gold": TierPolicy(weight=float("inf"), deadline_ms=5)})
     assert load_routing(path, {1, 2}).version == 4, "nothing written for a rejected change"
+
+
+def test_the_highest_routing_version_is_exact_as_a_gauge_and_is_not_bumped_past(tmp_path):
+    """The router exports the version as a gauge (a double) that rollouts compare: every version
+    a file may hold is exact there, and `route set` on the highest says so instead of writing it."""
+    from dspark.routing.config import MAX_CONFIG_VERSION, load_routing, update_routing
+
+    path = tmp_path / "routing.yaml"
+    path.write_text(f"version: {MAX_CONFIG_VERSION}\n")
+    assert load_routing(path).version == MAX_CONFIG_VERSION
+    assert float(MAX_CONFIG_VERSION) == MAX_CONFIG_VERSION and float(MAX_CONFIG_VERSION + 2) != MAX_CONFIG_VERSION + 2
+    with pytest.raises(ConfigError, match=r"version: is 9007199254740991, the highest a routing version may be"):
+        update_routing(path, shares={1: 100})
+    assert load_routing(path).version == MAX_CONFIG_VERSION, "nothing written"
 
 
 def test_missing_file_means_defaults(tmp_path):

@@ -12,7 +12,7 @@ from dspark.paths import project_root
 def test_training_and_serving_modules_import_without_torch():
     code = ("import sys\n"
             "import dspark.training.cli, dspark.training.data, dspark.training.drafter, dspark.training.prompts\n"
-            "import dspark.decoding.models, dspark.cli.main\n"
+            "import dspark.triton.models, dspark.cli.main\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

@@ -18,21 +18,23 @@ from dspark.triton.response_sender import GuardedSender, StreamLedger
 @pytest.mark.parametrize("params,field,words", [
     ({"max_concurrent_requests": "0"}, "max_concurrent_requests", "greater than or equal to 1"),
     ({"max_concurrent_requests": "many"}, "max_concurrent_requests", "valid integer"),
-    ({"draft_runtime": "gpu"}, "draft_runtime", "'kernel' or 'onnxruntime'"),
-    ({"llm_runtime": "onnxruntime"}, "llm_runtime", "'kernel'"),  # the retired ONNX Runtime path
+    ({"llm_model": ""}, "llm_model", "Field required"),  # an empty parameter is an absent one
+    # the retired parameters of the LM-graph pair and of the one-valued runtime choice
+    ({"target_model": "spec_target"}, "target_model", "is not a parameter of this backend"),
+    ({"llm_runtime": "kernel"}, "llm_runtime", "is not a parameter of this backend"),
     ({"batch_verification": "sometimes"}, "batch_verification", "valid boolean"),
     ({"tree_widht": "2"}, "tree_widht", "did you mean 'tree_width'?"),
 ])
 def test_bad_config_parameters_name_the_parameter(params, field, words):
     with pytest.raises(ConfigError) as info:
-        parse_parameters(SpeculativeParameters, params, path="config.pbtxt")
+        parse_parameters(SpeculativeParameters, {"llm_model": "model", **params}, path="config.pbtxt")
     assert info.value.field == f"parameter '{field}'" and "config.pbtxt" in str(info.value)
     assert words in str(info.value)
 
 
 def test_config_parameters_are_converted_from_strings():
-    config = parse_parameters(SpeculativeParameters, {"max_concurrent_requests": "2", "batch_verification": "true",
-                                                      "tree_width": ""})
+    config = parse_parameters(SpeculativeParameters, {"llm_model": "model", "max_concurrent_requests": "2",
+                                                      "batch_verification": "true", "tree_width": ""})
     assert config.max_concurrent_requests == 2 and config.batch_verification is True
     assert config.tree_width == 4  # an empty parameter keeps the default
 

@@ -1,0 +1,50 @@
+"""Speculation on the demo's real model (SmolLM2-135M, imported by `make setup`) with itself as
+its own GGUF draft, assembled as the speculative backend does: every method's greedy text is
+plain decoding's, and a model that copies lets the lookup methods accept."""
+from __future__ import annotations
+
+import pytest
+
+from dspark.decoding.sampling import SamplingParams, SpeculativeParams
+from dspark.decoding.stats import DecodeStats
+from dspark.paths import project_root
+from dspark.triton.models import llm_generator
+
+SMOLLM2 = project_root() / "model_repository" / "spec_lm" / "1" / "smollm2"
+PROMPT = ("The Python standard library offers modules for text processing, data types, file access and "
+          "networking. ")
+
+
+@pytest.fixture(scope="module")
+def generator():
+    return llm_generator(SMOLLM2, threads=2, max_context=512, model_proposers=(), draft=SMOLLM2)
+
+
+def _ids(generator, text: str, method: str, stats: DecodeStats | None = None, **spec) -> list[int]:
+    ids = generator.tokenizer.encode(text)
+    sampling = SamplingParams(max_tokens=24)
+    return [t for chunk in generator.engine.generate(ids, sampling, SpeculativeParams(method, **spec), stats)
+            for t in chunk]
+
+
+def test_every_method_gives_plain_greedy_text_with_the_model_as_its_own_draft(generator):
+    plain = _ids(generator, PROMPT, "none")
+    for method in ("draft", "tree", "ngram", "suffix", "hybrid"):
+        stats = DecodeStats()
+        assert _ids(generator, PROMPT, method, stats, num_speculative_tokens=4, tree_width=3) == plain, method
+        if method in ("draft", "tree"):  # the draft is the target: it guesses every token
+            assert stats.accepted == stats.proposed > 0 and stats.rounds < len(plain), method
+
+
+def test_lookup_and_draft_chains_share_a_pass_on_a_repeated_passage(generator):
+    """The continuation of a repeated passage is in the prompt: ngram accepts it, and hybrid,
+    verifying the lookup and the draft chains in one pass, needs fewer passes than the lookup
+    and no more than the (perfect) draft."""
+    text = PROMPT + generator.complete(PROMPT, SamplingParams(max_tokens=24), SpeculativeParams("none")) + \
+        " " + PROMPT[:40]
+    expected = _ids(generator, text, "none")
+    stats = {m: DecodeStats() for m in ("draft", "ngram", "hybrid")}
+    for method, s in stats.items():
+        assert _ids(generator, text, method, s, num_speculative_tokens=4, adaptive=False) == expected, method
+    assert stats["ngram"].accepted > 0
+    assert stats["hybrid"].rounds <= stats["draft"].rounds and stats["hybrid"].rounds < stats["ngram"].rounds
