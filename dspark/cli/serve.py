@@ -71,8 +71,8 @@ def server_options(function):
     return function
 
 
-def start_server(repositories: Sequence[Path], host: str, metrics_host: str, http_port: int, grpc_port: int, metrics_port: int,
-                 model_control: str, load_models: Sequence[str], api_key, log_verbose: int, log_file, server_path,
+def start_server(repositories: Sequence[Path], host: str, metrics_host: str, http_port: int, grpc_port: int,
+                 metrics_port: int, model_control: str, load_models: Sequence[str], api_key, log_verbose: int, log_file, server_path,
                  forward_headers: str, exit_on_error: bool = True, exit_timeout_s: int = 30,
                  openai_port=None, allow_shared_repository: bool = False,
                  key_inference: bool = False) -> tuple[TritonServer, object]:

@@ -31,9 +31,8 @@ import psutil
 from dspark.paths import backends_dir
 from dspark.server import stub_priority
 from dspark.server.access import (API_KEY_ENV, API_KEY_HEADER, KEY_FD_ENV, LOOPBACK, PARENT_PID_ENV, SERVER_UMASK,
-                                  ServerError,
-                                  check_api_key, check_host, check_repository_permissions, guard_library, new_api_key, repository_headers,
-                                  restricted_api_args)
+                                  ServerError, check_api_key, check_host, check_repository_permissions, guard_library,
+                                  new_api_key, repository_headers, restricted_api_args)
 from dspark.server.install import STUB_NAME, ServerInstall, build_backend_directory, find_server
 
 LOG_NAME = "tritonserver.log"
