@@ -122,7 +122,7 @@ class BuildExtAndSharedLibrary(build_ext):
             library_dirs=[self.get_finalized_command("build_clib").build_clib, scipy_openblas32.get_lib_dir()],
             runtime_library_dirs=OPENBLAS_RPATH)
         # Preloaded into tritonserver: the API key from a pipe, owner-only /dev/shm regions
-        # (cython_ext/guard/server_guard.c, dspark/triton/server.py).
+        # (cython_ext/guard/server_guard.c, dspark/server/launcher.py).
         objects = self.compiler.compile(["cython_ext/guard/server_guard.c"], output_dir=self.build_temp,
                                         extra_postargs=["-O2", "-fPIC", "-Wall"])
         self.compiler.link_shared_object(objects, str(target.parent / "libserverguard.so"), libraries=["dl"])

@@ -8,8 +8,8 @@ from typing import Iterator, Sequence
 import pytest
 
 from dspark.paths import demo_repositories
-from dspark.triton.server import TritonServer
-from dspark.triton.access import DEFAULT_HEADER_PATTERN, header_forward_args
+from dspark.server.launcher import TritonServer
+from dspark.server.access import DEFAULT_HEADER_PATTERN, header_forward_args
 
 LOG_TAIL_LINES = 200
 

@@ -1,4 +1,4 @@
-/* libserverguard.so: preloaded by dspark.triton.server into tritonserver and, through the
+/* libserverguard.so: preloaded by dspark.server.launcher into tritonserver and, through the
  * inherited environment, into its Python backend stubs.
  *
  * The API key reaches the server through an inherited pipe instead of its command line: argv
@@ -9,17 +9,26 @@
  * Boost.Interprocess, which the Python backend uses for its IPC regions, fchmod()s every
  * /dev/shm object it creates to 0644, undoing the umask. fchmod() here applies the process's
  * umask to /dev/shm objects, so a server started with umask 077 keeps its regions 0600.
+ *
+ * With $DSPARK_PARENT_PID set (by the launcher, to its own pid), the process asks the kernel for
+ * SIGTERM when its parent dies (PR_SET_PDEATHSIG), so a server whose `dspark serve` was killed
+ * drains and exits instead of running on alone; a parent already gone by then (the launcher
+ * died between fork and exec) means the same at once. The variable is unset: the stubs are
+ * Triton's children and it stops them itself.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <signal.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #define KEY_FD_ENV "DSPARK_KEY_FD"
+#define PARENT_PID_ENV "DSPARK_PARENT_PID"
 #define KEY_MARKER "@DSPARK_API_KEY@"
 #define KEY_MAX 256
 #define SHM_FOLDER "/dev/shm/"
@@ -77,6 +86,18 @@ __attribute__((constructor)) static void guard_start(int argc, char **argv) {
     process_umask = umask(0);
     umask(process_umask);
     real_fchmod = (int (*)(int, mode_t))dlsym(RTLD_NEXT, "fchmod");
+    const char *parent_text = getenv(PARENT_PID_ENV);
+    if (parent_text != NULL) {
+        char *parent_end;
+        long parent = strtol(parent_text, &parent_end, 10);
+        if (*parent_text == '\0' || *parent_end != '\0' || parent <= 0)
+            fail("$" PARENT_PID_ENV " is not a process id");
+        if (prctl(PR_SET_PDEATHSIG, SIGTERM) != 0)
+            fail("cannot ask to be stopped with the parent (prctl PR_SET_PDEATHSIG)");
+        unsetenv(PARENT_PID_ENV);
+        if ((long)getppid() != parent)  /* it died before the request: nobody would stop us */
+            raise(SIGTERM);
+    }
     const char *fd_text = getenv(KEY_FD_ENV);
     if (fd_text == NULL) {
         /* Else the server would take the marker, which anyone can read here, for its key. */

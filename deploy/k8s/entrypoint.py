@@ -13,9 +13,9 @@ import tempfile
 from pathlib import Path
 
 from dspark.paths import backends_dir
-from dspark.triton.server import ServerPorts, TritonServer
-from dspark.triton.access import DEFAULT_HEADER_PATTERN, SERVER_UMASK, header_forward_args
-from dspark.triton.install import build_backend_directory, find_server
+from dspark.server.launcher import ServerPorts, TritonServer
+from dspark.server.access import DEFAULT_HEADER_PATTERN, SERVER_UMASK, header_forward_args
+from dspark.server.install import build_backend_directory, find_server
 
 
 def main() -> None:
@@ -25,6 +25,7 @@ def main() -> None:
         model_control="explicit",
         load_models=[m for m in os.environ.get("LOAD_MODELS", "").split(",") if m],
         host="0.0.0.0",  # a pod serves its cluster; the restricted APIs stay behind the key
+        metrics_host="0.0.0.0",  # scraped by the cluster's Prometheus (the pod annotations say so)
         api_key=os.environ["DSPARK_API_KEY"],
         extra_args=[f"--model-repository={os.environ['MODEL_REPOSITORY']}",
                     *header_forward_args(DEFAULT_HEADER_PATTERN)],

@@ -40,7 +40,7 @@ class OpenAIBenchSettings:
 
 
 def _serve(model: str) -> tuple[subprocess.Popen, str, str]:
-    from dspark.triton.server import ServerPorts
+    from dspark.server.launcher import ServerPorts
 
     ports, api = ServerPorts.free(), ServerPorts.free().http
     process = subprocess.Popen(

@@ -120,8 +120,8 @@ def run_rollout_bench(rollouts: int, servers: int, rate: float, arrivals: str, i
     from dspark.rollout.fleet import Endpoint
     from dspark.rollout.plan import Plan
     from dspark.rollout.state import StateStore
-    from dspark.triton.server import TritonServer
-    from dspark.triton.access import DEFAULT_HEADER_PATTERN, header_forward_args, new_api_key
+    from dspark.server.launcher import TritonServer
+    from dspark.server.access import DEFAULT_HEADER_PATTERN, header_forward_args, new_api_key
 
     unknown = [kind for kind in pattern if kind not in KINDS]
     if unknown or not pattern:

@@ -33,7 +33,7 @@ from dspark.bench.machine import this_machine
 from dspark.bench.resources import ResourceSampler, model_stubs, resident_mib, stub_processes
 from dspark.bench.spec_inprocess import load_prompts
 from dspark.paths import demo_repositories, project_root
-from dspark.triton.server import TritonServer
+from dspark.server.launcher import TritonServer
 
 UNLOAD_TARGET_S = 5.0
 FLAT_TARGET = 0.05

@@ -230,7 +230,7 @@ def _served_resident_mib(models: list[str]) -> dict[str, float]:
     short chat request to each."""
     from dspark.bench.resources import resident_mib
     from dspark.paths import demo_repositories
-    from dspark.triton.server import TritonServer
+    from dspark.server.launcher import TritonServer
 
     server = TritonServer(repositories=demo_repositories(), model_control="explicit", load_models=models)
     server.start()

@@ -161,7 +161,7 @@ class _FreshModels:
 
     def _start(self):
         from dspark.paths import demo_repositories
-        from dspark.triton.server import TritonServer
+        from dspark.server.launcher import TritonServer
 
         server = TritonServer(repositories=demo_repositories(), model_control="explicit", load_models=[self.model])
         server.start()

@@ -28,7 +28,7 @@ from dspark.bench.inputs import ModelInfo
 from dspark.bench.spec_served import reload_model
 from dspark.errors import UnavailableError
 from dspark.paths import demo_repositories, project_root
-from dspark.triton.server import TritonServer
+from dspark.server.launcher import TritonServer
 
 
 async def one_pass(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, cancel: bool) -> None:

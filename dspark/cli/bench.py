@@ -15,7 +15,7 @@ import click
 
 from dspark.cli import bench_rollout, bench_router, bench_spec, kernels
 from dspark.cli.bench_common import bench_errors, emit, print_checks, progress_log
-from dspark.triton.access import API_KEY_ENV, API_KEY_HEADER, repository_headers
+from dspark.server.access import API_KEY_ENV, API_KEY_HEADER, repository_headers
 
 
 @click.group()
@@ -301,7 +301,7 @@ def crosscheck(model: str, http_url: Optional[str], grpc_url: Optional[str], con
     server = None
     if not (http_url or grpc_url):
         from dspark.paths import demo_repositories
-        from dspark.triton.server import TritonServer
+        from dspark.server.launcher import TritonServer
 
         server = TritonServer(demo_repositories(), model_control="explicit", load_models=[model])
         server.start()

@@ -10,8 +10,8 @@ def info() -> None:
     import onnxruntime
 
     from dspark._ext import cpu_features
-    from dspark.triton.access import ServerError
-    from dspark.triton.install import find_server
+    from dspark.server.access import ServerError
+    from dspark.server.install import find_server
 
     features = cpu_features.runtime_features()
     click.echo(f"machine       {platform.machine()}, Python {platform.python_version()}")

@@ -27,7 +27,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype, tri
 
 from dspark.errors import ConfigError, UnavailableError
 
-from dspark.triton.access import repository_headers
+from dspark.server.access import repository_headers
 
 
 @dataclass(frozen=True)

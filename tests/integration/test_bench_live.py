@@ -22,8 +22,8 @@ from dspark.bench.load import LoadSettings
 from dspark.bench.model import LoadBenchSettings, ModelSpec, run_load_bench
 from dspark.cli.main import cli
 from dspark.paths import project_root
-from dspark.triton.server import ServerPorts
-from dspark.triton.access import ServerError
+from dspark.server.launcher import ServerPorts
+from dspark.server.access import ServerError
 from tests.conftest import serving
 
 STEADY_MS, SLOWED_MS, STREAM_GAP_MS, STREAM_RESPONSES = 10, 60, 15, 4

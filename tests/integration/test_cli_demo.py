@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import tritonclient.http as httpclient
 
-from dspark.triton.server import ServerPorts
+from dspark.server.launcher import ServerPorts
 
 pytestmark = pytest.mark.integration
 

@@ -25,8 +25,8 @@ import tritonclient.utils.shared_memory as client_shm
 from tritonclient.utils import InferenceServerException
 
 from dspark.paths import project_root
-from dspark.triton.server import shared_memory_regions
-from dspark.triton.access import API_KEY_ENV, API_KEY_HEADER, GRPC_API_KEY_HEADER
+from dspark.server.launcher import shared_memory_regions
+from dspark.server.access import API_KEY_ENV, API_KEY_HEADER, GRPC_API_KEY_HEADER
 from tests.conftest import serving
 
 pytestmark = pytest.mark.integration

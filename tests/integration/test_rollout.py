@@ -26,8 +26,8 @@ from dspark.rollout.fleet import Endpoint, Server
 from dspark.rollout.plan import Plan
 from dspark.rollout.state import HEARTBEAT_ENV, StateStore
 from dspark.routing.config import RoutingConfig
-from dspark.triton.server import TritonServer
-from dspark.triton.access import DEFAULT_HEADER_PATTERN, header_forward_args
+from dspark.server.launcher import TritonServer
+from dspark.server.access import DEFAULT_HEADER_PATTERN, header_forward_args
 
 pytestmark = pytest.mark.integration
 INTERVAL_S = 0.5

@@ -19,8 +19,8 @@ from dspark.rollout.plan import Plan
 from dspark.rollout.state import StateStore
 from dspark.rollout.store import S3Store
 from dspark.routing.config import RoutingConfig
-from dspark.triton.server import TritonServer
-from dspark.triton.access import DEFAULT_HEADER_PATTERN, header_forward_args, new_api_key
+from dspark.server.launcher import TritonServer
+from dspark.server.access import DEFAULT_HEADER_PATTERN, header_forward_args, new_api_key
 
 pytestmark = pytest.mark.integration
 SERVERS = 3

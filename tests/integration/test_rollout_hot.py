@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from tests.conftest import TEST_EXIT_TIMEOUT_S, dump_log_on_failure
 from dspark.cli.repo import repo as repo_cli
 from dspark.rollout import demo
-from dspark.triton.server import TritonServer
+from dspark.server.launcher import TritonServer
 
 pytestmark = pytest.mark.integration
 MODEL = "hot_demo"

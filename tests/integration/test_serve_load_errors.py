@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from dspark.cli.main import cli
 from dspark.paths import project_root
-from dspark.triton.server import ServerPorts
+from dspark.server.launcher import ServerPorts
 
 pytestmark = pytest.mark.integration
 

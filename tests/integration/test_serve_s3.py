@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from dspark.cli.main import cli
 from dspark.paths import project_root
 from dspark.rollout import demo
-from dspark.triton.server import ServerPorts
+from dspark.server.launcher import ServerPorts
 
 pytestmark = pytest.mark.integration
 

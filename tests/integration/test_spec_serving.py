@@ -15,7 +15,7 @@ import requests
 
 from dspark.bench.spec_served import reload_model
 from dspark.paths import project_root
-from dspark.triton.server import TritonServer
+from dspark.server.launcher import TritonServer
 from tests.conftest import TEST_EXIT_TIMEOUT_S, dump_log_on_failure
 from tests.integration.spec_client import (Stream, completion, generate, metric, metric_lines,
                                            model_state, shm_regions, stream_once, stub_processes,

@@ -105,7 +105,7 @@ def build_repository(root: Path, service_ms: float, instances: int, variants: Se
 def bench_server(settings: RouterBenchSettings) -> Iterator[tuple[object, Path]]:
     """A server on free loopback ports serving the bench's repository (removed afterwards), the
     routers writing their stage timings into the folder yielded beside it."""
-    from dspark.triton.server import TritonServer
+    from dspark.server.launcher import TritonServer
 
     root = Path(tempfile.mkdtemp(prefix="dspark-bench-router-"))
     previous = os.environ.get(STAGES_ENV)

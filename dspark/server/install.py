@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from dspark.triton.access import ServerError
+from dspark.server.access import ServerError
 
 SERVER_ENV_VAR = "TRITONSERVER"
 INSTALL_HINT = (

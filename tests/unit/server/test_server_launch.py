@@ -3,29 +3,34 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import stat
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
+import psutil
 import pytest
 import re2
 from click.testing import CliRunner
 
 from dspark._ext import cpu_features
+from dspark.cli import serve as serve_cli
 from dspark.cli.main import cli
 from dspark.paths import project_root
-from dspark.triton.server import ServerPorts, TritonServer
-from dspark.triton.access import API_KEY_HEADER, DEFAULT_HEADER_PATTERN, GRPC_API_KEY_HEADER, ServerError, KEY_FD_ENV, KEY_MARKER, SERVER_UMASK, header_forward_args
-from dspark.triton.install import build_backend_directory, find_server
+from dspark.server.launcher import ServerPorts, TritonServer
+from dspark.server.access import API_KEY_HEADER, DEFAULT_HEADER_PATTERN, GRPC_API_KEY_HEADER, ServerError, KEY_FD_ENV, KEY_MARKER, SERVER_UMASK, header_forward_args
+from dspark.server.install import build_backend_directory, find_server
 
 # A stand-in for tritonserver: listens where --http-address/--http-port say, answers the
 # readiness check, refuses GET /v2/logging without the key its --http-restricted-api names (as
 # the preloaded guard library filled it in), exits 0 on SIGTERM. FAKE_EXIT_AFTER_S=<s> makes it
-# exit 3 after that long without listening (a server that dies at start).
+# exit 3 after that long without listening (a server that dies at start); FAKE_READY_AFTER_S=<s>
+# makes it listen after that long; FAKE_OLD_ERROR=<text> logs an error line at start.
 FAKE_TRITON = f"""#!{sys.executable}
 import os, signal, sys, time
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -35,6 +40,9 @@ if os.environ.get("FAKE_EXIT_AFTER_S"):
     time.sleep(float(os.environ["FAKE_EXIT_AFTER_S"]))
     print("error: creating server: fake failure", flush=True)
     sys.exit(3)
+if os.environ.get("FAKE_OLD_ERROR"):  # an error it logs at start and serves on after
+    print("error: " + os.environ["FAKE_OLD_ERROR"], flush=True)
+time.sleep(float(os.environ.get("FAKE_READY_AFTER_S", "0")))  # a slow start
 region = os.environ.get("FAKE_SHM_REGION")  # mapped by the server and a stub, as the Python backend's
 if region:
     import mmap, subprocess
@@ -279,14 +287,23 @@ def test_stop_removes_the_shared_memory_a_server_left_behind(tmp_path, monkeypat
     assert server.left_shm_regions == ([] if ending == "clean exit" else [region.name])
 
 
-def test_the_log_stays_where_log_file_says(tmp_path, private_tmpdir):
+@pytest.mark.parametrize("existing", [False, True])
+def test_the_log_stays_where_log_file_says_owner_only(tmp_path, private_tmpdir, existing):
     binary = fake_server(tmp_path, "")
     binary.write_text(FAKE_TRITON)
     log = tmp_path / "logs/server.log"
     log.parent.mkdir()
-    with TritonServer(repositories=[tmp_path], server_path=str(binary), log_path=log):
-        pass
+    if existing:
+        log.write_text("old")
+        log.chmod(0o644)
+    old_umask = os.umask(0o022)
+    try:
+        with TritonServer(repositories=[tmp_path], server_path=str(binary), log_path=log):
+            pass
+    finally:
+        os.umask(old_umask)
     assert "fake tritonserver" in log.read_text()
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
     assert list(private_tmpdir.iterdir()) == []
 
 
@@ -309,6 +326,8 @@ def test_binds_loopback_and_restricts_the_same_apis_in_every_control_mode_with_t
     server = TritonServer(repositories=[tmp_path], model_control=control)
     args = server.command(install, tmp_path)
     assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"} <= set(args)
+    public = TritonServer(repositories=[tmp_path], model_control=control, host="0.0.0.0").command(install, tmp_path)
+    assert {"--http-address=0.0.0.0", "--metrics-address=127.0.0.1"} <= set(public)
     key = server.api_key
     assert len(key) >= 32 and key != TritonServer(repositories=[tmp_path], model_control=control).api_key
     apis = "model-repository,shared-memory,logging,trace,statistics"
@@ -345,7 +364,9 @@ def test_a_weak_or_unusable_api_key_is_refused(tmp_path, key):
         TritonServer(repositories=[tmp_path], model_control="explicit", api_key=key)
 
 
-def test_serve_prints_the_generated_key_and_warns_about_a_public_host(tmp_path, monkeypatch):
+def test_serve_prints_where_the_generated_key_is_never_the_key_and_warns_about_a_public_host(tmp_path, monkeypatch):
+    """A captured stdout (a 0644 log read by another user) must not hold the key: it goes to a
+    0600 file in the server's 0700 folder, and only that file's path is printed."""
     binary = fake_server(tmp_path, "")
     binary.write_text(FAKE_TRITON)
     monkeypatch.delenv("DSPARK_API_KEY", raising=False)
@@ -353,6 +374,8 @@ def test_serve_prints_the_generated_key_and_warns_about_a_public_host(tmp_path, 
 
     def stop_at_once(server, _api=None, _ready=""):
         seen["server"], seen["log"] = server, server.log_text()
+        seen["key file"] = server.key_path.read_text(), stat.S_IMODE(server.key_path.stat().st_mode)
+        seen["folder mode"] = stat.S_IMODE(server.key_path.parent.stat().st_mode)
         server.stop()
 
     monkeypatch.setattr("dspark.cli.serve.serve_until_signal", stop_at_once)
@@ -363,9 +386,39 @@ def test_serve_prints_the_generated_key_and_warns_about_a_public_host(tmp_path, 
     assert result.exit_code == 0, result.output
     server = seen["server"]
     assert "--http-address=0.0.0.0" in seen["log"]
-    assert f"API key  {server.api_key} (send it as the dspark-api-key header" in result.output
-    assert "warning: --host 0.0.0.0 makes the server reachable from other machines" in result.output
+    assert server.api_key not in result.output
+    assert f"API key  in {server.key_path} (readable by you alone) (send it as the dspark-api-key header" in result.output
+    assert seen["key file"] == (server.api_key + "\n", 0o600) and seen["folder mode"] == 0o700
+    assert not server.key_path.exists()
+    assert (f"warning: --host 0.0.0.0 makes the server reachable from other machines (HTTP port {ports.http}, "
+            f"gRPC port {ports.grpc})") in result.output
     assert f"HTTP     http://127.0.0.1:{ports.http}" in result.output
+    # the metrics port (no key, every model's name) stays on loopback though --host is public
+    assert "--metrics-address=127.0.0.1" in seen["log"] and "--metrics-host" not in result.output
+    assert f"metrics  http://127.0.0.1:{ports.metrics}/metrics" in result.output
+
+
+def test_metrics_host_opts_the_metrics_port_out_of_loopback_with_a_warning(tmp_path, monkeypatch):
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    seen = {}
+
+    def stop_at_once(server, _api=None, _ready=""):
+        seen["log"] = server.log_text()
+        server.stop()
+
+    monkeypatch.setattr("dspark.cli.serve.serve_until_signal", stop_at_once)
+    ports = ServerPorts.free()
+    result = CliRunner().invoke(cli, ["serve", "--server", str(binary), "-r", str(tmp_path), "--metrics-host", "0.0.0.0",
+                                      f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
+                                      f"--metrics-port={ports.metrics}"])
+    assert result.exit_code == 0, result.output
+    assert "--metrics-address=0.0.0.0" in seen["log"] and "--http-address=127.0.0.1" in seen["log"]
+    assert (f"warning: --metrics-host 0.0.0.0 makes metrics port {ports.metrics} reachable from other machines, "
+            "without a key") in result.output
+    assert "--host" not in result.output
+    with pytest.raises(ServerError, match="--metrics-host 'example.com': expected an IP address"):
+        TritonServer(repositories=[tmp_path], metrics_host="example.com")
 
 
 def test_serve_takes_the_key_from_the_environment_and_does_not_print_it(tmp_path, monkeypatch):
@@ -498,3 +551,146 @@ def test_the_kubernetes_entrypoint_hands_the_key_through_the_pipe(tmp_path):
     finally:
         entrypoint.kill()
         entrypoint.wait(timeout=30)
+
+
+@pytest.mark.parametrize("where", ["repository", "model", "version"])
+@pytest.mark.parametrize("control", ["none", "explicit", "poll"])
+def test_a_repository_others_can_write_is_refused_unless_allowed_with_a_warning(tmp_path, monkeypatch, where,
+                                                                                 control):
+    """In poll mode Triton loads a model.py another user drops into a 1777 folder, and runs it as
+    the server's user: refused in one line naming the folder; --allow-shared-repository serves it
+    with a warning naming it."""
+    binary = fake_server(tmp_path / "triton", "")
+    binary.write_text(FAKE_TRITON)
+    repository = tmp_path / "repo"
+    folder = {"repository": repository, "model": repository / "m", "version": repository / "m/1"}[where]
+    (repository / "m/1").mkdir(parents=True)
+    folder.chmod(0o1777)
+    ports = ServerPorts.free()
+    args = ["serve", "--server", str(binary), "-r", str(repository), "--model-control", control,
+            f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}"]
+    refused = CliRunner().invoke(cli, args)
+    assert refused.exit_code == 1
+    assert refused.output.strip() == (f"dspark: model folder {folder} is writable by others (mode 1777): whoever can "
+                                      "write there can have the server run their code as you; chmod go-w it, or "
+                                      "pass --allow-shared-repository")
+    monkeypatch.setattr("dspark.cli.serve.serve_until_signal", lambda server, _api=None, _ready="": server.stop())
+    allowed = CliRunner().invoke(cli, [*args, "--allow-shared-repository"])
+    assert allowed.exit_code == 0, allowed.output
+    assert f"dspark: warning: model folder {folder} is writable by others (mode 1777)" in allowed.output
+    folder.chmod(0o775)
+    with pytest.raises(ServerError, match=f"model folder {folder} is writable by its group"):
+        TritonServer(repositories=[repository], model_control=control)
+
+
+def _wait_for(condition, timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _fake_pids(binary: Path) -> list[int]:
+    """Processes running the fake tritonserver script ``binary``."""
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[1:2] == [str(binary)]]
+
+
+def test_a_signal_while_the_server_starts_stops_it_instead_of_leaving_it_alone(tmp_path, private_tmpdir,
+                                                                              monkeypatch):
+    """SIGTERM to `dspark serve` before the server is ready: the handlers are in place before
+    tritonserver starts, so serve stops it (and its folder goes) rather than dying and leaving
+    it running on its ports, in its own session, with a key nobody was shown."""
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    monkeypatch.setenv("FAKE_READY_AFTER_S", "600")
+    monkeypatch.setenv("TMPDIR", str(private_tmpdir))
+    ports = ServerPorts.free()
+    serve = subprocess.Popen([str(Path(sys.executable).parent / "dspark"), "serve", "--server", str(binary),
+                              "-r", str(tmp_path), f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
+                              f"--metrics-port={ports.metrics}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        assert _wait_for(lambda: _fake_pids(binary)), "the fake server never started"
+        [server_pid] = _fake_pids(binary)
+        serve.send_signal(signal.SIGTERM)
+        output, _ = serve.communicate(timeout=60)
+    finally:
+        serve.kill()
+    assert serve.returncode == 128 + signal.SIGTERM, output
+    assert "dspark: SIGTERM while the server was starting; stopped it" in output
+    assert not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
+    assert list(private_tmpdir.iterdir()) == []
+
+
+@pytest.mark.parametrize("when", ["starting", "ready"])
+def test_the_server_dies_with_the_process_that_started_it(tmp_path, monkeypatch, when):
+    """The launcher killed (SIGKILL: no handler runs): the guard library's PR_SET_PDEATHSIG has
+    the kernel send tritonserver SIGTERM, and it drains and exits instead of running alone."""
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    if when == "starting":
+        monkeypatch.setenv("FAKE_READY_AFTER_S", "600")
+    code = ("import sys; from pathlib import Path; from dspark.server.launcher import TritonServer; "
+            "s = TritonServer(repositories=[Path(sys.argv[1])], server_path=sys.argv[2]); s.start(); "
+            "print('ready', flush=True); s.wait()")
+    launcher = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(binary)], stdout=subprocess.PIPE,
+                                text=True)
+    try:
+        if when == "ready":
+            assert launcher.stdout.readline() == "ready\n"
+        assert _wait_for(lambda: _fake_pids(binary)), "the fake server never started"
+        [server_pid] = _fake_pids(binary)
+        launcher.kill()
+        launcher.wait()
+        gone = _wait_for(lambda: not psutil.pid_exists(server_pid), timeout_s=20)
+    finally:
+        for pid in _fake_pids(binary):
+            os.kill(pid, signal.SIGKILL)
+    assert gone, "tritonserver outlived the process that started it"
+
+
+def test_a_server_killed_from_outside_is_reported_with_its_own_reason_and_its_regions_removed(
+        tmp_path, monkeypatch, capsys):
+    """SIGKILL to tritonserver while `dspark serve` waits: the message says it was killed, not
+    an error line from its start it had served on after, and its stubs' regions are gone."""
+    binary = fake_server(tmp_path, "")
+    binary.write_text(FAKE_TRITON)
+    region = Path(f"/dev/shm/dspark_test_{os.getpid()}_{secrets.token_hex(4)}")
+    monkeypatch.setenv("FAKE_SHM_REGION", region.name)
+    monkeypatch.setenv("FAKE_OLD_ERROR", "an old failure it served on after")
+    server = TritonServer(repositories=[tmp_path], server_path=str(binary))
+    server.start(timeout_s=20)
+    try:
+        assert region.exists()
+        killer = threading.Timer(0.5, os.kill, (server._process.pid, signal.SIGKILL))
+        killer.start()
+        with pytest.raises(SystemExit) as exited:
+            serve_cli.serve_until_signal(server)
+    finally:
+        server.stop()
+        left = region.exists()
+        region.unlink(missing_ok=True)
+    assert exited.value.code == 1 and not left
+    error = capsys.readouterr().err
+    assert f"dspark: tritonserver exited with code -9: killed by SIGKILL (log: {server.log_path})" in error
+    assert "old failure" not in error
+    assert "dspark: removed the 1 shared-memory regions its model stubs left" in error
+
+
+def test_key_inference_restricts_inference_too_and_is_refused_with_the_openai_api(tmp_path):
+    """A region is named in an inference request, which Triton resolves before any backend sees
+    it: --key-inference puts inference behind the key (tests/integration/test_shared_memory_names.py
+    shows a keyless caller refused, region or not)."""
+    install = find_server()
+    args = TritonServer(repositories=[tmp_path], key_inference=True).command(install, tmp_path)
+    apis = "model-repository,shared-memory,logging,trace,statistics,inference"
+    assert f"--http-restricted-api={apis}:{API_KEY_HEADER}={KEY_MARKER}" in args
+    assert f"--grpc-restricted-protocol={apis}:{API_KEY_HEADER}={KEY_MARKER}" in args
+    ports = ServerPorts.free()
+    result = CliRunner().invoke(cli, ["serve", "-r", str(tmp_path), "--key-inference", "--openai-port", "9999",
+                                      f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
+                                      f"--metrics-port={ports.metrics}"])
+    assert result.exit_code == 1
+    assert result.output.startswith("dspark: --key-inference with --openai-port: the OpenAI API does not send the key")

@@ -7,6 +7,7 @@ import ipaddress
 import itertools
 import re
 import secrets
+import stat
 from pathlib import Path
 from typing import Optional
 
@@ -37,6 +38,8 @@ API_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~-]{16,256}")
 # descriptor named by KEY_FD_ENV, so the key is in no process list and no stub's environment.
 KEY_MARKER = "@DSPARK_API_KEY@"
 KEY_FD_ENV = "DSPARK_KEY_FD"
+# Set to the launcher's pid, the guard library has tritonserver SIGTERMed when its parent dies.
+PARENT_PID_ENV = "DSPARK_PARENT_PID"
 GUARD_LIBRARY = "libserverguard.so"
 # Files the server and its stubs create are the user's alone; the guard library makes the
 # Python backend's /dev/shm IPC regions (which hold requests and responses) honour it too.
@@ -66,12 +69,27 @@ def repository_headers(api_key: Optional[str]) -> dict[str, str]:
     return {API_KEY_HEADER: api_key, GRPC_API_KEY_HEADER: api_key} if api_key else {}
 
 
-def restricted_api_args() -> list[str]:
-    """Triton flags that refuse calls to RESTRICTED_APIS over HTTP and gRPC without the key
-    (KEY_MARKER stands for it)."""
-    apis = ",".join(RESTRICTED_APIS)
+# Inference names client shared-memory regions by their registered name (an input's or an
+# output's `shared_memory_region` parameter), which Triton resolves in its frontend before any
+# backend sees the request: a backend cannot tell, so a region registered under a name others
+# can guess is readable and writable by anyone who can run inference. Keying inference too
+# (`key_inference`) closes that; the default keeps inference open and registers under names
+# new_region_name() makes, which nobody can guess.
+INFERENCE_API = "inference"
+
+
+def restricted_api_args(key_inference: bool = False) -> list[str]:
+    """Triton flags that refuse calls to RESTRICTED_APIS (and inference, when ``key_inference``)
+    over HTTP and gRPC without the key (KEY_MARKER stands for it)."""
+    apis = ",".join(RESTRICTED_APIS + ((INFERENCE_API,) if key_inference else ()))
     return [f"--http-restricted-api={apis}:{API_KEY_HEADER}={KEY_MARKER}",
             f"--grpc-restricted-protocol={apis}:{API_KEY_HEADER}={KEY_MARKER}"]
+
+
+def new_region_name() -> str:
+    """A name to register a client shared-memory region under that nobody can guess (128 random
+    bits): inference names a region by it, and without --key-inference anyone may run inference."""
+    return f"dspark-{secrets.token_hex(16)}"
 
 
 def guard_library() -> Path:
@@ -86,11 +104,11 @@ def is_loopback(host: str) -> bool:
     return ipaddress.ip_address(host).is_loopback
 
 
-def check_host(host: str) -> str:
+def check_host(host: str, option: str = "--host") -> str:
     try:
         ipaddress.ip_address(host)
     except ValueError:
-        raise ServerError(f"--host {host!r}: expected an IP address such as 127.0.0.1 (the default), "
+        raise ServerError(f"{option} {host!r}: expected an IP address such as 127.0.0.1 (the default), "
                           "::1, or 0.0.0.0 for every interface") from None
     return host
 
@@ -118,3 +136,33 @@ def header_forward_args(pattern: str) -> list[str]:
         raise ServerError(f"--forward-headers {pattern!r} matches {leaks[0]}, which would hand every model "
                           f"the API key; name the headers, e.g. {DEFAULT_HEADER_PATTERN!r}")
     return [f"--http-header-forward-pattern={pattern}", f"--grpc-header-forward-pattern={pattern}"]
+
+
+def writable_by_others(repository: Path) -> list[tuple[Path, int]]:
+    """The folders of a local model repository that its group or other users may write, with
+    their modes: the repository, each model folder and each version folder in it. Triton loads
+    (in poll mode, by itself) any model.py found there and runs it as the server's user."""
+    found = []
+    folders = [repository]
+    for model in sorted(p for p in repository.iterdir() if p.is_dir()) if repository.is_dir() else []:
+        folders.append(model)
+        folders += sorted(p for p in model.iterdir() if p.is_dir())
+    for folder in folders:
+        mode = folder.stat().st_mode
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            found.append((folder, stat.S_IMODE(mode)))
+    return found
+
+
+def check_repository_permissions(repository: Path, allow_shared: bool) -> list[str]:
+    """ServerError naming the first folder of ``repository`` others may write, unless
+    ``allow_shared``: then one warning per such folder."""
+    warnings = []
+    for folder, mode in writable_by_others(repository):
+        who = "others" if mode & stat.S_IWOTH else "its group"
+        line = (f"model folder {folder} is writable by {who} (mode {mode:o}): whoever can write there can have "
+                "the server run their code as you")
+        if not allow_shared:
+            raise ServerError(f"{line}; chmod go-w it, or pass --allow-shared-repository")
+        warnings.append(line)
+    return warnings

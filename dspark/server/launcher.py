@@ -1,5 +1,5 @@
 """Run a real `tritonserver` with dspark's Python-based backends loaded (found by
-dspark.triton.install; its API key and bound addresses from dspark.triton.access), watch it
+dspark.server.install; its API key and bound addresses from dspark.server.access), watch it
 start, and stop it leaving nothing behind (its shared-memory regions, its files).
 
 Used by `dspark serve` and by the test fixture, so the two start the server the same way.
@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,13 +29,22 @@ from typing import Optional, Sequence, Union
 import psutil
 
 from dspark.paths import backends_dir
-from dspark.triton import stub_priority
-from dspark.triton.access import (API_KEY_ENV, API_KEY_HEADER, KEY_FD_ENV, LOOPBACK, SERVER_UMASK, ServerError,
-                                  check_api_key, check_host, guard_library, new_api_key, repository_headers,
-                                  restricted_api_args)
-from dspark.triton.install import STUB_NAME, ServerInstall, build_backend_directory, find_server
+from dspark.server import stub_priority
+from dspark.server.access import (API_KEY_ENV, API_KEY_HEADER, KEY_FD_ENV, LOOPBACK, PARENT_PID_ENV, SERVER_UMASK,
+                                  ServerError, check_api_key, check_host, check_repository_permissions, guard_library,
+                                  new_api_key, repository_headers, restricted_api_args)
+from dspark.server.install import STUB_NAME, ServerInstall, build_backend_directory, find_server
 
 LOG_NAME = "tritonserver.log"
+KEY_FILE_NAME = "api-key"  # a generated key, 0600 in the server's 0700 temporary folder
+
+
+def open_private(path: Union[Path, str], mode: str = "wb"):
+    """``path`` opened for writing, owner-only (0600) whatever the umask, also when it existed:
+    a server log names models, requests' errors and, at higher verbosity, their contents."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, mode)
 
 # A model's load failure in Triton's log, with its reason: E1203 05:43:40.558571 23046
 # model_lifecycle.cc:642] "failed to load 'bad' version 1: Invalid argument: ..."
@@ -163,6 +173,18 @@ def remove_left_regions(regions: set[Path]) -> list[str]:
     return removed
 
 
+_NOISE = ("CUDA", "NVML", "DCGM", "CudaDriverHelper", "pinned memory", "GPU")  # a start without a GPU
+
+
+def _error_line(lines: Sequence[str]) -> Optional[str]:
+    """The most telling error line of a server log's ``lines``, if any."""
+    for marker in ("failed to load", "error:", "Error", "E1", "E0"):
+        for line in lines:
+            if marker in line and not any(word in line for word in _NOISE):
+                return line.strip()
+    return None
+
+
 def _clean_up(started: dict) -> None:
     """Last resort when a started server is never stopped (interpreter exit): kill it, free its
     shared memory, drop its files. ``started`` holds its "workdir" and, once running, its "process"."""
@@ -176,6 +198,10 @@ def _clean_up(started: dict) -> None:
         process.wait()
         remove_left_regions(regions)
     shutil.rmtree(started["workdir"], ignore_errors=True)
+
+
+class StartCancelled(Exception):
+    """start() was cancelled (cancel_start(), e.g. from a signal handler); the server is stopped."""
 
 
 @dataclass
@@ -197,12 +223,22 @@ class TritonServer:
     log_path: Optional[Path] = None
     server_path: Optional[str] = None
     host: str = LOOPBACK
+    # Triton's /metrics has no key (its series name every model): loopback unless asked for,
+    # whatever ``host`` is.
+    metrics_host: str = LOOPBACK
     # How long Triton waits on SIGTERM for in-flight requests and open client connections.
     exit_timeout_s: int = 30
     api_key: Optional[str] = None
     # False: a model that fails to load does not stop the server, which serves the others and
     # says ready (Triton's --exit-on-error=false --strict-readiness=false)
     exit_on_error: bool = True
+    # False: a repository, model or version folder others may write is refused (ServerError);
+    # True: each is a line of ``warnings``
+    allow_shared_repository: bool = False
+    # True: inference needs the key too (so does every shared-memory region named in a request)
+    key_inference: bool = False
+    # What the caller should show the user before it serves (shared folders it was allowed).
+    warnings: list[str] = field(default_factory=list, init=False)
     # After stop(): the shared-memory regions the server left behind (stop removed them).
     left_shm_regions: list[str] = field(default_factory=list, init=False)
     _regions: set[Path] = field(default_factory=set, init=False, repr=False)
@@ -213,18 +249,26 @@ class TritonServer:
         for repository in self.repositories:
             if not is_remote_repository(repository) and not Path(repository).is_dir():
                 raise ServerError(f"model repository {repository} does not exist")
+            if not is_remote_repository(repository):
+                self.warnings += check_repository_permissions(Path(repository), self.allow_shared_repository)
         check_host(self.host)
+        check_host(self.metrics_host, "--metrics-host")
         self._own_ports = self.ports is None
         if self._own_ports:
             self.ports = ServerPorts.free()
+        self.key_generated = not self.api_key
         if self.api_key:
             check_api_key(self.api_key)
         else:
             self.api_key = new_api_key()
+        self.key_path: Optional[Path] = None  # where a generated key is (0600) while the server runs
         self._process: Optional[subprocess.Popen] = None
         self._workdir: Optional[Path] = None
         self._log_file = None
         self._stop_requested = False
+        self._cancelled = False
+        self.ready = False  # start() has returned and stop() has not been called
+        self._ready_log_chars = 0  # how much of the log was written before it was ready
         self._finalizer: Optional[weakref.finalize] = None
         self._keeper: Optional[stub_priority.PriorityKeeper] = None
 
@@ -238,7 +282,7 @@ class TritonServer:
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{_url_host(self.host)}:{self.ports.metrics}/metrics"
+        return f"http://{_url_host(self.metrics_host)}:{self.ports.metrics}/metrics"
 
     @property
     def repository_headers(self) -> dict[str, str]:
@@ -256,13 +300,13 @@ class TritonServer:
             f"--http-port={self.ports.http}",
             f"--grpc-address={self.host}",
             f"--grpc-port={self.ports.grpc}",
-            f"--metrics-address={self.host}",
+            f"--metrics-address={self.metrics_host}",
             f"--metrics-port={self.ports.metrics}",
             f"--model-control-mode={self.model_control}",
             f"--log-verbose={self.log_verbose}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
         ]
-        args += restricted_api_args()
+        args += restricted_api_args(self.key_inference)
         if self.model_control == "poll":
             args.append("--repository-poll-secs=2")
         args += [f"--load-model={name}" for name in self.load_models]
@@ -310,7 +354,14 @@ class TritonServer:
                     self.log_path = None
                 self.ports = ServerPorts.free()
 
+    def cancel_start(self) -> None:
+        """Make a start() in progress (or about to begin) stop the server and raise StartCancelled
+        (safe inside a signal handler: it only sets a flag that the wait for readiness reads)."""
+        self._cancelled = True
+
     def _start(self, timeout_s: float) -> None:
+        if self._cancelled:
+            raise StartCancelled("the start was cancelled")
         install = find_server(self.server_path)
         self.ports.check_free(self.host)
         self._workdir = Path(tempfile.mkdtemp(prefix="dspark-server-"))
@@ -323,9 +374,17 @@ class TritonServer:
             stub_priority.wrap_stub(backend_directory / "python" / STUB_NAME, start_nice)
         if self.log_path is None:
             self.log_path = self._workdir / LOG_NAME
-        self._log_file = open(self.log_path, "wb")
+        self._log_file = open_private(self.log_path)
+        if self.key_generated:  # printed nowhere: the file's path is, and it goes at the stop
+            self.key_path = self._workdir / KEY_FILE_NAME
+            with open_private(self.key_path, "w") as key_file:
+                key_file.write(self.api_key + "\n")
         self._stop_requested = False
         environment, key_read = self.launch_environment(install)
+        if threading.current_thread() is threading.main_thread():
+            # the kernel's death signal follows the thread that forked: only the main one lives
+            # as long as this process
+            environment[PARENT_PID_ENV] = str(os.getpid())
         try:
             self._process = subprocess.Popen(
                 self.command(install, backend_directory),
@@ -356,6 +415,8 @@ class TritonServer:
         deadline = time.monotonic() + timeout_s
         url = f"http://{self.http_url}/v2/health/ready"
         while time.monotonic() < deadline:
+            if self._cancelled:
+                raise StartCancelled("the start was cancelled")
             code = self._process.poll()
             if code is not None:
                 raise ServerError(
@@ -367,6 +428,9 @@ class TritonServer:
                     with urllib.request.urlopen(url, timeout=1) as response:
                         if response.status == 200 and self.running:
                             self._check_key_in_force()
+                            self._ready_log_chars = len(self.log_text())
+                            self._note_regions()
+                            self.ready = True
                             return
                 except (urllib.error.URLError, ConnectionError, TimeoutError):
                     pass
@@ -400,13 +464,21 @@ class TritonServer:
         failures = self.load_failures()
         if failures:
             return failures[0] + (f" (and {len(failures) - 1} more models)" if len(failures) > 1 else "")
-        noise = ("CUDA", "NVML", "DCGM", "CudaDriverHelper", "pinned memory", "GPU")
         lines = self.log_text().splitlines()
-        for marker in ("failed to load", "error:", "Error", "E1", "E0"):
-            for line in lines:
-                if marker in line and not any(word in line for word in noise):
-                    return line.strip()
-        return lines[-1].strip() if lines else "no output"
+        return _error_line(lines) or (lines[-1].strip() if lines else "no output")
+
+    def exit_reason(self, code: int) -> str:
+        """Why a server that was ready exited with ``code``: the signal that killed it and the
+        first error line it wrote since it was ready, never a line from before (a load failure
+        it served on with --keep-serving)."""
+        error = _error_line(self.log_text()[self._ready_log_chars:].splitlines())
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"killed by {name}" + (f"; its last error: {error}" if error else "")
+        return error or "no error line in its log since it was ready"
 
     def log_text(self) -> str:
         if self.log_path is None or not Path(self.log_path).exists():
@@ -438,8 +510,14 @@ class TritonServer:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
-    def wait(self) -> int:
-        return self._process.wait()
+    def wait(self, note_every_s: float = 2.0) -> int:
+        """Wait for the server to exit, noting its models' shared-memory regions meanwhile, so that
+        stop() removes them however it ends (killed from outside too); its exit code."""
+        while True:
+            try:
+                return self._process.wait(note_every_s)
+            except subprocess.TimeoutExpired:
+                self._note_regions()
 
     def terminate(self) -> None:
         """Ask the server to drain and exit, without waiting (safe inside a signal handler)."""
@@ -470,6 +548,7 @@ class TritonServer:
         are removed and named in `left_shm_regions`."""
         timeout_s = self.exit_timeout_s + 10
         code = None
+        self.ready = False
         if self._process is not None:
             if self.running:
                 self.terminate()
@@ -494,6 +573,7 @@ class TritonServer:
             self._finalizer.detach()
             if keep_log and Path(self.log_path).parent == self._workdir:
                 shutil.rmtree(self._workdir / "backends", ignore_errors=True)
+                (self._workdir / KEY_FILE_NAME).unlink(missing_ok=True)
             else:
                 shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None

@@ -1,5 +1,5 @@
 """New Python backend stubs start at a lower CPU priority and get the server's back once Triton
-logs that their model loaded (dspark/triton/stub_priority.py)."""
+logs that their model loaded (dspark/server/stub_priority.py)."""
 import os
 import subprocess
 import sys
@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from dspark.errors import ConfigError
-from dspark.triton import stub_priority
+from dspark.server import stub_priority
 
 
 def test_the_start_offset_is_read_from_the_environment(monkeypatch):
