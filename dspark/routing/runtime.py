@@ -287,19 +287,20 @@ class RouterCore:
         while True:
             if pending is None:
                 with self._lock:
-                    idle = False
+                    idle, idle_until = False, None
                     while (pending := None if self._stopped else self._pop(self.clock())) is None:
                         if self._stopped:
                             return
                         if idle and self._lanes > self.scheduler.limit:
                             self._lanes -= 1  # left over from a burst or a higher limit: end the thread
                             return
+                        if idle or idle_until is None:  # a new idle period (not after a wake to look at the time)
+                            idle_until = self.clock() + self.IDLE_LANE_S
                         self._idle_lanes += 1
-                        idle_until = self.clock() + self.IDLE_LANE_S
-                        self.clock.wait(self._work, self.IDLE_LANE_S)
+                        self.clock.wait(self._work, max(0.0, idle_until - self.clock()))
                         if self._wakeups > 0:  # woken for work (_wake_lanes took a lane off the idle count)
                             self._wakeups -= 1
-                            idle = False
+                            idle, idle_until = False, None
                         else:  # timed out, or woken to look at the time or to stop
                             self._idle_lanes -= 1
                             idle = self.clock() >= idle_until
