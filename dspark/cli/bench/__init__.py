@@ -14,6 +14,7 @@ from typing import Optional
 import click
 
 from dspark.cli import bench_rollout, bench_router, bench_spec, kernels
+from dspark.cli.bench import runs
 from dspark.cli.bench_common import bench_errors, emit, print_checks, progress_log
 from dspark.triton.access import API_KEY_ENV, API_KEY_HEADER, repository_headers
 
@@ -320,5 +321,5 @@ COMMANDS = [
     bench_spec.spec, bench_spec.openai, bench_spec.llm_quality,
     bench_router.router, bench_rollout.rollout_bench,
 ]
-for command in COMMANDS:
+for command in COMMANDS + runs.COMMANDS:
     bench.add_command(command)
