@@ -65,7 +65,7 @@ def load_options(command):
     return command
 
 
-def parse_parameters(texts) -> dict:
+def request_parameters(texts) -> dict:
     parameters = {}
     for text in texts:
         key, sep, value = text.partition("=")
@@ -108,7 +108,7 @@ def _run_load(kind: str, models, url, protocol, concurrency, request_rate, arriv
         load=LoadSettings(warmup_s=warmup_s, window_s=window_s, stable_windows=stable_windows,
                           stability=stability / 100, max_windows=max_windows, arrivals=arrivals),
         timeout_s=timeout_s, metrics_url=None if metrics_url == "none" else metrics_url, server_pid=server_pid,
-        headers=repository_headers(api_key), parameters=parse_parameters(parameters))
+        headers=repository_headers(api_key), parameters=request_parameters(parameters))
     out_dir = out_dir or Path("bench-results") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
     with Progress(len(levels), f"bench {kind}", progress, echo=progress_log) as bar:
         result = run_load_bench(settings, bar)
