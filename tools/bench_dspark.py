@@ -1,5 +1,7 @@
-"""DSpark on the real target, in process, against plain decoding (dspark/bench/drafter.py)."""
-from dspark.bench.drafter import main
+"""Benchmark the DSpark drafter: `dspark bench drafter` (dspark/bench/drafter.py)."""
+import sys
+
+from dspark.cli.main import cli
 
 if __name__ == "__main__":
-    main()
+    cli(['bench', 'drafter', *sys.argv[1:]], prog_name="dspark")

@@ -1,5 +1,7 @@
-"""Benchmark of dspark's llama kernels on SmolLM2-135M-Instruct or another GGUF (dspark/bench/llm_kernels.py)."""
-from dspark.bench.llm_kernels import main
+"""dspark's LLM kernels against llama.cpp: `dspark bench llm-kernels` (dspark/bench/llm_kernels.py)."""
+import sys
+
+from dspark.cli.main import cli
 
 if __name__ == "__main__":
-    main()
+    cli(['bench', 'llm-kernels', *sys.argv[1:]], prog_name="dspark")

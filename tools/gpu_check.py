@@ -1,7 +1,7 @@
-"""Check the whole GPU path of the accelerator layer in one run (dspark/runtimes/accel/gpu_check.py)."""
+"""Check the whole GPU path of the accelerator layer in one run: `dspark accel check`."""
 import sys
 
-from dspark.runtimes.accel.gpu_check import main
+from dspark.cli.main import cli
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli(['accel', 'check', *sys.argv[1:]], prog_name="dspark")

@@ -1,5 +1,7 @@
-"""Soak the speculative backend (dspark/bench/soak.py); not part of `make test`."""
-from dspark.bench.soak import main
+"""Soak the speculative backend: `dspark bench soak` (dspark/bench/soak.py); not part of `make test`."""
+import sys
+
+from dspark.cli.main import cli
 
 if __name__ == "__main__":
-    main()
+    cli(['bench', 'soak', *sys.argv[1:]], prog_name="dspark")

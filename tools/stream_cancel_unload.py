@@ -1,5 +1,7 @@
-"""Reproduce Triton 2.51's gRPC stream leak that keeps an unloaded model alive (dspark/bench/stream_cancel.py)."""
-from dspark.bench.stream_cancel import main
+"""Reproduce Triton 2.51's gRPC stream that keeps an unloaded model alive: `dspark bench stream-cancel`."""
+import sys
+
+from dspark.cli.main import cli
 
 if __name__ == "__main__":
-    main()
+    cli(['bench', 'stream-cancel', *sys.argv[1:]], prog_name="dspark")

@@ -1,5 +1,7 @@
-"""Train the DSpark drafter (dspark/training/cli.py: gather, vocab, train, export)."""
-from dspark.training.cli import main
+"""Train the DSpark drafter: `dspark train gather | vocab | train | export` (dspark/training/)."""
+import sys
+
+from dspark.cli.main import cli
 
 if __name__ == "__main__":
-    main()
+    cli(['train', *sys.argv[1:]], prog_name="dspark")

@@ -25,7 +25,7 @@ from dspark.errors import DsparkError, RequestError
 from dspark.params import parse_parameters
 from dspark.routing.config import ConfigWatcher, target_instances
 from dspark.routing.metrics import STAGES_ENV, StageTimes
-from dspark.routing.request import parse_parameters as route_fields
+from dspark.routing.request import route_fields
 from dspark.routing.runtime import Job, RouterCore
 from dspark.triton.adapter import triton_error
 from dspark.triton.params import RouterParameters

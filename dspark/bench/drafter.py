@@ -14,7 +14,6 @@ every method and is reported apart).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -176,22 +175,9 @@ def print_report(report: dict, out: Path) -> None:
     print(f"\nwrote {out}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def run_drafter_bench(args) -> None:
+    """The command's work; ``args`` holds its options as attributes (dspark/cli builds it)."""
     from dspark.training.prompts import heldout_prompts
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--weights", default=str(default_weights()))
-    ap.add_argument("--drafter-backend", choices=BACKENDS, default="kernel",
-                    help="the drafter's runtime: dspark's C kernels (served) or the numpy reference")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--per-kind", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
-    ap.add_argument("--methods", default="none,dspark,suffix,hybrid")
-    ap.add_argument("--temperatures", default="0,0.8")
-    ap.add_argument("--out", default=str(project_root() / "bench-results" / "dspark.json"))
-    args = ap.parse_args(argv)
 
     gguf = GGUFModel(installed_smollm2())
     tok = LlamaTokenizer.from_gguf(gguf)

@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from dspark.bench.jsonfile import read_json
 from dspark.errors import ConfigError
 from dspark.tensors import TRITON_TO_NUMPY, wire_name
 
@@ -142,12 +143,7 @@ def _element(spec: InputSpec, value: Any, shapes: Mapping[str, Sequence[int]], w
 def from_file(path: Path, info: ModelInfo, batch: int,
               shapes: Mapping[str, Sequence[int]] | None = None) -> list[dict[str, np.ndarray]]:
     """The requests a perf_analyzer input-data file describes, each ready to send."""
-    try:
-        document = json.loads(Path(path).read_text())
-    except OSError as error:
-        raise ConfigError("input-data", f"cannot read: {error.strerror}", path) from None
-    except json.JSONDecodeError as error:
-        raise ConfigError("input-data", f"not JSON: {error}", path) from None
+    document = read_json(path, "input-data")
     entries = document.get("data") if isinstance(document, dict) else None
     if not isinstance(entries, list) or not entries:
         raise ConfigError("data", "expected {\"data\": [ {input: values, ...}, ... ]} with at least one entry", path)

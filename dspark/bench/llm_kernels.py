@@ -17,7 +17,6 @@ and the CPU model as JSON:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import subprocess
@@ -231,26 +230,8 @@ def print_memory(mem: dict) -> None:
     print(f"| peak (loading, the prompt's scratch) | {mem['peak_mb']:.0f} |\n")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gguf", type=Path, help="a .gguf file or an imported model's folder "
-                        "(default: the installed SmolLM2-135M-Instruct)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--decode-repeats", type=int, default=3)
-    parser.add_argument("--llama-extra-buffers", action="store_true",
-                        help="let llama.cpp use its extra buffer types (repacking, AMX); off by "
-                             "default because its AMX kernels crash on this build (dspark/bench/peers/llama_cpp.py)")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="cpu: CPU time of the calling thread (with --threads 1: less "
-                             "sensitive to other load) for the steps and products tables")
-    parser.add_argument("--skip", nargs="*", default=[],
-                        choices=["steps", "products", "decode", "agreement", "memory"])
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
+def run_llm_kernels_bench(args) -> None:
+    """The command's work; ``args`` holds its options as attributes (dspark/cli builds it)."""
 
     from dspark._ext import llama as ext
     from dspark.llm.gguf_model import GGUFModel, installed_smollm2

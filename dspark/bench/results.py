@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from dspark.bench.jsonfile import read_json
 from dspark.bench.machine import cpu_class, git_revision, this_machine
 from dspark.bench.table import Column, format_table
 from dspark.errors import ConfigError
@@ -119,13 +120,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def load(path: Path) -> BenchResult:
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as error:
-        raise ConfigError("", f"cannot read: {error.strerror}", path) from None
-    except json.JSONDecodeError as error:
-        raise ConfigError("", f"not JSON: {error}", path) from None
-    return BenchResult.from_json(data, path)
+    return BenchResult.from_json(read_json(path), path)
 
 
 def header_line(result: BenchResult) -> str:

@@ -11,7 +11,6 @@ samples against the median of the first tenth after warm-up), and the unload tim
 """
 from __future__ import annotations
 
-import argparse
 import json
 import queue
 import random
@@ -120,16 +119,8 @@ class Load:
         return "http-" + ("ok" if reply.status_code == 200 else f"error-{reply.status_code}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=12.0)
-    parser.add_argument("--workers", type=int, default=6)
-    parser.add_argument("--cancel-share", type=float, default=0.2)
-    parser.add_argument("--warmup-share", type=float, default=0.2, help="Share of the run before memory counts.")
-    parser.add_argument("--model", default="spec_lm", help="spec_lm (the real model) or spec_toy (the test fixture)")
-    parser.add_argument("--sample-s", type=float, default=5.0)
-    parser.add_argument("--json-out", type=Path, default=None)
-    args = parser.parse_args(argv)
+def run_soak(args) -> None:
+    """The command's work; ``args`` holds its options as attributes (dspark/cli builds it)."""
 
     toy = args.model.startswith("spec_toy")
     repositories = [project_root() / "tests" / "spec_toy_repository"] if toy else demo_repositories()

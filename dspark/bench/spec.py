@@ -17,13 +17,13 @@ One ``BenchResult``, one table per ``run``.
 """
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
+from dspark.bench.jsonfile import read_json
 from dspark.bench.peers import llama_cpp
 from dspark.bench.resources import resident_mib
 from dspark.bench.results import BenchResult, Metric
@@ -190,7 +190,7 @@ def run_llm_quality() -> BenchResult:
     rows = []
     for name, ref_file in QUALITY_MODELS:
         folder = demo_llm_folder(name)
-        ref = json.loads((project_root() / "tests" / "data" / ref_file).read_text())
+        ref = read_json(project_root() / "tests" / "data" / ref_file, "reference")
         model = GGUFModel(import_source(folder))
         tokenizer = LlamaTokenizer.load(folder / "tokenizer.json")
         runtime = KernelRuntime(model)
@@ -216,7 +216,7 @@ def run_llm_quality() -> BenchResult:
                Column("greedy_agree", "greedy tokens equal before the first difference"),
                Column("margin", "float64 top-2 margin there", ".3f"),
                Column("resident_mib", "served stub resident MiB", ".0f")]
-    ref_note = json.loads((project_root() / "tests" / "data" / QUALITY_MODELS[0][1]).read_text())
+    ref_note = read_json(project_root() / "tests" / "data" / QUALITY_MODELS[0][1], "reference")
     return BenchResult("llm-quality", {}, rows, columns, key_fields=["model"], metrics=[Metric("ppl_ratio", "lower")],
                        notes=[f"first {len(ref_note['tokens'])} tokens of pydoc topic 'class' (one window), greedy "
                               f"after {ref_note['greedy_prompt']!r}; llama.cpp figures stored by "

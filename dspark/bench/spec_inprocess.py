@@ -2,7 +2,6 @@
 prompt with methods interleaved per prompt (see dspark/bench/spec.py for the whole benchmark)."""
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +11,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from dspark.bench.jsonfile import read_json
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.decoding.stats import DecodeStats
 from dspark.decoding.text import Detokenizer, TextGenerator
@@ -45,7 +45,7 @@ class BenchPrompt:
 def load_prompts(per_kind: int = 4, path: Path = PROMPTS_FILE) -> list[BenchPrompt]:
     """The first ``per_kind`` prompts of each kind, kinds interleaved (chat, rewrite, code,
     continue, chat, ...), so a short run still covers every kind."""
-    data = json.loads(path.read_text(encoding="utf-8"))["prompts"]
+    data = read_json(path, "prompts")["prompts"]
     by_kind = {k: [BenchPrompt(p["kind"], p["chat"], p["text"]) for p in data if p["kind"] == k]
                for k in KINDS}
     return [by_kind[k][i] for i in range(per_kind) for k in KINDS if i < len(by_kind[k])]

@@ -13,7 +13,6 @@ was cancelled while its final response was being written: docs/speculative.md, "
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -58,17 +57,8 @@ async def one_pass(url: str, model: str, prompts: list[str], concurrency: int, m
         await transport.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="spec_lm", help="spec_lm (the real model) or spec_toy (the test fixture)")
-    parser.add_argument("--close", choices=("cancel", "half-close"), default="cancel")
-    parser.add_argument("--cycles", type=int, default=30)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--unload-timeout", type=float, default=12.0)
-    parser.add_argument("--log-verbose", type=int, default=0)
-    args = parser.parse_args(argv)
+def run_stream_cancel(args) -> None:
+    """The command's work; ``args`` holds its options as attributes (dspark/cli builds it)."""
 
     toy = args.model.startswith("spec_toy")
     repositories = [project_root() / "tests" / "spec_toy_repository"] if toy else demo_repositories()

@@ -52,3 +52,25 @@ def echo_accelerator_info(repositories: Sequence[Path]) -> None:
         click.echo(f"  {info.short:<9} {mark} {info.vendor}: {result.reason}")
     for model, choice in model_provider_choices(repositories):
         click.echo(f"  model {model}: {choice}")
+
+
+@click.group("accel")
+def accel() -> None:
+    """The accelerator layer: checks of its GPU path."""
+
+
+@accel.command("check")
+@click.option("--repository", type=click.Path(path_type=Path), default=None,
+              help="the repository whose models are checked (default: the demo model_repository)")
+@click.option("--size", type=int, default=4096, show_default=True, help="M = N = K of the throughput products")
+@click.option("--json-out", type=click.Path(path_type=Path), default=None)
+@click.option("--strict", is_flag=True, help="fail when a check is skipped (or there is no GPU)")
+def check(repository, **options) -> None:
+    """Check the whole GPU path of the accelerator layer in one run (exit 1 when a check fails)."""
+    from types import SimpleNamespace
+
+    from dspark.paths import project_root
+    from dspark.runtimes.accel.gpu_check import run_gpu_check
+
+    repository = repository or project_root() / "model_repository"
+    raise SystemExit(run_gpu_check(SimpleNamespace(repository=repository, **options)))

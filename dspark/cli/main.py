@@ -2,7 +2,7 @@
 import click
 
 from dspark import __version__
-from dspark.cli import bench, info, llm, quantize, repo, rollout, route, serve
+from dspark.cli import accel, bench, info, llm, quantize, repo, rollout, route, serve, train
 
 COMMANDS = [
     serve.serve,
@@ -14,6 +14,8 @@ COMMANDS = [
     quantize.quantize,
     llm.llm,
     rollout.rollout,
+    accel.accel,
+    train.train,
 ]
 
 

@@ -8,7 +8,7 @@ from dspark._ext import fused as _fused
 
 SIMD_ENV = "DSPARK_SIMD"
 HIDE_ENV = "DSPARK_SIMD_HIDE"  # ISAs to treat as unsupported here (tests; what an older CPU runs)
-ISAS = ("scalar", "avx2", "avx512")
+ISAS = ("scalar", "avx2", "avx512")  # isa_dispatch.c's dspark_isa_names, in its order (a unit test compares)
 
 
 @dataclass(frozen=True)

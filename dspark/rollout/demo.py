@@ -1,7 +1,7 @@
 """A small deployment to try rollouts on (tests, the benchmark, the docs' walk-through).
 
-``rollout_demo`` is a Python-backend model whose artifact is its ``model.py``: ``y = 2x`` after a
-service time, with knobs to make a version slow, failing or different, so a rollout has
+``rollout_demo`` is a Python-backend model whose artifact is its ``model.py``: the demo target
+(dspark.triton.demo_target, ``y = 2x`` after a service time), with knobs to make a version slow, failing or different, so a rollout has
 something real to catch. ``rollout_router`` is the QoS router in front of it, allowed to route
 to any version (``target_versions: "*"``).
 """
@@ -16,57 +16,31 @@ from tritonclient.grpc import model_config_pb2 as mc
 from dspark.repository import atomic
 from dspark.repository.modelspec import InstanceGroup, ModelSpec, TensorSpec, VersionRecord
 from dspark.routing.config import RoutingConfig, ShadowPolicy, TierPolicy
+from dspark.triton.demo_target import Behaviour
 
 MODEL = "rollout_demo"
 ROUTER = "rollout_router"
 
-MODEL_PY = '''"""rollout_demo {semver}: y = {scale}x + {offset} after {service_ms} ms{failing}."""
-import os
-import time
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-SERVICE_S = {service_ms} / 1000.0
-FAIL_AFTER = {fail_after}  # requests answered before every request fails (None: never)
-OFFSET = {offset}
-SCALE = {scale}
-BROKEN_WHERE = {broken_where!r}  # an environment variable: a server that has it cannot load this version
+MODEL_PY = '''"""{model} {semver}: y = {scale}x + {offset} after {service_ms} ms{failing}."""
+from dspark.triton.demo_target import Behaviour, DemoTarget
 
 
-class TritonPythonModel:
-    def initialize(self, args):
-        if BROKEN_WHERE and os.environ.get(BROKEN_WHERE):
-            raise RuntimeError(f"rollout_demo cannot load on this server ({{BROKEN_WHERE}} is set)")
-        self.version = int(args["model_version"])
-        self.served = 0
-        pb_utils.Logger.log_info(f"{{__doc__}} loaded as version {{self.version}}")
-
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            time.sleep(SERVICE_S)
-            self.served += 1
-            if FAIL_AFTER is not None and self.served > FAIL_AFTER:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                    f"rollout_demo version {{self.version}}: injected failure")))
-                continue
-            x = pb_utils.get_input_tensor_by_name(request, "x").as_numpy()
-            responses.append(pb_utils.InferenceResponse([
-                pb_utils.Tensor("y", (SCALE * x + OFFSET).astype(np.float32)),
-                pb_utils.Tensor("version", np.array([self.version], dtype=np.int32)),
-            ]))
-        return responses
+class TritonPythonModel(DemoTarget):
+    behaviour = {behaviour!r}
 '''
 
 
 def model_artifact(path: Path, semver: str, service_ms: float = 10.0, fail_after: Optional[int] = None,
                    offset: float = 0.0, broken_where: str = "", scale: float = 2.0) -> Path:
-    """Write a ``model.py`` for one version of ``rollout_demo``: y = ``scale`` x + ``offset``
-    after ``service_ms`` per request, failing every request after ``fail_after`` answered ones,
-    failing to load on servers whose environment has the variable ``broken_where``."""
+    """Write a ``model.py`` for one version of ``rollout_demo``: the demo target
+    (dspark.triton.demo_target) answering y = ``scale`` x + ``offset`` after ``service_ms`` per
+    request, failing every request after ``fail_after`` answered ones, failing to load on
+    servers whose environment has the variable ``broken_where``."""
+    behaviour = Behaviour(service_ms=service_ms, scale=scale, offset=offset, fail_after=fail_after,
+                          broken_where=broken_where)
     failing = f", failing after {fail_after} requests" if fail_after is not None else ""
-    path.write_text(MODEL_PY.format(semver=semver, service_ms=service_ms, fail_after=fail_after,
-                                    offset=offset, failing=failing, broken_where=broken_where, scale=scale))
+    path.write_text(MODEL_PY.format(model=MODEL, semver=semver, service_ms=service_ms, scale=scale, offset=offset,
+                                    failing=failing, behaviour=behaviour))
     return path
 
 

@@ -27,8 +27,9 @@ Name = Annotated[str, Strict()]
 UserId = Annotated[str, BeforeValidator(_id_text), Strict()]
 
 
-class RouterParameters(BaseModel):
-    """The request parameters the router reads; everything else is left to the target."""
+class RequestRouteParameters(BaseModel):
+    """The request parameters the router reads; everything else is left to the target. (The
+    router's config parameters are dspark.triton.params.RouterParameters.)"""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
     tier: Optional[Name] = None
@@ -47,7 +48,7 @@ class RouteFields:
     user_id: Optional[str]
 
 
-def parse_parameters(raw: Union[str, dict, None]) -> RouteFields:
+def route_fields(raw: Union[str, dict, None]) -> RouteFields:
     """The tier and user id of a request from its parameters (Triton's JSON text or a dict)."""
     try:
         data = json.loads(raw) if isinstance(raw, str) and raw else raw
@@ -63,7 +64,7 @@ def parse_parameters(raw: Union[str, dict, None]) -> RouteFields:
             return RouteFields(given.get("tier") or given.get("dspark-tier") or None,
                                given.get("user_id") or given.get("dspark-user-id") or None)
     try:
-        parsed = RouterParameters.model_validate(data)
+        parsed = RequestRouteParameters.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc, RequestError, prefix="parameters") from None
     return RouteFields(parsed.tier or parsed.tier_header or None, parsed.user_id or parsed.user_header or None)

@@ -35,7 +35,6 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -45,6 +44,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 import numpy as np
 
 from dspark.errors import CancelledError, DsparkError, RequestError, UnavailableError
+from dspark.routing.clock import Clock
 from dspark.routing.config import ConfigWatcher, RoutingConfig
 from dspark.routing.graying import VersionSplitter, routing_key, shadow_sampled
 from dspark.routing.metrics import DeferredMetrics, RouterMetrics, StageTimes
@@ -127,7 +127,7 @@ class RouterCore:
         config: RoutingConfig | ConfigWatcher,
         target: Target,
         metrics: RouterMetrics | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | None = None,
         poll_interval_s: float = 0.5,
         name: str = "router",
         target_name: str = "target",
@@ -138,12 +138,12 @@ class RouterCore:
         self.config = self.watcher.config if self.watcher else config
         self.target = target
         self.metrics = DeferredMetrics(metrics or RouterMetrics())
-        self.clock = clock
+        self.clock = clock or Clock()  # the time and every wait (tests pass a ManualClock)
         self.poll_interval_s = poll_interval_s
         self.name = name
         self.target_name = target_name
         self.stages = stage_times
-        self.scheduler: TierScheduler[_Routed] = TierScheduler(self.config, clock(), target_instances)
+        self.scheduler: TierScheduler[_Routed] = TierScheduler(self.config, self.clock(), target_instances)
         self.splitter = VersionSplitter(self.config.shares)
         self.target_ms = 0.0  # EWMA of primary target call latency; gates the fast path
         self._lock = threading.Lock()
@@ -165,8 +165,9 @@ class RouterCore:
         self._threads: list[threading.Thread] = []
         self._lanes = 0  # lane threads started (on demand, at most scheduler.most_inflight)
         self._idle_lanes = 0
+        self._wakeups = 0  # lanes _wake_lanes took off the idle count that have not woken yet
         self._inline_pool = ThreadPoolExecutor(thread_name_prefix=f"{name}-inline")
-        self.shadower = Shadower(target, self.metrics, name, clock)
+        self.shadower = Shadower(target, self.metrics, name, self.clock)
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -186,6 +187,7 @@ class RouterCore:
         for _ in range(count):
             if self._idle_lanes > 0:
                 self._idle_lanes -= 1
+                self._wakeups += 1
                 self._work.notify()
             elif self._lanes < self.scheduler.most_inflight and not self._stopping:
                 self._lanes += 1
@@ -202,10 +204,10 @@ class RouterCore:
             self._work.notify_all()
         for pending in drained:
             self._reject(pending.item.job, pending.tier, self._shutdown_error(), "shutdown")
-        deadline = time.monotonic() + timeout_s
+        deadline = self.clock() + timeout_s
         with self._lock:
-            while self.scheduler.inflight > 0 and time.monotonic() < deadline:
-                self._work.wait(0.05)
+            while self.scheduler.inflight > 0 and self.clock() < deadline:
+                self.clock.wait(self._work, deadline - self.clock())
             hung = [call for _, _, call in self._calls if not call.done]
             self._stopped = True
             self._work.notify_all()
@@ -285,17 +287,23 @@ class RouterCore:
         while True:
             if pending is None:
                 with self._lock:
-                    idle = False
+                    idle, idle_until = False, None
                     while (pending := None if self._stopped else self._pop(self.clock())) is None:
                         if self._stopped:
                             return
                         if idle and self._lanes > self.scheduler.limit:
                             self._lanes -= 1  # left over from a burst or a higher limit: end the thread
                             return
+                        if idle or idle_until is None:  # a new idle period (not after a wake to look at the time)
+                            idle_until = self.clock() + self.IDLE_LANE_S
                         self._idle_lanes += 1
-                        idle = not self._work.wait(self.IDLE_LANE_S)
-                        if idle:  # timed out: nobody woke this lane
+                        self.clock.wait(self._work, max(0.0, idle_until - self.clock()))
+                        if self._wakeups > 0:  # woken for work (_wake_lanes took a lane off the idle count)
+                            self._wakeups -= 1
+                            idle, idle_until = False, None
+                        else:  # timed out, or woken to look at the time or to stop
                             self._idle_lanes -= 1
+                            idle = self.clock() >= idle_until
                 previous_end = None
             try:
                 pending, previous_end = self._serve(pending, previous_end)
@@ -488,7 +496,7 @@ class RouterCore:
                     heads = [t for t in (self.scheduler.next_deadline(), self._calls[0][0] if self._calls else None,
                                          self._next_early(now)) if t is not None]
                     self._clock_due = min([next_tick, *heads])
-                    self._wake_clock.wait(max(0.0, self._clock_due - now))
+                    self.clock.wait(self._wake_clock, max(0.0, self._clock_due - now))
                     self._clock_due = float("-inf")  # awake: no need to be woken
                     continue
             try:
@@ -598,7 +606,7 @@ class RouterCore:
         timeout: the caller answers at once, the call keeps its slot until it returns)."""
         future = self._inline_pool.submit(self._inline_call, ticket, payload)
         try:
-            outputs, error, version = future.result(timeout=ticket.timeout_s)
+            outputs, error, version = self.clock.result(future, ticket.timeout_s)
         except FutureTimeout:
             self.target_ms = max(self.target_ms, 1000 * ticket.timeout_s)
             self._count_rejection(ticket.tier, "target_timeout", ticket.version)

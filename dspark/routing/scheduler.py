@@ -1,7 +1,7 @@
 """Tier scheduler: per-tier FIFO queues, smooth weighted round-robin, deadlines, bounded concurrency.
 
 Pure and clock-free: every method takes ``now`` (seconds, monotonic), so tests drive it with a
-fake clock. The asyncio runtime (``runtime.py``) calls it from one thread.
+fake clock. The threaded runtime (``runtime.py``) calls it under its one lock.
 
 Weights follow the seed's formula: ``weight = base × (1 + f)``, where ``f`` is the tier's QPS
 fluctuation factor (``FluctuationMeter``), clamped to ``[fluctuation.min, fluctuation.max]``.

@@ -10,6 +10,7 @@ from pydantic import Field
 
 from dspark.errors import ConfigError
 from dspark.params import ConfigParameters
+from dspark.runtimes.accel.vendors import DEVICES, VENDORS
 
 Count = Annotated[int, Field(ge=0)]
 
@@ -34,8 +35,8 @@ class FusedTransformerParameters(ConfigParameters):
     lock_pages: bool = False
     huge_pages: bool = True
     matmul: Literal["fused", "gemm"] = "fused"  # gemm: every product through the GemmEx shim (dspark.runtimes.accel)
-    gemm_vendor: Literal["hcblas", "cublas", "hipblas", "mcblas", "mublas"] = "hcblas"
-    gemm_device: Literal["auto", "cpu", "cuda"] = "auto"
+    gemm_vendor: Literal[VENDORS] = "hcblas"
+    gemm_device: Literal[DEVICES] = "auto"
     gemm_compute: Literal["fp32", "bf16"] = "fp32"
 
 

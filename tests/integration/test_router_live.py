@@ -272,7 +272,9 @@ def test_fast_path_serves_an_idle_router_and_closes_for_a_slow_target(live):
     time.sleep(0.1)
     call("diamond")
     standard.join()
-    assert latency["diamond"] < 1.6, f"diamond took {latency['diamond']:.2f} s behind a 1 s standard call"
+    # both run at once: diamond, sent 0.1 s later, ends about when standard does, not a whole
+    # 1 s call later (a comparison of the two requests, not a band on this machine's speed)
+    assert latency["diamond"] < latency["standard"] + 0.5, latency
     time.sleep(1.0)
     assert metric(live, "dspark_router_fast_path_total") == before
 

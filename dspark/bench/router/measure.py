@@ -3,7 +3,6 @@ target's capacity, and each scenario's seeded arrivals replayed at FIFO and at e
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from collections import defaultdict
@@ -13,6 +12,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from dspark.bench.jsonfile import read_json
 from dspark.bench.client import HttpTransport
 from dspark.bench.inputs import ModelInfo
 from dspark.bench.load import LoadGenerator, LoadSettings, Target, arrival_schedule, summarize
@@ -154,7 +154,7 @@ def read_stages(folder: Path, models: Sequence[str]) -> dict[str, dict]:
     for model in models:
         path = folder / f"{model}.json"
         if path.exists():
-            out[model] = json.loads(path.read_text())
+            out[model] = read_json(path, "stages")
     return out
 
 

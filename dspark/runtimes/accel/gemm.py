@@ -21,9 +21,8 @@ import ml_dtypes
 import numpy as np
 
 from dspark.errors import INTERNAL, INVALID_ARG, ConfigError, DsparkError
+from dspark.runtimes.accel.vendors import DEVICES, VENDORS
 
-VENDORS = ("hcblas", "cublas", "hipblas", "mcblas", "mublas")
-DEVICES = ("auto", "cpu", "cuda")
 SIMD_ENV = "DSPARK_GEMM_SIMD"
 PATHS = ("convert", "avx512bf16", "amx")
 

@@ -20,7 +20,6 @@ script prints one line and exits 0 (1 with --strict).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
@@ -64,13 +63,8 @@ def relative_error(result, reference) -> float:
     return float(np.abs(result - reference).max() / max(np.abs(reference).max(), 1e-30))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repository", type=Path, default=project_root() / "model_repository")
-    parser.add_argument("--size", type=int, default=4096, help="M = N = K of the throughput products")
-    parser.add_argument("--json-out", type=Path, default=None)
-    parser.add_argument("--strict", action="store_true", help="fail when a check is skipped (or there is no GPU)")
-    args = parser.parse_args(argv)
+def run_gpu_check(args) -> int:
+    """The command's work; ``args`` holds its options as attributes (dspark/cli builds it)."""
 
     gpu = devices.nvidia_gpus()
     if not gpu.present:
@@ -295,5 +289,3 @@ def summary(results: list[dict], strict: bool) -> tuple[str, int]:
     return line, 1 if counts["FAIL"] or (strict and counts["skip"]) else 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,7 +11,8 @@ from dspark.cli.main import cli
 from dspark.paths import project_root
 
 BENCH_COMMANDS = {"all", "compare", "crosscheck", "gemm", "kernels", "llm-quality", "micro", "model", "openai",
-                  "pool", "profile", "rollout", "router", "spec", "system"}
+                  "pool", "profile", "rollout", "router", "spec", "system",
+                  "drafter", "llm-kernels", "soak", "stream-cancel"}
 
 
 def test_every_bench_subcommand_is_registered():
@@ -22,14 +23,15 @@ def _cli_imports() -> dict[str, set[str]]:
     """dspark.cli module -> the dspark.cli modules it imports, at the top or inside a function."""
     folder = project_root() / "dspark" / "cli"
     graph = {}
-    for path in folder.glob("*.py"):
+    for path in [*folder.glob("*.py"), *folder.glob("*/*.py")]:
         names = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
                 names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
             elif isinstance(node, ast.Import):
                 names |= {a.name for a in node.names}
-        graph[path.stem] = {n.split(".")[2] for n in names if n.startswith("dspark.cli.")} - {path.stem}
+        stem = path.parent.name if path.name == "__init__.py" else path.stem
+        graph[stem] = {n.split(".")[2] for n in names if n.startswith("dspark.cli.")} - {stem}
     return graph
 
 

@@ -52,3 +52,15 @@ def test_every_family_forces_hides_and_refuses_alike(monkeypatch, report, env, w
         assert not report()["chosen"].startswith("error")
     monkeypatch.setenv(env, "sse9")
     assert report()["chosen"] == f"error: {env}=sse9: expected one of auto, {names}"
+
+
+def test_the_python_isa_names_are_the_c_dispatchers_table():
+    """One ISA name table: dspark.kernels.dispatch.ISAS is isa_dispatch.c's dspark_isa_names, in order."""
+    import re
+
+    from dspark.kernels.dispatch import ISAS
+    from dspark.paths import project_root
+
+    source = (project_root() / "cython_ext" / "common" / "isa_dispatch.c").read_text()
+    table = re.search(r"dspark_isa_names\[DSPARK_ISA_COUNT\]\s*=\s*\{([^}]*)\}", source)
+    assert table and tuple(re.findall(r'"(\w+)"', table.group(1))) == ISAS

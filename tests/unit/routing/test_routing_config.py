@@ -260,9 +260,9 @@ def test_route_set_refuses_a_huge_value_naming_the_field(tmp_path, option, value
     ('{"Tier": "gold"}', None, None),  # a parameter's name is the client's own: exact
 ])
 def test_request_parameters(raw, tier, user):
-    from dspark.routing.request import parse_parameters
+    from dspark.routing.request import route_fields
 
-    fields = parse_parameters(raw)
+    fields = route_fields(raw)
     assert (fields.tier, fields.user_id) == (tier, user)
 
 
@@ -275,10 +275,10 @@ def test_request_parameters(raw, tier, user):
 ])
 def test_bad_request_parameters_name_the_field(raw, message):
     from dspark.errors import RequestError
-    from dspark.routing.request import parse_parameters
+    from dspark.routing.request import route_fields
 
     with pytest.raises(RequestError) as info:
-        parse_parameters(raw)
+        route_fields(raw)
     assert message in str(info.value) and info.value.code == "INVALID_ARG"
 
 
@@ -299,3 +299,12 @@ def test_router_parameters_name_the_bad_one(tmp_path):
         parse_config(RouterParameters, {"target_versions": "1"})
     with pytest.raises(ConfigError, match="parameter 'routing_fle': is not a parameter of this backend; did you mean 'routing_file'"):
         parse_config(RouterParameters, {"target_model": "t", "routing_fle": "r.yaml"})
+
+
+def test_the_request_side_routing_fields_have_names_of_their_own():
+    """The router's config parameters (dspark.triton.params.RouterParameters, read by
+    dspark.params.parse_parameters) and a request's routing fields are told apart by name."""
+    from dspark.routing import request
+
+    assert not hasattr(request, "RouterParameters") and not hasattr(request, "parse_parameters")
+    assert request.route_fields({"tier": "gold", "dspark-user-id": 7}) == request.RouteFields("gold", "7")

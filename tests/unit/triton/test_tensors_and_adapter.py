@@ -18,8 +18,11 @@ from dspark.tensors import RequestError, TensorSpec, check_inputs
 FEATURES = TensorSpec("features", "TYPE_FP32", (16,))
 
 
-def test_a_good_batch_passes():
-    check_inputs([FEATURES], {"features": np.zeros((3, 16), np.float32)}, batched=True)
+@pytest.mark.parametrize("shape, batched", [((1, 16), True), ((3, 16), True), ((16,), False)])
+def test_a_good_request_passes_at_any_batch_size(shape, batched):
+    """The check returns (None) instead of raising for the declared type and shape, with any
+    batch size in front of it when the model batches."""
+    assert check_inputs([FEATURES], {"features": np.zeros(shape, np.float32)}, batched=batched) is None
 
 
 @pytest.mark.parametrize("arrays, words", [

@@ -14,6 +14,7 @@ from typing import Optional
 import click
 
 from dspark.cli import bench_rollout, bench_router, bench_spec, kernels
+from dspark.cli.bench import runs
 from dspark.cli.bench_common import bench_errors, emit, print_checks, progress_log
 from dspark.server.access import API_KEY_ENV, API_KEY_HEADER, repository_headers
 
@@ -64,7 +65,7 @@ def load_options(command):
     return command
 
 
-def parse_parameters(texts) -> dict:
+def request_parameters(texts) -> dict:
     parameters = {}
     for text in texts:
         key, sep, value = text.partition("=")
@@ -107,7 +108,7 @@ def _run_load(kind: str, models, url, protocol, concurrency, request_rate, arriv
         load=LoadSettings(warmup_s=warmup_s, window_s=window_s, stable_windows=stable_windows,
                           stability=stability / 100, max_windows=max_windows, arrivals=arrivals),
         timeout_s=timeout_s, metrics_url=None if metrics_url == "none" else metrics_url, server_pid=server_pid,
-        headers=repository_headers(api_key), parameters=parse_parameters(parameters))
+        headers=repository_headers(api_key), parameters=request_parameters(parameters))
     out_dir = out_dir or Path("bench-results") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
     with Progress(len(levels), f"bench {kind}", progress, echo=progress_log) as bar:
         result = run_load_bench(settings, bar)
@@ -320,5 +321,5 @@ COMMANDS = [
     bench_spec.spec, bench_spec.shapes, bench_spec.openai, bench_spec.llm_quality,
     bench_router.router, bench_rollout.rollout_bench,
 ]
-for command in COMMANDS:
+for command in COMMANDS + runs.COMMANDS:
     bench.add_command(command)
