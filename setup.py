@@ -1,6 +1,6 @@
 """Build of the dspark package and its compiled kernels in cython_ext/: one folder per kernel
-family (fused, llama, gemm_shim, pool, toy_lm, guard), and common/ for what they share (CPU
-features, the ISA dispatcher)."""
+family (fused, llama, gemm_shim, pool, toy_lm, guard, probes), and common/ for what they share (CPU
+features, the ISA dispatcher, the USDT probe macros)."""
 import os
 import platform
 from pathlib import Path
@@ -130,6 +130,8 @@ EXTENSIONS = [
                      libraries=[name for name, _ in SIMD_LIBRARIES] + [scipy_openblas32.get_library()],
                      extra_compile_args=["-O3"], **OPENBLAS),
     cython_extension("pool", ["pool/pool.pyx", "pool/bfc_pool.c"], extra_compile_args=["-O3"]),
+    # USDT probes of the decode loop and serving (cython_ext/common/dspark_probes.h, docs/trace.md)
+    cython_extension("probes", ["probes/probes.pyx"], extra_compile_args=["-O2"]),
     cython_extension("lm_step", ["toy_lm/lm_step.pyx", "toy_lm/lm_forward.c"],
                      libraries=[scipy_openblas32.get_library()], extra_compile_args=["-O3"],
                      **OPENBLAS),
