@@ -139,8 +139,8 @@ class TritonPythonModel:
         else:
             text = call.echo + "".join(pieces)
         self.metrics.record(stats, time.perf_counter() - started, self.generator.engine.target_calls)
-        probes.request_end(self.name, call.spec.method, len(call.ids), stats.generated_tokens, stats.rounds,
-                           stats.draft_s, stats.target_s, time.perf_counter() - started)
+        probes.request_end(self.name, call.spec.method, stats.generated_tokens, stats.rounds, stats.draft_s,
+                           stats.target_s)
         refuse_if_unloaded(stats, self.pool.closing.is_set(), self.name)
         outputs = [_text_tensor(text), _text_tensor(json.dumps(usage(call, stats)), "usage")]
         sender.send(pb_utils.InferenceResponse(output_tensors=outputs), final=True)

@@ -370,7 +370,8 @@ static int gemm_ex(const void *handle, int transa, int transb, int m, int n, int
     DSPARK_PROBE(gemm_begin, m, n, k);
     const int status = run_gemm_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C,
                                    Ctype, ldc, computeType, algo);
-    DSPARK_PROBE(gemm_end, m, n, k, Atype, Btype, Ctype, computeType, algo, status);
+    DSPARK_PROBE(gemm_end, m, n, k, (Atype & 0xff) | (Btype & 0xff) << 8 | (Ctype & 0xff) << 16 | (computeType & 0xff) << 24,
+                 algo, status);
     return status;
 }
 

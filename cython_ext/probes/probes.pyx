@@ -8,8 +8,8 @@ cdef extern from "serving_probes.h" nogil:
     int request_start_on()
     void request_start_fire(const char *model, const char *method, int64_t prompt)
     int request_end_on()
-    void request_end_fire(const char *model, const char *method, int64_t prompt, int64_t output, int64_t rounds,
-                          int64_t draft_us, int64_t verify_us, int64_t total_us)
+    void request_end_fire(const char *model, const char *method, int64_t output, int64_t rounds, int64_t draft_us,
+                          int64_t verify_us)
     int queue_wait_on()
     void queue_wait_fire(const char *model, int64_t wait_us)
     int verify_batch_on()
@@ -43,11 +43,9 @@ def request_start(model, method, int64_t prompt_tokens):
         request_start_fire(_text(model), _text(method), prompt_tokens)
 
 
-def request_end(model, method, int64_t prompt_tokens, int64_t output_tokens, int64_t rounds,
-                double draft_s, double verify_s, double total_s):
+def request_end(model, method, int64_t output_tokens, int64_t rounds, double draft_s, double verify_s):
     if request_end_on():
-        request_end_fire(_text(model), _text(method), prompt_tokens, output_tokens, rounds,
-                         _us(draft_s), _us(verify_s), _us(total_s))
+        request_end_fire(_text(model), _text(method), output_tokens, rounds, _us(draft_s), _us(verify_s))
 
 
 def queue_wait(model, double wait_s):

@@ -1,4 +1,5 @@
-/* The serving probes (dspark._ext.probes): each a semaphore and a function that fires it,
+/* At most 6 arguments a probe: bpftrace reads arg0..arg5 on x86-64.
+ * The serving probes (dspark._ext.probes): each a semaphore and a function that fires it,
  * for probes.pyx, which checks `*_on()` before it builds any argument. */
 #ifndef DSPARK_SERVING_PROBES_H
 #define DSPARK_SERVING_PROBES_H
@@ -11,9 +12,9 @@
     static inline void name##_fire params { DSPARK_PROBE(name, __VA_ARGS__); }
 
 SERVING_PROBE(request_start, (const char *model, const char *method, int64_t prompt), model, method, prompt)
-SERVING_PROBE(request_end, (const char *model, const char *method, int64_t prompt, int64_t output, int64_t rounds,
-                            int64_t draft_us, int64_t verify_us, int64_t total_us),
-              model, method, prompt, output, rounds, draft_us, verify_us, total_us)
+SERVING_PROBE(request_end, (const char *model, const char *method, int64_t output, int64_t rounds, int64_t draft_us,
+                            int64_t verify_us),
+              model, method, output, rounds, draft_us, verify_us)
 SERVING_PROBE(queue_wait, (const char *model, int64_t wait_us), model, wait_us)
 SERVING_PROBE(verify_batch, (int64_t requests, int64_t rows, int64_t us), requests, rows, us)
 SERVING_PROBE(accept_begin, (int64_t rows), rows)

@@ -2,7 +2,7 @@
 import click
 
 from dspark import __version__
-from dspark.cli import bench, info, llm, quantize, repo, rollout, route, serve
+from dspark.cli import bench, info, llm, quantize, repo, rollout, route, serve, trace
 
 COMMANDS = [
     serve.serve,
@@ -14,6 +14,7 @@ COMMANDS = [
     quantize.quantize,
     llm.llm,
     rollout.rollout,
+    trace.trace,
 ]
 
 

@@ -12,6 +12,9 @@ from pathlib import Path
 PROVIDER = "dspark"
 
 
+MAX_ARGS = 6  # bpftrace reads arg0..arg5 of a USDT probe on x86-64
+
+
 @dataclass(frozen=True)
 class Probe:
     name: str
@@ -30,8 +33,9 @@ PROBES: list[Probe] = [
     Probe("step_end", "llama", ("rows", "status"), "the forward pass ends (status 0, or -1: no memory)"),
     Probe("prefill_chunk", "llama", ("rows", "cached_rows"), "a forward pass that reads prompt rows only (no logits)"),
     Probe("gemm_begin", "libhcblas", ("m", "n", "k"), "a GemmEx call starts"),
-    Probe("gemm_end", "libhcblas", ("m", "n", "k", "a_type", "b_type", "c_type", "compute_type", "algo", "status"),
-          "a GemmEx call returns (status: the shim's status code)"),
+    Probe("gemm_end", "libhcblas", ("m", "n", "k", "types", "algo", "status"),
+          "a GemmEx call returns (types: A, B, C and compute type, a byte each from the low one; "
+          "status: the shim's status code)"),
     Probe("pool_alloc", "pool", ("requested", "chunk", "in_use", "reserved", "largest_free"),
           "the BFC pool hands out a chunk (bytes; fragmentation: free bytes outside largest_free)"),
     Probe("pool_free", "pool", ("freed", "in_use", "reserved", "largest_free"), "a chunk goes back to the pool"),
@@ -39,8 +43,7 @@ PROBES: list[Probe] = [
     Probe("fused_begin", "fused", ("rows", "d", "n", "isa:str", "packed"), "a fused LayerNorm+GELU+MatMul starts"),
     Probe("fused_end", "fused", ("rows", "status"), "the fused layer ends"),
     Probe("request_start", "probes", ("model:str", "method:str", "prompt_tokens"), "a generate request starts decoding"),
-    Probe("request_end", "probes", ("model:str", "method:str", "prompt_tokens", "output_tokens", "rounds",
-                                    "draft_us", "verify_us", "total_us"),
+    Probe("request_end", "probes", ("model:str", "method:str", "output_tokens", "rounds", "draft_us", "verify_us"),
           "a generate request ends (rounds: target passes after the prompt, as the metrics count them)"),
     Probe("queue_wait", "probes", ("model:str", "wait_us"), "a request leaves the model's worker queue"),
     Probe("verify_batch", "probes", ("requests", "rows", "us"), "one target pass over the rows of one or more requests"),

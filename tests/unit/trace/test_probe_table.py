@@ -27,6 +27,10 @@ def test_every_listed_probe_is_in_the_built_module(module):
     assert notes == listed, f"{path.name}: the notes say {notes}, the table {listed}"
 
 
+def test_no_probe_has_more_arguments_than_bpftrace_reads():
+    assert max(len(p.args) for p in probes.PROBES) <= probes.MAX_ARGS
+
+
 def test_the_docs_show_the_table():
     text = (project_root() / "docs" / "trace.md").read_text()
     assert probes.markdown_table() in text, "docs/trace.md: paste `python -m dspark.trace.probes` over its table"
@@ -57,7 +61,7 @@ Displaying notes found in: .note.stapsdt
 
 def test_the_serving_probes_are_silent_calls_while_nothing_is_attached():
     serving.request_start("m", "dspark", 3)
-    serving.request_end("m", "dspark", 3, 4, 2, 0.001, 0.002, 0.01)
+    serving.request_end("m", "dspark", 4, 2, 0.001, 0.002)
     serving.queue_wait("m", 0.0)
     serving.verify_batch(1, 5, 0.001)
     serving.accept_begin(5)
