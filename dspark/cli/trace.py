@@ -42,13 +42,15 @@ def trace(pid: Optional[int], port: int, duration: float, pmu: bool, raw: Option
     click.echo(f"tracing {len(pids)} processes of pid {pid} "
                + (f"for {duration:g} s" if seconds else "until Ctrl-C") + " ...", err=True)
     counters: list[str] = []
+    attached = lambda: click.echo("attached", err=True)  # noqa: E731 - the line tests wait for
     if pmu and seconds:
         import threading
         thread = threading.Thread(target=lambda: counters.append(attach.pmu(pid, seconds)[1]), daemon=True)
-        out, err, traced = attach.run_bpftrace(attach.program(pids), seconds, on_start=thread.start)
+        out, err, traced = attach.run_bpftrace(attach.program(pids), seconds,
+                                               on_start=lambda: (attached(), thread.start()))
         thread.join(seconds + 30)
     else:
-        out, err, traced = attach.run_bpftrace(attach.program(pids), seconds)
+        out, err, traced = attach.run_bpftrace(attach.program(pids), seconds, on_start=attached)
         if pmu:
             counters.append(attach.pmu(pid, 1.0)[1])
     if raw:
