@@ -74,3 +74,51 @@ def test_the_report_counts_the_requests_and_the_rounds(server, tmp_path):
 
 def completion_ok(server) -> bool:
     return generate(server, MODEL, PROMPT, max_tokens=4).status_code == 200
+
+
+KERNEL_CHILD = """
+import sys
+import numpy as np
+from dspark._ext.pool import RawPool
+pool = RawPool(arena_bytes=1 << 20)
+print("ready", flush=True)
+sys.stdin.readline()
+blocks = [pool.empty((256, 256), np.float32) for _ in range(8)]  # 8 x 256 KiB: the pool grows
+del blocks
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_kernel_probe_fires_with_its_arguments(tmp_path):
+    """The BFC pool's probes, traced in a process that allocates: one pool_alloc and one
+    pool_free per block, with the requested size, and at least one pool_grow."""
+    from dspark.trace import probes
+    child = subprocess.Popen([sys.executable, "-c", KERNEL_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    tracer = None
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        pool = probes.module_file("pool")
+        program = ('BEGIN { printf("TRACING\\n"); } '
+                   f'usdt:{pool}:dspark:pool_alloc {{ @alloc = count(); @requested[arg0] = count(); }} '
+                   f'usdt:{pool}:dspark:pool_free {{ @free = count(); }} '
+                   f'usdt:{pool}:dspark:pool_grow {{ @grow = count(); }}')
+        tracer = subprocess.Popen(["bpftrace", "-p", str(child.pid), "-e", program], stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True)
+        assert tracer.stdout.readline().startswith("Attaching")
+        assert tracer.stdout.readline().startswith("TRACING")
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "done"
+        tracer.send_signal(2)
+        out, _ = tracer.communicate(timeout=60)
+    finally:
+        if tracer is not None and tracer.poll() is None:
+            tracer.kill()
+            tracer.wait()
+        child.kill()
+        child.wait()
+    assert "@alloc: 8" in out and "@free: 8" in out, out
+    assert f"@requested[{256 * 256 * 4}]: 8" in out, out
+    assert re.search(r"@grow: [1-9]", out), out
