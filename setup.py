@@ -1,6 +1,6 @@
 """Build of the dspark package and its compiled kernels in cython_ext/: one folder per kernel
-family (fused, llama, gemm_shim, pool, guard), and common/ for what they share (CPU
-features, the ISA dispatcher)."""
+family (fused, llama, gemm_shim, pool, guard, probes), and common/ for what they share (CPU
+features, the ISA dispatcher, the USDT probe macros).
 import os
 import platform
 from pathlib import Path
@@ -135,6 +135,8 @@ EXTENSIONS = [
                      libraries=[name for name, _ in SIMD_LIBRARIES] + [scipy_openblas32.get_library()],
                      extra_compile_args=["-O3"], **OPENBLAS),
     cython_extension("pool", ["pool/pool.pyx", "pool/bfc_pool.c"], extra_compile_args=["-O3"]),
+    # USDT probes of the decode loop and serving (cython_ext/common/dspark_probes.h, docs/trace.md)
+    cython_extension("probes", ["probes/probes.pyx"], extra_compile_args=["-O2"]),
     cython_extension("llama", ["llama/llama.pyx", "llama/llama_forward.c", "llama/llama_dispatch.c",
                                "common/isa_dispatch.c"],
                      libraries=[name for name, _ in LLAMA_LIBRARIES],

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from dspark._ext import probes
 from dspark.decoding.sampling import SpeculativeParams
 from dspark.decoding.stats import DecodeStats
 from dspark.decoding.text import send_coalesced
@@ -121,13 +122,16 @@ class TritonPythonModel:
         call = read_call(lambda name: _input(request, name), self.generator, self.default_spec)
         stats = DecodeStats()
         started = time.perf_counter()
+        probes.request_start(self.name, call.spec.method, len(call.ids))
         pieces = self.generator.stream(call.ids, call.sampling, call.spec, stats,
                                        cancelled=lambda: self.pool.closing.is_set() or sender.is_cancelled())
         text = ""
         if call.stream:
             def send(piece):  # the text first: each call below is an IPC round trip
+                probes.stream_begin(len(piece))
                 if not sender.known_cancelled:
                     sender.send(pb_utils.InferenceResponse(output_tensors=[_text_tensor(piece)]))
+                probes.stream_end(len(piece))
                 self.metrics.count_generated(stats)
                 sender.is_cancelled(ask_here=True)  # asked here, the decode loop rarely has to
 
@@ -135,6 +139,8 @@ class TritonPythonModel:
         else:
             text = call.echo + "".join(pieces)
         self.metrics.record(stats, time.perf_counter() - started, self.generator.engine.target_calls)
+        probes.request_end(self.name, call.spec.method, stats.generated_tokens, stats.rounds, stats.draft_s,
+                           stats.target_s)
         refuse_if_unloaded(stats, self.pool.closing.is_set(), self.name)
         outputs = [_text_tensor(text), _text_tensor(json.dumps(usage(call, stats)), "usage")]
         sender.send(pb_utils.InferenceResponse(output_tensors=outputs), final=True)

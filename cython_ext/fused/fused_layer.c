@@ -4,6 +4,10 @@
 #include <string.h>
 #include <cblas.h>
 #include "fused_layer.h"
+#include "dspark_probes.h"
+
+DSPARK_PROBE_SEMAPHORE(fused_begin);
+DSPARK_PROBE_SEMAPHORE(fused_end);
 
 /* Up to this many rows, one sgemv per row beats sgemm: OpenBLAS's sgemm packs all of W on
  * every call, sgemv just streams it (measured 0.56 ms vs 1.9 ms at 1x768x3072). */
@@ -13,6 +17,7 @@ void dspark_fused_forward(const dspark_simd_kernels *k, const float *x, size_t r
                           const float *gamma, const float *beta, float eps, int gelu_kind,
                           const float *w, size_t n, const float *bias, float *y,
                           float *scratch, size_t block_rows) {
+    DSPARK_PROBE(fused_begin, rows, d, n, k->name, 0);
     for (size_t r0 = 0; r0 < rows; r0 += block_rows) {
         const size_t br = rows - r0 < block_rows ? rows - r0 : block_rows;
         k->ln_gelu_rows(x + r0 * d, d, br, d, gamma, beta, eps, gelu_kind, scratch, d);
@@ -29,6 +34,7 @@ void dspark_fused_forward(const dspark_simd_kernels *k, const float *x, size_t r
                           (blasint)d, 1.0f, scratch, (blasint)d, w, (blasint)n,
                           bias ? 1.0f : 0.0f, yb, (blasint)n);
     }
+    DSPARK_PROBE(fused_end, rows, 0);
 }
 
 size_t dspark_packed_w_floats(size_t d, size_t n) {
@@ -124,6 +130,7 @@ int dspark_fused_forward_packed(const dspark_simd_kernels *k, const float *x, si
                                 int gelu_kind, const float *w_packed, size_t n,
                                 const float *bias_padded, float *y, size_t kc, size_t mc,
                                 size_t nc, size_t mb, int threads) {
+    DSPARK_PROBE(fused_begin, rows, d, n, k->name, 1);
     const size_t panels = (n + DSPARK_NR - 1) / DSPARK_NR;
     if (kc > d) kc = d;
     mc = (mc + k->mr - 1) / k->mr * k->mr;       /* micro-panel offsets need mr | mc */
@@ -162,6 +169,7 @@ int dspark_fused_forward_packed(const dspark_simd_kernels *k, const float *x, si
     if (rc == 0) run_packed_job(&jobs[0]);
     for (size_t t = 1; t <= started; t++) pthread_join(tids[t], NULL);
     free(mem);
+    DSPARK_PROBE(fused_end, rows, rc);
     return rc;
 }
 

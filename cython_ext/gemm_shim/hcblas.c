@@ -12,6 +12,7 @@
 #include "hcblas.h"
 #include "hcblas_kernels.h"
 #include "isa_dispatch.h"
+#include "dspark_probes.h"
 
 #if defined(__linux__) && defined(__x86_64__)
 #include <sys/syscall.h>
@@ -307,9 +308,9 @@ done:
 }
 
 /* --- GemmEx --------------------------------------------------------------------------------- */
-static int gemm_ex(const void *handle, int transa, int transb, int m, int n, int k, const void *alpha,
-                   const void *A, int Atype, int lda, const void *B, int Btype, int ldb, const void *beta, void *C,
-                   int Ctype, int ldc, int computeType, int algo) {
+static int run_gemm_ex(const void *handle, int transa, int transb, int m, int n, int k, const void *alpha,
+                       const void *A, int Atype, int lda, const void *B, int Btype, int ldb, const void *beta,
+                       void *C, int Ctype, int ldc, int computeType, int algo) {
     int status = hcblasGemmExCheck(handle, transa, transb, m, n, k, alpha, Atype, lda, Btype, ldb, beta, Ctype,
                                    ldc, computeType, algo);
     if (status != ST_SUCCESS) return status;
@@ -358,6 +359,20 @@ static int gemm_ex(const void *handle, int transa, int transb, int m, int n, int
     e.acc_int = Atype == T_8I;
     int rc = e.acc_int ? kernels->gemm_s8(&p) : kernels->gemm_bf16(&p);
     return rc == 0 ? ST_SUCCESS : fail(ST_ALLOC_FAILED, "out of memory packing %d x %d x %d operands", m, n, k);
+}
+
+DSPARK_PROBE_SEMAPHORE(gemm_begin);
+DSPARK_PROBE_SEMAPHORE(gemm_end);
+
+static int gemm_ex(const void *handle, int transa, int transb, int m, int n, int k, const void *alpha,
+                   const void *A, int Atype, int lda, const void *B, int Btype, int ldb, const void *beta, void *C,
+                   int Ctype, int ldc, int computeType, int algo) {
+    DSPARK_PROBE(gemm_begin, m, n, k);
+    const int status = run_gemm_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C,
+                                   Ctype, ldc, computeType, algo);
+    DSPARK_PROBE(gemm_end, m, n, k, (Atype & 0xff) | (Btype & 0xff) << 8 | (Ctype & 0xff) << 16 | (computeType & 0xff) << 24,
+                 algo, status);
+    return status;
 }
 
 /* --- the handle and the vendor names ---------------------------------------------------------- */

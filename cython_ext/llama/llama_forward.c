@@ -18,6 +18,7 @@
  * spin briefly, then sleep on a futex. Concurrent callers are serialized by a mutex. */
 #define _GNU_SOURCE
 #include "llama_forward.h"
+#include "dspark_probes.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -731,21 +732,32 @@ static char *alloc_state(fwd_state *st, int nt, size_t qrows) {
     return mem;
 }
 
+DSPARK_PROBE_SEMAPHORE(step_begin);
+DSPARK_PROBE_SEMAPHORE(step_end);
+DSPARK_PROBE_SEMAPHORE(prefill_chunk);
+
 int llama_forward(const llama_model *m, const llama_kernels *kern, llama_pool *pool,
                   const llama_request *req) {
     fwd_state st = {0};
     st.m = m, st.kern = kern, st.req = req, st.pool = pool;
     st.n_phases = phase_count(m);
     const size_t hd = m->head_dim;
+    size_t cached = 0;
     for (size_t s = 0; s < req->n_segs; s++) {
         st.rows += req->segs[s].t;
+        cached += req->segs[s].length;
         const size_t width = req->segs[s].length + req->segs[s].t;
         if (width > st.max_slots) st.max_slots = width;
     }
+    DSPARK_PROBE(step_begin, st.rows, cached, req->n_segs, req->n_logit_rows, kern->name);
+    if (req->n_logit_rows == 0) DSPARK_PROBE(prefill_chunk, st.rows, cached);
     st.max_slots = (st.max_slots + 15) / 16 * 16;
     st.n_qkv = (m->n_head + 2 * m->n_kv) * hd;
     char *mem = alloc_state(&st, pool->n, st.rows > req->n_logit_rows ? st.rows : req->n_logit_rows);
-    if (!mem) return -1;
+    if (!mem) {
+        DSPARK_PROBE(step_end, st.rows, -1);
+        return -1;
+    }
     size_t r = 0;
     for (size_t s = 0; s < req->n_segs; s++)
         for (size_t i = 0; i < req->segs[s].t; i++, r++) {
@@ -771,6 +783,7 @@ int llama_forward(const llama_model *m, const llama_kernels *kern, llama_pool *p
     set_phase_totals(&st);
     pool_run(pool, forward_job, &st);
     free(mem);
+    DSPARK_PROBE(step_end, st.rows, 0);
     return 0;
 }
 

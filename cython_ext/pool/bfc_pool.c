@@ -14,6 +14,11 @@
 #include <string.h>
 #include <sys/mman.h>
 #include "bfc_pool.h"
+#include "dspark_probes.h"
+
+DSPARK_PROBE_SEMAPHORE(pool_alloc);
+DSPARK_PROBE_SEMAPHORE(pool_free);
+DSPARK_PROBE_SEMAPHORE(pool_grow);
 
 #define NBINS 40
 #define MIN_SPLIT 256
@@ -91,6 +96,15 @@ static void bin_remove(dspark_pool *p, chunk *c) {
 }
 
 /* A new arena of at least min_bytes: arena_bytes when growing, exactly min_bytes at creation. */
+/* The largest free chunk (fragmentation: free bytes that are not in it), walked only while traced. */
+static size_t largest_free(const dspark_pool *p) {
+    size_t largest = 0;
+    for (size_t a = 0; a < p->n_arenas; a++)
+        for (const chunk *c = p->arenas[a].first; c; c = c->next)
+            if (!c->in_use && c->size > largest) largest = c->size;
+    return largest;
+}
+
 static int add_arena(dspark_pool *p, size_t min_bytes, int exact) {
     if (min_bytes > MAX_REQUEST) return ENOMEM;
     size_t size = round_up(exact || min_bytes > p->arena_bytes ? min_bytes : p->arena_bytes, HUGE_PAGE);
@@ -130,6 +144,7 @@ static int add_arena(dspark_pool *p, size_t min_bytes, int exact) {
     p->st.bytes_reserved += size;
     p->st.num_arenas = p->n_arenas;
     bin_insert(p, c);
+    DSPARK_PROBE(pool_grow, size, p->st.bytes_reserved, p->n_arenas);
     return 0;
 }
 
@@ -228,6 +243,7 @@ void *dspark_pool_alloc(dspark_pool *p, size_t nbytes, void **handle, int *err) 
     p->st.bytes_in_use += c->size;
     if (p->st.bytes_in_use > p->st.peak_bytes_in_use) p->st.peak_bytes_in_use = p->st.bytes_in_use;
     p->st.num_allocs++;
+    DSPARK_PROBE(pool_alloc, nbytes, c->size, p->st.bytes_in_use, p->st.bytes_reserved, largest_free(p));
     pthread_mutex_unlock(&p->mu);
     *handle = c;
     return c->ptr;
@@ -237,6 +253,7 @@ void dspark_pool_free(dspark_pool *p, void *handle) {
     chunk *c = handle;
     pthread_mutex_lock(&p->mu);
     c->in_use = 0;
+    const size_t freed = c->size;
     p->st.bytes_in_use -= c->size;
     p->st.num_frees++;
     chunk *n = c->next;
@@ -257,6 +274,7 @@ void dspark_pool_free(dspark_pool *p, void *handle) {
         c = pv;
     }
     bin_insert(p, c);
+    DSPARK_PROBE(pool_free, freed, p->st.bytes_in_use, p->st.bytes_reserved, largest_free(p));
     pthread_mutex_unlock(&p->mu);
 }
 

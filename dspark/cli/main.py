@@ -2,7 +2,7 @@
 import click
 
 from dspark import __version__
-from dspark.cli import accel, bench, info, llm, quantize, repo, rollout, route, serve, train
+from dspark.cli import accel, bench, info, llm, quantize, repo, rollout, route, serve, trace, train
 
 COMMANDS = [
     serve.serve,
@@ -15,6 +15,7 @@ COMMANDS = [
     llm.llm,
     rollout.rollout,
     accel.accel,
+    trace.trace,
     train.train,
 ]
 

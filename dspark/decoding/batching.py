@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator
 from typing import Optional
 
+from dspark._ext import probes
 from dspark.decoding.generation import Generation, VerifyItem
 from dspark.errors import UnavailableError
 
@@ -205,6 +206,7 @@ class RoundBatcher:
                 out.put(error)
             return None, 0.0
         seconds = time.perf_counter() - start
+        probes.verify_batch(len(items), sum(len(i[1]) for i in items), seconds)
         rounds = [item for n, (_, _, item) in enumerate(planned) if n != prompt]
         if rounds:  # beside a prompt's rows a call says nothing about a round's cost
             self.engine.verified_call(sum(len(i.tokens) for i in rounds), seconds if prompt is None else None)

@@ -11,6 +11,7 @@ from typing import Optional
 
 import numpy as np
 
+from dspark._ext import probes
 from dspark.decoding.prompt import PREFILL_CHUNK, read_prompt
 from dspark.decoding.proposers.base import DraftRequest, Drafter
 from dspark.decoding.rejection import verify
@@ -123,6 +124,7 @@ class Generation:
 
     def commit(self, logits: np.ndarray, taps: Optional[np.ndarray], target_s: float) -> list[int]:
         """Accept from this round's pass; return the new tokens."""
+        probes.accept_begin(len(self.tree.tokens) + 1)
         base = self.cache.length - len(self.tree.tokens) - 1
         new, path = verify(logits, self.tree, self.sampling, self.rng)
         eos = next((i for i, token in enumerate(new) if token in self.engine.eos_ids), None)
@@ -130,6 +132,7 @@ class Generation:
         self.cache.keep_rows(base, rows)
         self.stats.target_s += target_s
         self.stats.record_pass(self.tree.depth, len(path))
+        probes.spec_round(self.tree.depth, len(path), len(self.tree.tokens) + 1)
         self.drafter.verified(self.tree, path, new, taps[rows] if taps is not None else None,
                               target_s)
         if eos is not None:
@@ -166,6 +169,7 @@ class Generation:
                                item.tree_mask, self.want_taps)
         seconds = time.perf_counter() - start
         self.engine.verified_call(len(item.tokens), seconds)
+        probes.verify_batch(1, len(item.tokens), seconds)
         return self.commit(logits, taps, seconds)
 
     def run(self) -> Iterator[list[int]]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from dspark._ext import probes
 from dspark.errors import ConfigError, UnavailableError
 from dspark.repository.modelspec import ModelSpec, SpecError, VersionRecord, semver_key
 from dspark.rollout.analysis import judge
@@ -189,6 +190,7 @@ class Controller:
     def _run_step(self, rollout: Rollout, index: int) -> str:
         step = self.plan.steps[index]
         label = f"step {index + 1}/{len(self.plan.steps)} {step.kind} {step.percent:g}%"
+        probes.rollout_step(rollout.model, index + 1, step.kind, step.percent)
         cur, new = rollout.current_version, rollout.new_version
         if step.kind == "canary":
             shares = {cur: 100.0 - step.percent, new: step.percent} if step.percent < 100 else {new: 100.0}

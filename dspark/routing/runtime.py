@@ -43,6 +43,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 
 import numpy as np
 
+from dspark._ext import probes
 from dspark.errors import CancelledError, DsparkError, RequestError, UnavailableError
 from dspark.routing.clock import Clock
 from dspark.routing.config import ConfigWatcher, RoutingConfig
@@ -320,6 +321,7 @@ class RouterCore:
         started = self.clock()
         waited = started - pending.enqueued_at
         self.metrics.queue_time(tier, waited)
+        probes.route(self.name, tier, "queued", routed.version, waited)
         if self.stages is not None and previous_end is None:
             self.stages.add("queued: submit to lane", started - job.submitted_at)
         outputs, error, label, version = None, None, "", routed.version
@@ -598,6 +600,7 @@ class RouterCore:
             self._counts[(tier, version)] += 1
             self._fast_path += 1
             timeout_s = self.config.tiers[tier].call_timeout_s
+        probes.route(self.name, tier, "inline", version, 0.0)
         return Inline(tier, version, shadow, timeout_s, now, self.config.fallback_version)
 
     def run_inline(self, ticket: Inline, payload: Any) -> Any:

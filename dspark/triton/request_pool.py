@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
+from dspark._ext import probes
 from dspark.errors import UnavailableError
 
 
@@ -26,6 +27,7 @@ class RequestPool:
 
     def __init__(self, workers: int, max_queued: int, max_wait_s: float, name: str = "request"):
         self.max_wait_s = max_wait_s
+        self.name = name
         self.closing = threading.Event()
         self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue(maxsize=max_queued + workers)
         self._workers = workers
@@ -67,6 +69,7 @@ class RequestPool:
             with self._lock:
                 self._waiting -= 1
                 self._busy += 1
+            probes.queue_wait(self.name, time.monotonic() - job.deadline + self.max_wait_s)
             try:
                 if self.closing.is_set():
                     job.reject(UnavailableError("the model is shutting down", "shutdown"))
