@@ -120,11 +120,15 @@ def run_bpftrace(text: str, seconds: Optional[float], on_start: Callable[[], Non
                 pass
             traced = time.monotonic() - started
     finally:
+        for _ in range(6):  # bpftrace prints its maps and exits; a SIGINT is now and then not seen
+            if process.poll() is not None:
+                break
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
         if process.poll() is None:
-            process.send_signal(signal.SIGINT)  # bpftrace prints its maps and exits
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
         reader.join(10)

@@ -24,6 +24,16 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("bpftrace") is
 PASSES = "dspark_speculative_target_passes_total"
 
 
+OTHER = """
+import time
+from dspark._ext import probes
+while True:
+    probes.request_start("other", "none", 1)
+    probes.request_end("other", "none", 1, 1, 0.0, 0.0)
+    time.sleep(0.005)
+"""
+
+
 @pytest.fixture(scope="module")
 def server(request):
     server = toy_server(request)
@@ -36,6 +46,8 @@ def test_the_report_counts_the_requests_and_the_rounds(server, tmp_path):
     assert completion_ok(server)  # the stubs have imported the probes before the trace starts
     dspark = Path(sys.executable).with_name("dspark")
     raw = tmp_path / "bpftrace.out"
+    # another process firing the same probes: the report counts the server's alone
+    other = subprocess.Popen([sys.executable, "-c", OTHER])
     tracer = subprocess.Popen([str(dspark), "trace", "--pid", str(server._process.pid), "--duration", "60",
                                "--raw", str(raw)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -58,6 +70,8 @@ def test_the_report_counts_the_requests_and_the_rounds(server, tmp_path):
         tracer.send_signal(2)  # Ctrl-C: the report of what was traced so far
         out, err = tracer.communicate(timeout=60)
     finally:
+        other.kill()
+        other.wait()
         if tracer.poll() is None:
             tracer.kill()
             tracer.wait()
@@ -111,7 +125,9 @@ def test_a_kernel_probe_fires_with_its_arguments(tmp_path):
         child.stdin.write("\n")
         child.stdin.flush()
         assert child.stdout.readline().strip() == "done"
-        tracer.send_signal(2)
+        child.stdin.write("\n")  # it exits, and so does bpftrace -p, printing its maps
+        child.stdin.flush()
+        child.wait(timeout=30)
         out, _ = tracer.communicate(timeout=60)
     finally:
         if tracer is not None and tracer.poll() is None:
