@@ -1,6 +1,6 @@
 """Build of the dspark package and its compiled kernels in cython_ext/: one folder per kernel
 family (fused, llama, gemm_shim, pool, guard, probes), and common/ for what they share (CPU
-features, the ISA dispatcher, the USDT probe macros).
+features, the ISA dispatcher, the USDT probe macros)."""
 import os
 import platform
 from pathlib import Path
