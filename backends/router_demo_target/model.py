@@ -2,4 +2,10 @@
 version's behaviour set by a config parameter ``version_<v>`` (``error``, ``sleep_ms=<ms>``,
 ``offset=<float>``); see dspark.triton.demo_target."""
 
-from dspark.triton.demo_target import DemoTarget as TritonPythonModel  # noqa: F401
+import triton_python_backend_utils as pb_utils
+
+from dspark.triton.demo_target import DemoTarget
+
+
+class TritonPythonModel(DemoTarget):
+    pb_utils = pb_utils

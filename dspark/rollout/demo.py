@@ -22,10 +22,13 @@ MODEL = "rollout_demo"
 ROUTER = "rollout_router"
 
 MODEL_PY = '''"""{model} {semver}: y = {scale}x + {offset} after {service_ms} ms{failing}."""
+import triton_python_backend_utils as pb_utils
+
 from dspark.triton.demo_target import Behaviour, DemoTarget
 
 
 class TritonPythonModel(DemoTarget):
+    pb_utils = pb_utils
     behaviour = {behaviour!r}
 '''
 

@@ -13,7 +13,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -42,13 +42,14 @@ class Behaviour:
 
 
 class DemoTarget:
-    """A Triton Python model. ``behaviour`` None: read from the config parameters."""
+    """A Triton Python model. The ``model.py`` that subclasses it sets ``pb_utils`` (the stub's
+    module: only ``model.py`` files import it); ``behaviour`` None: read from the config
+    parameters."""
 
+    pb_utils: Any = None
     behaviour: Optional[Behaviour] = None
 
     def initialize(self, args):
-        import triton_python_backend_utils as pb_utils
-
         from dspark.params import config_parameters
 
         config = json.loads(args["model_config"])
@@ -59,12 +60,10 @@ class DemoTarget:
             raise RuntimeError(f"{self.name} cannot load on this server ({behaviour.broken_where} is set)")
         self.behaviour = behaviour
         self.served = 0
-        pb_utils.Logger.log_info(f"{self.name}: {behaviour} loaded as version {self.version}")
+        self.pb_utils.Logger.log_info(f"{self.name}: {behaviour} loaded as version {self.version}")
 
     def execute(self, requests):
-        import triton_python_backend_utils as pb_utils
-
-        behaviour, responses = self.behaviour, []
+        pb_utils, behaviour, responses = self.pb_utils, self.behaviour, []
         for request in requests:
             time.sleep(behaviour.service_ms / 1000.0)
             self.served += 1
