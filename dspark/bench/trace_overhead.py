@@ -59,6 +59,7 @@ class TraceBenchSettings:
 def build_without_probes(folder: Path, log: Callable[[str], None] = lambda _: None) -> Path:
     """dspark/_ext built with ``-DDSPARK_NO_PROBES`` under ``folder`` (reused when already
     there); returns the folder of its modules, checked to carry no probe."""
+    folder = folder.resolve()
     lib = folder / "lib" / "dspark" / "_ext"
     if not list(lib.glob("probes.*so")):
         log(f"building dspark/_ext without probes into {folder} (a few minutes) ...")
@@ -184,8 +185,15 @@ def router_server(ext_dir: Optional[Path]):
 def router_qps(server, settings, outstanding: int, seconds: float) -> float:
     from dspark.bench.router.measure import Bench
 
-    bench = Bench(server.http_url, server.metrics_url, settings, lambda _: None)
-    return asyncio.run(bench.closed_loop("bench_router", outstanding, seconds, tiers=True))["qps"]
+    async def run() -> float:
+        bench = Bench(server.http_url, server.metrics_url, settings, lambda _: None)
+        await bench.transport.open(0)
+        try:
+            return (await bench.closed_loop("bench_router", outstanding, seconds, tiers=True))["qps"]
+        finally:
+            await bench.transport.close()
+
+    return asyncio.run(run())
 
 
 # --- the benchmark -----------------------------------------------------------------------------
