@@ -18,7 +18,7 @@ import pytest
 from dspark._ext import probes as serving
 from tests.integration.spec_client import generate, metric, stream_once
 from tests.integration.test_spec_serving import MODEL, PROMPT, toy_server
-from tests.conftest import dump_log_on_failure, serving
+from tests.conftest import dump_log_on_failure, serving as serve_repositories
 from dspark.paths import demo_repositories
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("bpftrace") is None or not serving.BUILT,
@@ -49,7 +49,7 @@ def served(request):
         dump_log_on_failure(request, server, server.failed_before)
         server.stop()
     else:
-        with serving(request, demo_repositories(), model_control="explicit", load_models=[model]) as server:
+        with serve_repositories(request, demo_repositories(), model_control="explicit", load_models=[model]) as server:
             yield server, model, methods
 
 
