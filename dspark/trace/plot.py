@@ -28,6 +28,7 @@ def write_png(trace: Trace, summary: Summary, path: Path) -> list[str]:
         raise RuntimeError("--png needs matplotlib: `pip install matplotlib`") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     rows, height = layout(summary)
     figure = plt.figure(figsize=(WIDTH_IN, height / DPI), dpi=DPI)
@@ -53,6 +54,10 @@ def write_png(trace: Trace, summary: Summary, path: Path) -> list[str]:
         bins = [low * (high / low) ** (i / 30) for i in range(31)] if high > low else [low * 0.9, low * 1.1]
         axis.hist(values, bins=bins)
         axis.set_xscale("log")
+        axis.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.xaxis.set_major_formatter(ScalarFormatter())
+        axis.xaxis.set_minor_formatter(NullFormatter())
+        axis.set_xlabel("us", fontsize=7)
         for q, style in ((percentile(values, 50), "--"), (percentile(values, 99), ":")):
             axis.axvline(q, color="black", linestyle=style, linewidth=0.8)
         title = f"{name}: n {n}, p50 {p50:.0f} us, p99 {p99:.0f} us"
