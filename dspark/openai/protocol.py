@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dspark.errors import RequestError, field_path
+from dspark.openai import tools as toolcalls
 
 # Used when a request gives no max_tokens (OpenAI's own default is "up to the context").
 DEFAULT_MAX_TOKENS = 256
@@ -107,27 +108,79 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: Union[str, list[ContentPart]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list[ContentPart], None] = None  # None: an assistant's message of calls only
     name: Optional[str] = None  # accepted, not used
+    tool_calls: Optional[list[toolcalls.ToolCall]] = None  # an assistant's calls
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
 
     def as_backend(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        text = self.content if isinstance(self.content, str) or self.content is None else \
+            "".join(p.text for p in self.content)
         # "developer" is OpenAI's newer name for the system role
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return message
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's newer name of max_tokens
     logprobs: Literal[False, None] = None
+    tools: Optional[list[toolcalls.Tool]] = None
+    tool_choice: Optional[toolcalls.ToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None  # None: OpenAI's default, true
 
     def _token_limit(self) -> int:
         return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
 
+    @property
+    def tool_mode(self) -> str:
+        """What the reply may do with the tools: "none", "auto", "required" or "named"."""
+        return toolcalls.choice_mode(self.tool_choice, self.tools)
+
+    def call_parser(self) -> Optional[toolcalls.ToolCallParser]:
+        """The parser of the reply's tool calls; None when no tools are offered."""
+        return None if self.tool_mode == "none" else toolcalls.ToolCallParser()
+
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise OpenAIError(400, "tools: two functions have the same name", "tools")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise OpenAIError(400, "tool_choice: is only allowed when tools are given", "tool_choice")
+        if isinstance(self.tool_choice, toolcalls.NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise OpenAIError(400, f"tool_choice: no function named {self.tool_choice.function.name!r} "
+                                   "in tools", "tool_choice.function.name")
+        called: set[str] = set()
+        for i, message in enumerate(self.messages):
+            if message.content is None and not (message.role == "assistant" and message.tool_calls):
+                raise OpenAIError(400, f"messages[{i}].content: is required (only an assistant message "
+                                       "with tool_calls may have none)", f"messages[{i}].content")
+            if message.tool_calls and message.role != "assistant":
+                raise OpenAIError(400, f"messages[{i}].tool_calls: only an assistant message has tool calls",
+                                  f"messages[{i}].tool_calls")
+            called.update(c.id for c in message.tool_calls or [])
+            if message.role == "tool" and message.tool_call_id not in called:
+                raise OpenAIError(400, f"messages[{i}].tool_call_id: a tool message answers a call of an "
+                                       "earlier assistant message: give that call's id",
+                                  f"messages[{i}].tool_call_id")
+
+    def sampling_parameters(self) -> dict:
+        params = super().sampling_parameters()
+        if self.tool_mode != "none":  # the reply's calls follow the functions' schemas
+            params["guided"] = {"grammar": toolcalls.call_grammar(
+                toolcalls.offered(self.tools, self.tool_choice), self.tool_mode, self.parallel_tool_calls is not False)}
+        return params
+
     def backend_inputs(self) -> dict[str, Any]:
-        return {"messages": json.dumps([m.as_backend() for m in self.messages]),
-                "sampling_parameters": json.dumps(self.sampling_parameters())}
+        self._check_tools()
+        mode = self.tool_mode
+        messages = toolcalls.render_messages([m.as_backend() for m in self.messages],
+                                         toolcalls.offered(self.tools or [], self.tool_choice), mode,
+                                         self.parallel_tool_calls is not False)
+        return {"messages": json.dumps(messages), "sampling_parameters": json.dumps(self.sampling_parameters())}
 
 
 class CompletionRequest(_Request):
@@ -186,9 +239,10 @@ class Reply:
     def _head(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, reason: str, counts: dict) -> dict:
+    def whole(self, text: str, reason: str, counts: dict, message: Optional[dict] = None) -> dict:
+        """``message``: the chat reply's message when it is not just ``text`` (tool calls)."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+            choice = {"index": 0, "message": message or {"role": "assistant", "content": text},
                       "finish_reason": reason, "logprobs": None}
         else:
             choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
@@ -202,6 +256,11 @@ class Reply:
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
         return {**self._head("text_completion"), "choices": [choice]}
+
+    def delta_chunk(self, delta: dict, reason: Optional[str] = None) -> dict:
+        """A chat chunk of any ``delta`` (a tool call's start or arguments)."""
+        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def text_event(self, text: str) -> bytes:
         """``sse(self.chunk(text))`` for a chunk of text, the one event sent per streamed piece:
