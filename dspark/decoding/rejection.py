@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dspark.decoding.constraint import Constraint, apply_mask
 from dspark.decoding.sampling import SamplingParams, distribution, sample
 from dspark.decoding.tree import DraftTree
 
@@ -41,18 +42,24 @@ def accept_among(p: np.ndarray, q: np.ndarray | None, candidates: list[int],
 
 
 def verify(logits: np.ndarray, tree: DraftTree, sampling: SamplingParams,
-           rng: np.random.Generator) -> tuple[list[int], list[int]]:
+           rng: np.random.Generator, constraint: Constraint | None = None) -> tuple[list[int], list[int]]:
     """Walk the tree from the root (row 0 of ``logits``, node n in row n + 1): keep the longest
-    accepted path and append the target's own token after it. Returns (new tokens, path)."""
+    accepted path and append the target's own token after it. Returns (new tokens, path).
+
+    With a ``constraint`` each row on the walk is masked by the grammar's state after the path
+    to it (the constraint consumes each token as it is accepted), so a draft token the grammar
+    forbids is rejected and the added token is drawn from the masked distribution."""
     node, path, out = -1, [], []
     while True:
         row = logits[node + 1]
+        if constraint is not None:
+            row = apply_mask(row, constraint.mask(len(row)))
         if sampling.greedy:
             tok = int(np.argmax(row))
             match = [c for c in tree.children(node) if tree.tokens[c] == tok]
             if not match:
                 out.append(tok)
-                return out, path
+                break
             node = match[0]
         else:
             draws = tree.candidates.get(node, [])
@@ -60,7 +67,12 @@ def verify(logits: np.ndarray, tree: DraftTree, sampling: SamplingParams,
                                              [tree.tokens[c] for c in draws], rng)
             if chosen < 0:
                 out.append(resampled)
-                return out, path
+                break
             node = draws[chosen]
         path.append(node)
         out.append(tree.tokens[node])
+        if constraint is not None:
+            constraint.consume(out[-1])
+    if constraint is not None:
+        constraint.consume(out[-1])
+    return out, path

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
+from dspark.decoding.constraint import Grammars, Vocabulary
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.proposers import standard_proposers
 from dspark.decoding.proposers.dspark import DSparkProposer
@@ -34,6 +35,16 @@ def dspark_proposers(folder: Path, weights: str | Path | None = None, threads: i
                  path, trained_on, source.name)
         return ()
     return (DSparkProposer(DSparkDrafter.for_gguf(GGUFModel(source), path, "kernel", threads)),)
+
+
+def grammars(tokenizer) -> Grammars:
+    """The model's tokens for guided (grammar-constrained) requests, built once at load."""
+    def encode(text: str) -> list[int]:  # the text alone: no BOS
+        ids = tokenizer.encode(text)
+        return ids[1:] if tokenizer.add_bos and ids and ids[0] == tokenizer.bos_id else ids
+
+    tokens = [tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size)]
+    return Grammars(Vocabulary(tokens, [tokenizer.eos_id], encode, tokenizer.special_ids, tokenizer.bos_id))
 
 
 def llm_generator(folder: Path, threads: int = 2, max_context: Optional[int] = None,
@@ -68,7 +79,8 @@ def llm_generator(folder: Path, threads: int = 2, max_context: Optional[int] = N
                           draft_source)
     tokenizer = LlamaTokenizer.load(folder / "tokenizer.json")
     engine = SpeculativeEngine(target, standard_proposers(draft_lm, model_proposers=model_proposers),
-                               eos_ids=[tokenizer.eos_id], batch_verification=batch_verification)
+                               eos_ids=[tokenizer.eos_id], batch_verification=batch_verification,
+                               grammars=grammars(tokenizer))
     engine.verify_cost.measure(target)  # this model's pass costs by rows, before the first request
     longest = max(len(tokenizer.decode_bytes([i])) for i in range(tokenizer.vocab_size))
     return TextGenerator(engine, tokenizer, max_token_bytes=longest)
