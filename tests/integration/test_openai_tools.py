@@ -143,6 +143,23 @@ def test_streamed_calls_assemble_to_the_whole_reply(client, model):
 
 
 @pytest.mark.parametrize("model", MODELS)
+def test_a_streamed_auto_reply_is_the_whole_reply(client, model):
+    fields = dict(model=model, messages=[{"role": "user", "content": "Say hello."}], tools=TOOLS,
+                  max_tokens=24, temperature=0)
+    whole = client.chat.completions.create(**fields).choices[0]
+    chunks = [c.choices[0] for c in client.chat.completions.create(**fields, stream=True) if c.choices]
+    assert chunks[0].delta.role == "assistant" and chunks[-1].finish_reason == whole.finish_reason
+    text = "".join(c.delta.content or "" for c in chunks)
+    calls: dict[int, list[str]] = {}
+    for piece in (p for c in chunks for p in c.delta.tool_calls or []):
+        name, arguments = calls.setdefault(piece.index, ["", ""])
+        calls[piece.index] = [name + (piece.function.name or ""), arguments + (piece.function.arguments or "")]
+    assert (text or None) == whole.message.content  # text, or None with calls
+    assert list(map(tuple, calls.values())) == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+
+
+@pytest.mark.parametrize("model", MODELS)
 def test_a_second_turn_takes_the_tools_result(client, model):
     first = ask(client, model, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     call = first.choices[0].message.tool_calls[0]
