@@ -31,3 +31,20 @@ class LazyGroup(click.Group):
 def lazy_group(commands: dict[str, str], **settings):
     """``@lazy_group({...})`` in place of ``@click.group()``."""
     return click.group(cls=LazyGroup, commands=commands, **settings)
+
+
+class LazyChoice(click.Choice):
+    """A ``click.Choice`` whose choices come from ``load()`` when an option is parsed or its help
+    shown, so the module that defines them is not imported with the command's module."""
+
+    def __init__(self, load, case_sensitive: bool = True) -> None:
+        self._load = load
+        super().__init__((), case_sensitive)
+
+    @property
+    def choices(self) -> tuple:
+        return tuple(self._load())
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice.__init__ sets it; the choices are load()'s
+        pass

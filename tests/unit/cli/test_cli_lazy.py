@@ -40,14 +40,27 @@ def _modules_after(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProc
     return run, set(json.loads(out.read_text()))
 
 
-def _heavy(modules: set[str]) -> list[str]:
-    return sorted(m for m in modules if any(m == h or m.startswith(h + ".") for h in HEAVY))
+def _heavy(modules: set[str], heavy=HEAVY) -> list[str]:
+    return sorted(m for m in modules if any(m == h or m.startswith(h + ".") for h in heavy))
 
 
 def test_llm_import_help_imports_no_other_command(tmp_path):
     run, modules = _modules_after(tmp_path, "llm", "import", "--help")
     assert run.returncode == 0 and "Usage: dspark llm import" in run.stdout, run.stderr
     assert _heavy(modules) == [] and "numpy" not in modules and "dspark.cli.llm" in modules
+
+
+def test_dspark_help_lists_every_command_without_their_libraries(tmp_path):
+    """Help imports each command's module for its one-line summary; their modules import the
+    libraries they run on inside the commands."""
+    run, modules = _modules_after(tmp_path, "--help")
+    assert run.returncode == 0, run.stderr
+    listed = run.stdout.split("Commands:\n", 1)[1].splitlines()
+    assert [line.split()[0] for line in listed if line.startswith("  ") and not line.startswith("   ")] \
+        == sorted(main_cli.COMMANDS)
+    libraries = ("tritonclient", "google.protobuf", "grpc", "pydantic", "numpy", "yaml", "dspark.repository",
+                 "dspark.rollout", "dspark.routing", "dspark.bench")
+    assert _heavy(modules, libraries) == [] and "dspark.cli.rollout" in modules
 
 
 @pytest.fixture
