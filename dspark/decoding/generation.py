@@ -51,6 +51,7 @@ class Generation:
         self.proposer = engine.proposers[spec.method]
         self.want_taps = self.proposer.wants_taps
         self.rng = np.random.default_rng(sampling.seed)
+        self.constraint = engine.constraint(sampling)  # before any work: a bad grammar is refused
         self.cache = engine.target.new_cache(engine.context)
         self.chains_only = sampling.greedy and not engine.exact_trees
         self.drafter: Drafter = self.proposer.start(DraftRequest(
@@ -126,7 +127,8 @@ class Generation:
         """Accept from this round's pass; return the new tokens."""
         probes.accept_begin(len(self.tree.tokens) + 1)
         base = self.cache.length - len(self.tree.tokens) - 1
-        new, path = verify(logits, self.tree, self.sampling, self.rng)
+        new, path = verify(logits, self.tree, self.sampling, self.rng, self.constraint,
+                           self.engine.eos_ids)
         eos = next((i for i, token in enumerate(new) if token in self.engine.eos_ids), None)
         rows = np.array([0] + [n + 1 for n in path])
         self.cache.keep_rows(base, rows)

@@ -10,6 +10,8 @@ from pydantic import ConfigDict, Field, field_validator
 from pydantic.dataclasses import dataclass
 from pydantic_core import PydanticCustomError
 
+from dspark.decoding.constraint import Guided
+
 # Below this a temperature divides logits into overflow (and a subnormal one into inf - inf);
 # 0 means greedy, anything in between is refused rather than silently changed.
 MIN_TEMPERATURE = 1e-3
@@ -38,6 +40,7 @@ class SamplingParams:
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
     seed: Optional[Annotated[int, Field(ge=0, le=MAX_SEED)]] = None
     stop: list[Annotated[str, Field(min_length=1)]] = field(default_factory=list)
+    guided: Optional[Guided] = None  # the grammar the output follows (dspark.decoding.constraint)
 
     @field_validator("temperature")
     @classmethod
