@@ -168,7 +168,7 @@ def start_openai(server: TritonServer, host: str, port: int, explicit_key):
         server.stop()
         sys.exit(1)
     click.echo(f"  OpenAI   {api.url}" + ("" if key is None else
-               f" (Authorization: Bearer <the API key>)"))
+               " (Authorization: Bearer <the API key>)"))
     return api
 
 
