@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dspark.errors import RequestError, field_path
 from dspark.openai import tools as toolcalls
@@ -52,6 +52,34 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: Optional[bool] = None  # the output always follows the schema (docs/openai.md)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema' and only with it")
+        return self
+
+    def guided(self) -> Optional[dict]:
+        """The backend's ``guided`` constraint (dspark.decoding.constraint.Guided)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json_schema": self.json_schema.schema_}
+        return None
+
+
 class _Request(BaseModel):
     """The fields completions and chat completions share."""
     model_config = ConfigDict(extra="forbid")
@@ -68,6 +96,7 @@ class _Request(BaseModel):
     presence_penalty: Literal[0, 0.0] = 0
     frequency_penalty: Literal[0, 0.0] = 0
     user: Optional[str] = None  # accepted, not used
+    response_format: Optional[ResponseFormat] = None
     # dspark's extension: how the request speculates ({"method": "suffix", ...}), as in
     # sampling_parameters.speculative of Triton's generate endpoint
     speculative: Optional[dict[str, Any]] = None
@@ -97,6 +126,8 @@ class _Request(BaseModel):
             params["seed"] = self.seed
         if self.speculative is not None:
             params["speculative"] = self.speculative
+        if self.response_format is not None and (guided := self.response_format.guided()):
+            params["guided"] = guided
         return params
 
 
@@ -300,6 +331,8 @@ def backend_error(message: str) -> OpenAIError:
         return OpenAIError(500, message)
     field, _, rest = message.partition(":")
     param = field if rest and " " not in field.strip() else None
+    if param and param.startswith("guided"):  # the backend's name for the constraint
+        param = "response_format"
     return OpenAIError(400, message, param)
 
 
