@@ -139,13 +139,6 @@ class LlamaTokenizer(Tokenizer):
             return len(self._tok.tokens)
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    @cached_property
-    def special_ids(self) -> list[int]:
-        """Ids of the control and user-defined tokens (matched whole in text, never spelled)."""
-        if self.kind == "llama":
-            return sorted(self._tok.special.values())
-        return sorted(self._tok.get_added_tokens_decoder())
-
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (control tokens in it matched), BOS first when the model wants it
         and the text (a chat template's output, say) did not bring it."""
