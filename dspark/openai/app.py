@@ -44,6 +44,17 @@ def _check_with_backend_rules(inputs: dict) -> None:
         raise request_error(error) from None
 
 
+async def _first_piece(pieces, guided_by: Optional[str]):
+    """The model's first piece; a constraint it cannot compile is named as ``guided_by``, the
+    request field it came from (``tools`` for a tool call's grammar)."""
+    try:
+        return await anext(pieces)
+    except OpenAIError as error:
+        if guided_by and error.message.startswith("guided"):
+            error.param = guided_by
+        raise
+
+
 def create_app(llms: TritonLLMs, api_key: Optional[str] = None) -> Starlette:
     """``api_key``: when set, every request needs ``Authorization: Bearer <api_key>``."""
     @contextlib.asynccontextmanager
@@ -96,10 +107,11 @@ def create_app(llms: TritonLLMs, api_key: Optional[str] = None) -> Starlette:
         reply = Reply(req)
         echo = req.prompt if isinstance(req, CompletionRequest) and req.echo else ""
         calls = req.call_parser() if isinstance(req, ChatCompletionRequest) else None
+        guided_by = "tools" if calls is not None else None
         pieces = llms.generate(req.model, inputs, stream=req.stream)
         if not req.stream:
             try:
-                piece = await anext(pieces)
+                piece = await _first_piece(pieces, guided_by)
             finally:
                 await pieces.aclose()
             counts = usage(piece.prompt_tokens, piece.completion_tokens)
@@ -109,7 +121,7 @@ def create_app(llms: TritonLLMs, api_key: Optional[str] = None) -> Starlette:
                 return JSONResponse(reply.whole(piece.text, tools.finish_reason(calls, piece.finish_reason),
                                                 counts, tools.message(calls)))
             return JSONResponse(reply.whole(echo + piece.text, finish_reason(piece.finish_reason), counts))
-        first = await anext(pieces)  # an error before any text is still an HTTP error
+        first = await _first_piece(pieces, guided_by)  # an error before any text is still an HTTP error
 
         def call_events(deltas):  # the chunks of a reply that may call tools
             return [sse(reply.delta_chunk(tools.delta_json(delta))) for delta in deltas]

@@ -201,8 +201,10 @@ class ChatCompletionRequest(_Request):
     def sampling_parameters(self) -> dict:
         params = super().sampling_parameters()
         if self.tool_mode != "none":  # the reply's calls follow the functions' schemas
+            text = params.pop("guided", None)  # response_format's: a reply that does not call
             params["guided"] = {"grammar": toolcalls.call_grammar(
-                toolcalls.offered(self.tools, self.tool_choice), self.tool_mode, self.parallel_tool_calls is not False)}
+                toolcalls.offered(self.tools, self.tool_choice), self.tool_mode,
+                self.parallel_tool_calls is not False, text)}
         return params
 
     def backend_inputs(self) -> dict[str, Any]:

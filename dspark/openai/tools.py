@@ -22,11 +22,11 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dspark.decoding.constraint import JSON_STYLE, closed_objects
+
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 CALL_SEPARATOR = "\n"  # between two parallel calls
-# the JSON of a call in one line, as json.dumps writes it (no free whitespace for the model to fill)
-_JSON_FORMAT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
 
 class FunctionDefinition(BaseModel):
@@ -166,30 +166,37 @@ def render_messages(messages: list[dict], functions: list[FunctionDefinition], m
 
 def call_schema(function: FunctionDefinition) -> dict:
     """The JSON schema of one call, ``{"name": <the name>, "arguments": <its parameters>}``, in
-    that order. The parameters' ``$defs`` move to the root, where their ``#/$defs/...`` refs
-    now point."""
-    arguments = dict(function.parameters) or {"type": "object"}
+    that order, as the API writes JSON (docs/openai.md, structured output: one line, and an object
+    that lists its properties gets no others). The parameters' ``$defs`` move to the root, where
+    their ``#/$defs/...`` refs now point."""
+    arguments = closed_objects(dict(function.parameters)) or {"type": "object"}
     defs = {key: arguments.pop(key) for key in ("$defs", "definitions") if key in arguments}
     if "type" not in arguments and not any(k in arguments for k in ("$ref", "anyOf", "allOf", "oneOf")):
         arguments["type"] = "object"
     return {"type": "object", "properties": {"name": {"const": function.name}, "arguments": arguments},
             "required": ["name", "arguments"], "additionalProperties": False, **defs,
-            "x-guidance": _JSON_FORMAT}
+            "x-guidance": JSON_STYLE}
 
 
-def call_grammar(functions: list[FunctionDefinition], mode: str, parallel: bool) -> str:
+def call_grammar(functions: list[FunctionDefinition], mode: str, parallel: bool,
+                 text: Optional[dict] = None) -> str:
     """An llguidance Lark grammar of the reply: one call (or, with ``parallel``, one or more
     separated by a newline) of the offered functions, each under its schema; with ``mode``
-    "auto" plain text instead is allowed (text that does not start with ``<``)."""
+    "auto" a reply without calls instead: plain text (that does not start with ``<``), or, with
+    ``text`` (``{"json_schema": ...}`` or ``{"json_object": true}``, what ``response_format``
+    asks), that JSON."""
     many = parallel and mode != "named"
-    lines = ["start: " + ("calls | TEXT" if mode == "auto" else "calls"),
+    lines = ["start: " + ("calls | text" if mode == "auto" else "calls"),
              "calls: call" + (f" ({json.dumps(CALL_SEPARATOR)} call)*" if many else ""),
              f"call: {json.dumps(CALL_OPEN)} function {json.dumps(CALL_CLOSE)}",
              "function: " + " | ".join(f"function_{i}" for i in range(len(functions)))]
     for i, function in enumerate(functions):
         lines.append(f"function_{i}: %json " + json.dumps(call_schema(function)))
-    if mode == "auto":
-        lines.append(r"TEXT: /[^<](?s:.)*/")
+    if mode == "auto" and text:
+        schema = dict(text["json_schema"]) if "json_schema" in text else {"type": "object"}
+        lines.append("text: %json " + json.dumps({"x-guidance": JSON_STYLE, **closed_objects(schema)}))
+    elif mode == "auto":
+        lines += ["text: TEXT", r"TEXT: /[^<](?s:.)*/"]
     return "\n".join(lines) + "\n"
 
 

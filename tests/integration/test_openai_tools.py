@@ -176,7 +176,7 @@ def test_a_second_turn_takes_the_tools_result(client, model):
     assert again.choices[0].message.content == second.message.content
 
 
-def test_a_tool_message_must_answer_an_earlier_call(client):
+def test_inconsistent_tool_requests_are_400_naming_the_field(client):
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model=MODELS[0], max_tokens=8, messages=[
             {"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_x", "content": "1"}])
@@ -185,6 +185,12 @@ def test_a_tool_message_must_answer_an_earlier_call(client):
         client.chat.completions.create(model=MODELS[0], max_tokens=8, messages=[{"role": "user", "content": "hi"}],
                                        tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
     assert error.value.body["param"] == "tool_choice.function.name"
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "format": "no-such-format"}}}}}]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODELS[0], max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+                                       tools=bad, tool_choice="required")
+    assert error.value.body["param"] == "tools" and "guided.grammar" in error.value.body["message"]
 
 
 def chat_model(api, model) -> ChatOpenAI:

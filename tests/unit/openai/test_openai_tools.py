@@ -69,7 +69,7 @@ def test_tools_are_listed_in_a_system_block_with_the_call_format():
                       {"name": "get_time", "parameters": {"type": "object", "properties": {}}}]
     assert '<tool_call>{"name": "<function name>", "arguments": ' in block
     assert "otherwise answer in plain text" in block
-    assert params["guided"]["grammar"].startswith("start: calls | TEXT")
+    assert params["guided"]["grammar"].startswith("start: calls | text")
 
 
 def test_the_tools_block_joins_the_callers_system_message():
@@ -115,6 +115,19 @@ def test_auto_allows_plain_text_or_calls():
     assert not grammar_accepts(grammar, "<b>bold</b>")  # text starting with "<" would be a call
 
 
+def test_auto_with_a_response_format_answers_in_that_json_or_in_calls():
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+              "additionalProperties": False}
+    _, params = inputs(tools=[WEATHER], response_format={"type": "json_schema", "json_schema": {
+        "name": "reply", "schema": schema}})
+    grammar = params["guided"]["grammar"]
+    assert grammar_accepts(grammar, '{"answer": "sunny"}')
+    assert grammar_accepts(grammar, call("get_weather", {"city": "Paris"}))
+    assert not grammar_accepts(grammar, "sunny") and not grammar_accepts(grammar, '{"other": 1}')
+    _, params = inputs(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})
+    assert not grammar_accepts(params["guided"]["grammar"], '{"answer": "sunny"}')  # calls only
+
+
 @pytest.mark.parametrize("text", [
     '<tool_call>{"name": "get_weather", "arguments": {"town": "Paris"}}</tool_call>',  # not its schema
     '<tool_call>{"name": "get_weather", "arguments": {"city": 3}}</tool_call>',
@@ -126,6 +139,13 @@ def test_auto_allows_plain_text_or_calls():
 def test_the_grammar_refuses_calls_off_the_schema(text):
     _, params = inputs(tools=[WEATHER], tool_choice="required")
     assert not grammar_accepts(params["guided"]["grammar"], text)
+
+
+def test_arguments_get_no_keys_their_schema_does_not_list():
+    _, params = inputs(tools=[WEATHER], tool_choice="required")  # WEATHER says nothing of others
+    grammar = params["guided"]["grammar"]
+    assert grammar_accepts(grammar, call("get_weather", {"city": "Paris", "unit": "c"}))
+    assert not grammar_accepts(grammar, call("get_weather", {"city": "Paris", "wind": 3}))
 
 
 def test_schema_definitions_still_resolve_under_arguments():
