@@ -242,7 +242,7 @@ class ToolCallParser:
     calls: list[ParsedCall] = field(default_factory=list)
     content: str = ""
     _buffer: str = ""
-    _state: str = "start"  # start, text, open, head, args, tail, between
+    _state: str = "start"  # start, text, head, args, tail, between
     _depth: int = 0
     _in_string: bool = False
     _escape: bool = False
