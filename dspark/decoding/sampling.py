@@ -10,6 +10,8 @@ from pydantic import ConfigDict, Field, field_validator
 from pydantic.dataclasses import dataclass
 from pydantic_core import PydanticCustomError
 
+from dspark.decoding.constraint import Guided
+
 # Below this a temperature divides logits into overflow (and a subnormal one into inf - inf);
 # 0 means greedy, anything in between is refused rather than silently changed.
 MIN_TEMPERATURE = 1e-3
@@ -38,6 +40,7 @@ class SamplingParams:
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
     seed: Optional[Annotated[int, Field(ge=0, le=MAX_SEED)]] = None
     stop: list[Annotated[str, Field(min_length=1)]] = field(default_factory=list)
+    guided: Optional[Guided] = None  # the grammar the output follows (dspark.decoding.constraint)
 
     @field_validator("temperature")
     @classmethod
@@ -78,4 +81,25 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
-    return int(min(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"), len(p) - 1))
+    return sample_at(p, rng.random())
+
+
+def sample_at(p: np.ndarray, u: float) -> int:
+    """The token whose interval of the cumulative distribution holds ``u`` in [0, 1)."""
+    return int(min(np.searchsorted(np.cumsum(p), u * p.sum(), side="right"), len(p) - 1))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A uniform draw in [0, 1) that depends on (seed, position) only (SplitMix64 of the pair).
+
+    A seeded request draws the token at each position of the sequence from this number, so
+    its text depends on the seed alone: not on which guesses a proposer made, how many rows a
+    pass verified, or what the proposer learnt from earlier requests."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return (x >> 11) / float(1 << 53)

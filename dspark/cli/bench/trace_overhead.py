@@ -9,7 +9,7 @@ from typing import Optional
 
 import click
 
-from dspark.cli.bench_common import bench_errors, emit, progress_log
+from dspark.cli.bench.common import bench_errors, emit, progress_log
 
 
 @click.command("trace")
