@@ -15,7 +15,7 @@ from dspark._ext import probes
 from dspark.decoding.prompt import PREFILL_CHUNK, read_prompt
 from dspark.decoding.proposers.base import DraftRequest, Drafter
 from dspark.decoding.rejection import verify
-from dspark.decoding.sampling import SamplingParams, SpeculativeParams
+from dspark.decoding.sampling import SamplingParams, SpeculativeParams, TokenLogprob, token_logprob
 from dspark.decoding.stats import DecodeStats
 from dspark.decoding.tree import DraftTree
 
@@ -37,6 +37,12 @@ class VerifyItem:
     tree_mask: Optional[np.ndarray]
 
 
+class NewTokens(list):
+    """A round's new tokens; ``logprobs``, when the request asked for them, has one
+    ``TokenLogprob`` per token."""
+    logprobs: Optional[list[TokenLogprob]] = None
+
+
 class Generation:
     """One request's decoding: its target cache, its drafter, its history."""
 
@@ -52,7 +58,8 @@ class Generation:
         self.want_taps = self.proposer.wants_taps
         self.rng = np.random.default_rng(sampling.seed)
         self.cache = engine.target.new_cache(engine.context)
-        self.chains_only = sampling.greedy and not engine.exact_trees
+        # a seeded request's tokens are a function of the rows too (``rejection.target_token``)
+        self.chains_only = (sampling.greedy or sampling.seed is not None) and not engine.exact_trees
         self.drafter: Drafter = self.proposer.start(DraftRequest(
             prompt, sampling, spec, self.rng, stats, engine.context, engine.verify_cost,
             self.chains_only))
@@ -122,11 +129,11 @@ class Generation:
                           [root] + [root + d for d in self.tree.depths],
                           self.tree.mask() if self.tree.tokens else None)
 
-    def commit(self, logits: np.ndarray, taps: Optional[np.ndarray], target_s: float) -> list[int]:
+    def commit(self, logits: np.ndarray, taps: Optional[np.ndarray], target_s: float) -> NewTokens:
         """Accept from this round's pass; return the new tokens."""
         probes.accept_begin(len(self.tree.tokens) + 1)
         base = self.cache.length - len(self.tree.tokens) - 1
-        new, path = verify(logits, self.tree, self.sampling, self.rng)
+        new, path = verify(logits, self.tree, self.sampling, self.rng, len(self.history))
         eos = next((i for i, token in enumerate(new) if token in self.engine.eos_ids), None)
         rows = np.array([0] + [n + 1 for n in path])
         self.cache.keep_rows(base, rows)
@@ -137,6 +144,10 @@ class Generation:
                               target_s)
         if eos is not None:
             new = new[:eos]  # the end-of-sequence token ends the text and is not part of it
+        new = NewTokens(new)
+        if self.sampling.logprobs is not None:  # new token i came from row rows[i]
+            new.logprobs = [token_logprob(logits[row], token, self.sampling.logprobs)
+                            for row, token in zip(rows, new)]
         self.history.extend(new)  # the tree's depth kept it within max_tokens
         self.stats.generated_tokens = self.generated
         if eos is not None:
@@ -158,7 +169,7 @@ class Generation:
             self.cache = None  # the runtime's cache slot goes back to its pool now
         return None
 
-    def step(self) -> Optional[list[int]]:
+    def step(self) -> Optional[NewTokens]:
         """One round with its own target call on this thread: the new tokens, or None when
         the request is done."""
         item = self.plan()
@@ -172,7 +183,7 @@ class Generation:
         probes.verify_batch(1, len(item.tokens), seconds)
         return self.commit(logits, taps, seconds)
 
-    def run(self) -> Iterator[list[int]]:
+    def run(self) -> Iterator[NewTokens]:
         """The round loop on this thread: one target call per round."""
         try:
             self.prefill()

@@ -1,10 +1,12 @@
-"""Verification of a draft tree against the target's logits: greedy acceptance and lossless
-speculative sampling (the rejection sampler), independent of how the tree was proposed."""
+"""Verification of a draft tree against the target's logits, independent of how the tree was
+proposed: greedy and seeded requests accept a draft token iff it is the token plain decoding
+emits there (``target_token``); unseeded sampled ones use lossless speculative sampling (the
+rejection sampler)."""
 from __future__ import annotations
 
 import numpy as np
 
-from dspark.decoding.sampling import SamplingParams, distribution, sample
+from dspark.decoding.sampling import SamplingParams, distribution, sample, seeded_token
 from dspark.decoding.tree import DraftTree
 
 
@@ -40,15 +42,31 @@ def accept_among(p: np.ndarray, q: np.ndarray | None, candidates: list[int],
     return -1, sample(p, rng)
 
 
+def target_token(row: np.ndarray, sampling: SamplingParams, position: int) -> int | None:
+    """The token plain decoding emits at absolute ``position`` from this row of the target's
+    logits when that is a function of the row alone: its argmax (greedy), or the Gumbel-max
+    sample of a seeded request (noise keyed by seed and position). Verifying a draft against it
+    is then exact and the output is independent of the draft. None: an unseeded sampled
+    request, whose drafts the rejection sampler accepts (more of a stochastic draft's tokens
+    than matching one draw would)."""
+    if sampling.greedy:
+        return int(np.argmax(row))
+    if sampling.seed is not None:
+        return seeded_token(distribution(row, sampling), sampling.seed, position)
+    return None
+
+
 def verify(logits: np.ndarray, tree: DraftTree, sampling: SamplingParams,
-           rng: np.random.Generator) -> tuple[list[int], list[int]]:
+           rng: np.random.Generator, start: int = 0) -> tuple[list[int], list[int]]:
     """Walk the tree from the root (row 0 of ``logits``, node n in row n + 1): keep the longest
-    accepted path and append the target's own token after it. Returns (new tokens, path)."""
+    accepted path and append the target's own token after it. ``start``: the absolute position
+    of the first new token. Returns (new tokens, path); new token i comes from the row of the
+    path's node i - 1 (the root's for i = 0)."""
     node, path, out = -1, [], []
     while True:
         row = logits[node + 1]
-        if sampling.greedy:
-            tok = int(np.argmax(row))
+        tok = target_token(row, sampling, start + len(out))
+        if tok is not None:
             match = [c for c in tree.children(node) if tree.tokens[c] == tok]
             if not match:
                 out.append(tok)

@@ -2,7 +2,7 @@
 logits -> distribution transform."""
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass as record, field
 from typing import Annotated, Optional
 
 import numpy as np
@@ -15,6 +15,7 @@ from pydantic_core import PydanticCustomError
 MIN_TEMPERATURE = 1e-3
 MAX_TEMPERATURE = 10.0
 MAX_SEED = 2 ** 63 - 1
+MAX_LOGPROBS = 20
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -38,6 +39,9 @@ class SamplingParams:
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
     seed: Optional[Annotated[int, Field(ge=0, le=MAX_SEED)]] = None
     stop: list[Annotated[str, Field(min_length=1)]] = field(default_factory=list)
+    # how many of the most likely alternatives to report with each token's log-probability
+    # (0: the token's own only); None: no log-probabilities
+    logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
 
     @field_validator("temperature")
     @classmethod
@@ -75,6 +79,47 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         p = np.where(mask, p, 0.0)
         p /= p.sum()
     return p
+
+
+def position_noise(seed: int, position: int, size: int) -> np.ndarray:
+    """Gumbel noise of the token at absolute ``position`` of a request seeded ``seed``: from a
+    counter-based generator (Philox) keyed by (seed, position) alone, so it does not depend on
+    what was drawn before (a proposer's draws, the tokens accepted so far)."""
+    key = np.array([seed, position], dtype=np.uint64)
+    return np.random.Generator(np.random.Philox(key=key)).gumbel(size=size)
+
+
+def seeded_token(p: np.ndarray, seed: int, position: int) -> int:
+    """The token at ``position`` sampled from ``p`` by the Gumbel-max trick: argmax(log p + G)
+    is distributed exactly as p when G is i.i.d. standard Gumbel noise."""
+    with np.errstate(divide="ignore"):
+        scores = np.log(p) + position_noise(seed, position, len(p))
+    return int(np.argmax(scores))
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """The model's log-probabilities (float64) of one row of logits."""
+    z = logits.astype(np.float64)
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+@record(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target model (its raw distribution: before
+    temperature, top-k and top-p) and the ``top`` most likely tokens with theirs, most likely
+    first."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """``token``'s entry from the row of logits that emitted it."""
+    logp = log_softmax(logits)
+    best = np.argsort(-logp, kind="stable")[:top] if top else ()
+    return TokenLogprob(int(token), float(logp[token]),
+                        tuple((int(t), float(logp[t])) for t in best))
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:

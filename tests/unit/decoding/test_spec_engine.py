@@ -12,6 +12,7 @@ from dspark.decoding.engine import PromptTooLong, SpeculativeEngine, VerifyCost
 from dspark.llm.kernel_runtime import KernelRuntime
 from dspark.runtimes.protocol import TargetRuntime
 from dspark.decoding.proposers import standard_proposers
+from dspark.decoding import rejection
 from dspark.decoding.rejection import accept_among
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams, distribution
 from dspark.decoding.stats import DecodeStats
@@ -174,10 +175,15 @@ def test_hybrid_without_a_repeated_ngram_is_the_draft_alone():
 
 @pytest.mark.parametrize("method,width", [("draft", 1), ("tree", 3), ("ngram", 1), ("hybrid", 1),
                                           ("suffix", 3), ("none", 1)])
-def test_sampled_speculation_follows_the_target_distribution(method, width):
+@pytest.mark.parametrize("verification", ["seeded", "rejection"])
+def test_sampled_speculation_follows_the_target_distribution(method, width, verification, monkeypatch):
     """Lossless sampling: the joint law of the first two tokens equals the target's (G-test
     at alpha 0.001 over 1500 fixed-seed runs; a lossy rule, e.g. always accepting the draft,
-    fails it)."""
+    fails it). ``rejection``: seeded requests verified by the rejection sampler, as unseeded
+    ones are (seeded, so the test is deterministic)."""
+    if verification == "rejection":
+        monkeypatch.setattr(rejection, "target_token",
+                            lambda row, sampling, position: int(np.argmax(row)) if sampling.greedy else None)
     engine = ENGINES[2]
     prompt = [1, 2, 1, 3, 1]
     # the top 3 tokens of each step: few enough outcomes for the test, the same law for every method
