@@ -100,17 +100,22 @@ def create_app(llms: TritonLLMs, api_key: Optional[str] = None) -> Starlette:
                 piece = await anext(pieces)
             finally:
                 await pieces.aclose()
+            reply.skip(echo)
             return JSONResponse(reply.whole(echo + piece.text, finish_reason(piece.finish_reason),
-                                            usage(piece.prompt_tokens, piece.completion_tokens)))
+                                            usage(piece.prompt_tokens, piece.completion_tokens),
+                                            reply.logprobs(piece.logprobs)))
         first = await anext(pieces)  # an error before any text is still an HTTP error
 
         async def events():
             piece = first
             try:
-                yield sse(reply.chunk(echo + piece.text, first=True))
+                reply.skip(echo)
+                yield sse(reply.chunk(echo + piece.text, first=True, logprobs=reply.logprobs(piece.logprobs)))
                 while not piece.final:
                     piece = await anext(pieces)
-                    if piece.text:
+                    if piece.logprobs:  # each chunk carries its tokens' log-probabilities
+                        yield sse(reply.chunk(piece.text, logprobs=reply.logprobs(piece.logprobs)))
+                    elif piece.text:
                         yield reply.text_event(piece.text)
                 yield sse(reply.chunk(None, finish_reason(piece.finish_reason)))
                 if req.include_usage:
