@@ -81,20 +81,22 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return p
 
 
-def position_noise(seed: int, position: int, size: int) -> np.ndarray:
-    """Gumbel noise of the token at absolute ``position`` of a request seeded ``seed``: from a
-    counter-based generator (Philox) keyed by (seed, position) alone, so it does not depend on
-    what was drawn before (a proposer's draws, the tokens accepted so far)."""
+def position_uniforms(seed: int, position: int, size: int) -> np.ndarray:
+    """One uniform in (0, 1) per token for absolute ``position`` of a request seeded ``seed``:
+    from a counter-based generator (Philox) keyed by (seed, position) alone, so they do not
+    depend on what was drawn before (a proposer's draws, the tokens accepted so far)."""
     key = np.array([seed, position], dtype=np.uint64)
-    return np.random.Generator(np.random.Philox(key=key)).gumbel(size=size)
+    u = np.random.Generator(np.random.Philox(key=key)).random(size)
+    return np.maximum(u, np.finfo(np.float64).tiny)
 
 
 def seeded_token(p: np.ndarray, seed: int, position: int) -> int:
-    """The token at ``position`` sampled from ``p`` by the Gumbel-max trick: argmax(log p + G)
-    is distributed exactly as p when G is i.i.d. standard Gumbel noise."""
-    with np.errstate(divide="ignore"):
-        scores = np.log(p) + position_noise(seed, position, len(p))
-    return int(np.argmax(scores))
+    """The token at ``position`` sampled from ``p`` by the Gumbel-max trick: argmax(log p + G),
+    G = -log(-log U) i.i.d. standard Gumbel, is distributed exactly as p. Only p's support is
+    scored (top-k and top-p make it small)."""
+    support = np.flatnonzero(p)
+    u = position_uniforms(seed, position, len(p))[support]
+    return int(support[np.argmax(np.log(p[support]) - np.log(-np.log(u)))])
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
