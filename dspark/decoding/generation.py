@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+from numpy.random import default_rng
 
 from dspark._ext import probes
 from dspark.decoding.prompt import PREFILL_CHUNK, read_prompt
@@ -56,9 +57,11 @@ class Generation:
         self.prompt_length = len(prompt)
         self.proposer = engine.proposers[spec.method]
         self.want_taps = self.proposer.wants_taps
-        self.rng = np.random.default_rng(sampling.seed)
+        self.rng = default_rng(sampling.seed)  # the proposers' draws, and unseeded sampling's
+        self.constraint = engine.constraint(sampling)  # before any work: a bad grammar is refused
         self.cache = engine.target.new_cache(engine.context)
-        # a seeded request's tokens are a function of the rows too (``rejection.target_token``)
+        # greedy and seeded requests pick each token from the target's row: only a runtime whose
+        # tree rows equal the chains' (bit for bit) can verify trees for them
         self.chains_only = (sampling.greedy or sampling.seed is not None) and not engine.exact_trees
         self.drafter: Drafter = self.proposer.start(DraftRequest(
             prompt, sampling, spec, self.rng, stats, engine.context, engine.verify_cost,
@@ -133,7 +136,8 @@ class Generation:
         """Accept from this round's pass; return the new tokens."""
         probes.accept_begin(len(self.tree.tokens) + 1)
         base = self.cache.length - len(self.tree.tokens) - 1
-        new, path = verify(logits, self.tree, self.sampling, self.rng, len(self.history))
+        new, path = verify(logits, self.tree, self.sampling, self.rng, self.constraint,
+                           self.engine.eos_ids, len(self.history))
         eos = next((i for i, token in enumerate(new) if token in self.engine.eos_ids), None)
         rows = np.array([0] + [n + 1 for n in path])
         self.cache.keep_rows(base, rows)

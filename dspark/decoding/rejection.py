@@ -1,12 +1,13 @@
-"""Verification of a draft tree against the target's logits, independent of how the tree was
-proposed: greedy and seeded requests accept a draft token iff it is the token plain decoding
-emits there (``target_token``); unseeded sampled ones use lossless speculative sampling (the
-rejection sampler)."""
+"""Verification of a draft tree against the target's logits: greedy acceptance and lossless
+speculative sampling (the rejection sampler), independent of how the tree was proposed."""
 from __future__ import annotations
+
+from typing import Optional
 
 import numpy as np
 
-from dspark.decoding.sampling import SamplingParams, distribution, sample, seeded_token
+from dspark.decoding.constraint import Constraint
+from dspark.decoding.sampling import SamplingParams, distribution, sample, sample_at, seeded_uniform
 from dspark.decoding.tree import DraftTree
 
 
@@ -42,43 +43,43 @@ def accept_among(p: np.ndarray, q: np.ndarray | None, candidates: list[int],
     return -1, sample(p, rng)
 
 
-def target_token(row: np.ndarray, sampling: SamplingParams, position: int) -> int | None:
-    """The token plain decoding emits at absolute ``position`` from this row of the target's
-    logits when that is a function of the row alone: its argmax (greedy), or the Gumbel-max
-    sample of a seeded request (noise keyed by seed and position). Verifying a draft against it
-    is then exact and the output is independent of the draft. None: an unseeded sampled
-    request, whose drafts the rejection sampler accepts (more of a stochastic draft's tokens
-    than matching one draw would)."""
-    if sampling.greedy:
-        return int(np.argmax(row))
-    if sampling.seed is not None:
-        return seeded_token(distribution(row, sampling), sampling.seed, position)
-    return None
-
-
 def verify(logits: np.ndarray, tree: DraftTree, sampling: SamplingParams,
-           rng: np.random.Generator, start: int = 0) -> tuple[list[int], list[int]]:
+           rng: np.random.Generator, constraint: Optional[Constraint] = None,
+           eos_ids: frozenset[int] = frozenset(), position: int = 0) -> tuple[list[int], list[int]]:
     """Walk the tree from the root (row 0 of ``logits``, node n in row n + 1): keep the longest
-    accepted path and append the target's own token after it. ``start``: the absolute position
-    of the first new token. Returns (new tokens, path); new token i comes from the row of the
-    path's node i - 1 (the root's for i = 0)."""
+    accepted path and append the target's own token after it; an end of sequence (``eos_ids``)
+    ends the walk. Returns (new tokens, path).
+
+    With a ``constraint``, each row walked is masked by the grammar's state after the tokens
+    chosen before it, and the grammar advances by each token chosen: a draft token the grammar
+    forbids has probability 0 and is rejected, and the bonus token is drawn under the mask.
+
+    A seeded sampled request (``sampling.seed``) draws the token at each sequence position
+    (``position``: the root's token's) from ``seeded_uniform(seed, position)`` by inverse CDF,
+    as plain sampling does, and accepts a guess only if it is that token: the text is plain
+    sampling's for that seed whatever was proposed, and exactly distributed as the target's
+    sampling distribution (the draw is uniform). Unseeded requests use the rejection sampler,
+    which accepts more of a sampled draft."""
     node, path, out = -1, [], []
     while True:
-        row = logits[node + 1]
-        tok = target_token(row, sampling, start + len(out))
-        if tok is not None:
+        row = logits[node + 1] if constraint is None else constraint.mask(logits[node + 1])
+        if sampling.greedy or sampling.seed is not None:
+            tok = int(np.argmax(row)) if sampling.greedy else \
+                sample_at(distribution(row, sampling), seeded_uniform(sampling.seed, position + len(out)))
             match = [c for c in tree.children(node) if tree.tokens[c] == tok]
-            if not match:
-                out.append(tok)
-                return out, path
-            node = match[0]
+            child = match[0] if match else None
         else:
             draws = tree.candidates.get(node, [])
-            chosen, resampled = accept_among(distribution(row, sampling), tree.q.get(node),
-                                             [tree.tokens[c] for c in draws], rng)
-            if chosen < 0:
-                out.append(resampled)
-                return out, path
-            node = draws[chosen]
+            chosen, tok = accept_among(distribution(row, sampling), tree.q.get(node),
+                                       [tree.tokens[c] for c in draws], rng)
+            child = draws[chosen] if chosen >= 0 else None
+            tok = tree.tokens[child] if child is not None else tok
+        out.append(tok)
+        if tok in eos_ids:  # the end: an accepted end-of-sequence counts as the last token
+            return out, path
+        if constraint is not None:
+            constraint.advance(tok)
+        if child is None:
+            return out, path
+        node = child
         path.append(node)
-        out.append(tree.tokens[node])

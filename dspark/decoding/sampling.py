@@ -10,6 +10,8 @@ from pydantic import ConfigDict, Field, field_validator
 from pydantic.dataclasses import dataclass
 from pydantic_core import PydanticCustomError
 
+from dspark.decoding.constraint import Guided
+
 # Below this a temperature divides logits into overflow (and a subnormal one into inf - inf);
 # 0 means greedy, anything in between is refused rather than silently changed.
 MIN_TEMPERATURE = 1e-3
@@ -39,6 +41,7 @@ class SamplingParams:
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
     seed: Optional[Annotated[int, Field(ge=0, le=MAX_SEED)]] = None
     stop: list[Annotated[str, Field(min_length=1)]] = field(default_factory=list)
+    guided: Optional[Guided] = None  # the grammar the output follows (dspark.decoding.constraint)
     # how many of the most likely alternatives to report with each token's log-probability
     # (0: the token's own only); None: no log-probabilities
     logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
@@ -81,24 +84,6 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return p
 
 
-def position_uniforms(seed: int, position: int, size: int) -> np.ndarray:
-    """One uniform in (0, 1) per token for absolute ``position`` of a request seeded ``seed``:
-    from a counter-based generator (Philox) keyed by (seed, position) alone, so they do not
-    depend on what was drawn before (a proposer's draws, the tokens accepted so far)."""
-    key = np.array([seed, position], dtype=np.uint64)
-    u = np.random.Generator(np.random.Philox(key=key)).random(size)
-    return np.maximum(u, np.finfo(np.float64).tiny)
-
-
-def seeded_token(p: np.ndarray, seed: int, position: int) -> int:
-    """The token at ``position`` sampled from ``p`` by the Gumbel-max trick: argmax(log p + G),
-    G = -log(-log U) i.i.d. standard Gumbel, is distributed exactly as p. Only p's support is
-    scored (top-k and top-p make it small)."""
-    support = np.flatnonzero(p)
-    u = position_uniforms(seed, position, len(p))[support]
-    return int(support[np.argmax(np.log(p[support]) - np.log(-np.log(u)))])
-
-
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """The model's log-probabilities (float64) of one row of logits."""
     z = logits.astype(np.float64)
@@ -125,4 +110,25 @@ def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
-    return int(min(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"), len(p) - 1))
+    return sample_at(p, rng.random())
+
+
+def sample_at(p: np.ndarray, u: float) -> int:
+    """The token whose interval of the cumulative distribution holds ``u`` in [0, 1)."""
+    return int(min(np.searchsorted(np.cumsum(p), u * p.sum(), side="right"), len(p) - 1))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A uniform draw in [0, 1) that depends on (seed, position) only (SplitMix64 of the pair).
+
+    A seeded request draws the token at each position of the sequence from this number, so
+    its text depends on the seed alone: not on which guesses a proposer made, how many rows a
+    pass verified, or what the proposer learnt from earlier requests."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return (x >> 11) / float(1 << 53)

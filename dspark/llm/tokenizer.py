@@ -159,6 +159,18 @@ class LlamaTokenizer(Tokenizer):
         return b"".join(table[i] for i in ids)
 
     @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Control tokens (BOS, EOS, chat markers): never text a grammar can match."""
+        if self.kind == "llama":
+            return frozenset(self._tok.special.values())
+        return frozenset(self._tok.get_added_tokens_decoder())
+
+    @property
+    def token_bytes(self) -> list[bytes]:
+        """Every token's exact bytes, by id."""
+        return self._token_bytes
+
+    @cached_property
     def _token_bytes(self) -> list[bytes]:
         if self.kind == "llama":
             return self._tok.token_bytes

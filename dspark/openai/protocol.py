@@ -12,9 +12,10 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dspark.errors import RequestError, field_path
+from dspark.openai import tools as toolcalls
 
 # Used when a request gives no max_tokens (OpenAI's own default is "up to the context").
 DEFAULT_MAX_TOKENS = 256
@@ -53,6 +54,34 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: Optional[bool] = None  # the output always follows the schema (docs/openai.md)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema' and only with it")
+        return self
+
+    def guided(self) -> Optional[dict]:
+        """The backend's ``guided`` constraint (dspark.decoding.constraint.Guided)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json_schema": self.json_schema.schema_}
+        return None
+
+
 class _Request(BaseModel):
     """The fields completions and chat completions share."""
     model_config = ConfigDict(extra="forbid")
@@ -69,6 +98,7 @@ class _Request(BaseModel):
     presence_penalty: Literal[0, 0.0] = 0
     frequency_penalty: Literal[0, 0.0] = 0
     user: Optional[str] = None  # accepted, not used
+    response_format: Optional[ResponseFormat] = None
     # dspark's extension: how the request speculates ({"method": "suffix", ...}), as in
     # sampling_parameters.speculative of Triton's generate endpoint
     speculative: Optional[dict[str, Any]] = None
@@ -103,6 +133,8 @@ class _Request(BaseModel):
             params["logprobs"] = self._top_logprobs()
         if self.speculative is not None:
             params["speculative"] = self.speculative
+        if self.response_format is not None and (guided := self.response_format.guided()):
+            params["guided"] = guided
         return params
 
 
@@ -114,14 +146,20 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: Union[str, list[ContentPart]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list[ContentPart], None] = None  # None: an assistant's message of calls only
     name: Optional[str] = None  # accepted, not used
+    tool_calls: Optional[list[toolcalls.ToolCall]] = None  # an assistant's calls
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
 
     def as_backend(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        text = self.content if isinstance(self.content, str) or self.content is None else \
+            "".join(p.text for p in self.content)
         # "developer" is OpenAI's newer name for the system role
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return message
 
 
 class ChatCompletionRequest(_Request):
@@ -129,6 +167,9 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's newer name of max_tokens
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Optional[list[toolcalls.Tool]] = None
+    tool_choice: Optional[toolcalls.ToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None  # None: OpenAI's default, true
 
     @field_validator("top_logprobs")
     @classmethod
@@ -143,9 +184,54 @@ class ChatCompletionRequest(_Request):
     def _top_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def tool_mode(self) -> str:
+        """What the reply may do with the tools: "none", "auto", "required" or "named"."""
+        return toolcalls.choice_mode(self.tool_choice, self.tools)
+
+    def call_parser(self) -> Optional[toolcalls.ToolCallParser]:
+        """The parser of the reply's tool calls; None when no tools are offered."""
+        return None if self.tool_mode == "none" else toolcalls.ToolCallParser()
+
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise OpenAIError(400, "tools: two functions have the same name", "tools")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise OpenAIError(400, "tool_choice: is only allowed when tools are given", "tool_choice")
+        if isinstance(self.tool_choice, toolcalls.NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise OpenAIError(400, f"tool_choice: no function named {self.tool_choice.function.name!r} "
+                                   "in tools", "tool_choice.function.name")
+        called: set[str] = set()
+        for i, message in enumerate(self.messages):
+            if message.content is None and not (message.role == "assistant" and message.tool_calls):
+                raise OpenAIError(400, f"messages[{i}].content: is required (only an assistant message "
+                                       "with tool_calls may have none)", f"messages[{i}].content")
+            if message.tool_calls and message.role != "assistant":
+                raise OpenAIError(400, f"messages[{i}].tool_calls: only an assistant message has tool calls",
+                                  f"messages[{i}].tool_calls")
+            called.update(c.id for c in message.tool_calls or [])
+            if message.role == "tool" and message.tool_call_id not in called:
+                raise OpenAIError(400, f"messages[{i}].tool_call_id: a tool message answers a call of an "
+                                       "earlier assistant message: give that call's id",
+                                  f"messages[{i}].tool_call_id")
+
+    def sampling_parameters(self) -> dict:
+        params = super().sampling_parameters()
+        if self.tool_mode != "none":  # the reply's calls follow the functions' schemas
+            text = params.pop("guided", None)  # response_format's: a reply that does not call
+            params["guided"] = {"grammar": toolcalls.call_grammar(
+                toolcalls.offered(self.tools, self.tool_choice), self.tool_mode,
+                self.parallel_tool_calls is not False, text)}
+        return params
+
     def backend_inputs(self) -> dict[str, Any]:
-        return {"messages": json.dumps([m.as_backend() for m in self.messages]),
-                "sampling_parameters": json.dumps(self.sampling_parameters())}
+        self._check_tools()
+        mode = self.tool_mode
+        messages = toolcalls.render_messages([m.as_backend() for m in self.messages],
+                                         toolcalls.offered(self.tools or [], self.tool_choice), mode,
+                                         self.parallel_tool_calls is not False)
+        return {"messages": json.dumps(messages), "sampling_parameters": json.dumps(self.sampling_parameters())}
 
 
 class CompletionRequest(_Request):
@@ -231,9 +317,11 @@ class Reply:
     def _head(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, reason: str, counts: dict, logprobs: Optional[dict] = None) -> dict:
+    def whole(self, text: str, reason: str, counts: dict, message: Optional[dict] = None,
+              logprobs: Optional[dict] = None) -> dict:
+        """``message``: the chat reply's message when it is not just ``text`` (tool calls)."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+            choice = {"index": 0, "message": message or {"role": "assistant", "content": text},
                       "finish_reason": reason, "logprobs": logprobs}
         else:
             choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
@@ -248,6 +336,11 @@ class Reply:
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
         return {**self._head("text_completion"), "choices": [choice]}
+
+    def delta_chunk(self, delta: dict, reason: Optional[str] = None) -> dict:
+        """A chat chunk of any ``delta`` (a tool call's start or arguments)."""
+        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def text_event(self, text: str) -> bytes:
         """``sse(self.chunk(text))`` for a chunk of text, the one event sent per streamed piece:
@@ -287,6 +380,8 @@ def backend_error(message: str) -> OpenAIError:
         return OpenAIError(500, message)
     field, _, rest = message.partition(":")
     param = field if rest and " " not in field.strip() else None
+    if param and param.startswith("guided"):  # the backend's name for the constraint
+        param = "response_format"
     return OpenAIError(400, message, param)
 
 

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
+from dspark.decoding.constraint import Grammars
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.proposers import standard_proposers
 from dspark.decoding.proposers.dspark import DSparkProposer
@@ -34,6 +35,16 @@ def dspark_proposers(folder: Path, weights: str | Path | None = None, threads: i
                  path, trained_on, source.name)
         return ()
     return (DSparkProposer(DSparkDrafter.for_gguf(GGUFModel(source), path, "kernel", threads)),)
+
+
+def grammars(tokenizer) -> Grammars:
+    """Constrained decoding over this tokenizer's vocabulary (its tokens' bytes; the encoder
+    without the BOS it adds to prompts)."""
+    def encode(text: str) -> list[int]:
+        ids = tokenizer.encode(text)
+        return ids[1:] if tokenizer.add_bos and ids[:1] == [tokenizer.bos_id] else ids
+
+    return Grammars(lambda: tokenizer.token_bytes, encode, [tokenizer.eos_id], tokenizer.special_ids)
 
 
 def llm_generator(folder: Path, threads: int = 2, max_context: Optional[int] = None,
@@ -68,7 +79,8 @@ def llm_generator(folder: Path, threads: int = 2, max_context: Optional[int] = N
                           draft_source)
     tokenizer = LlamaTokenizer.load(folder / "tokenizer.json")
     engine = SpeculativeEngine(target, standard_proposers(draft_lm, model_proposers=model_proposers),
-                               eos_ids=[tokenizer.eos_id], batch_verification=batch_verification)
+                               eos_ids=[tokenizer.eos_id], batch_verification=batch_verification,
+                               grammars=grammars(tokenizer))
     engine.verify_cost.measure(target)  # this model's pass costs by rows, before the first request
     longest = max(len(tokenizer.decode_bytes([i])) for i in range(tokenizer.vocab_size))
     return TextGenerator(engine, tokenizer, max_token_bytes=longest)
