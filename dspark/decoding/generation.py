@@ -16,7 +16,7 @@ from dspark._ext import probes
 from dspark.decoding.prompt import PREFILL_CHUNK, read_prompt
 from dspark.decoding.proposers.base import DraftRequest, Drafter
 from dspark.decoding.rejection import verify
-from dspark.decoding.sampling import SamplingParams, SpeculativeParams
+from dspark.decoding.sampling import SamplingParams, SpeculativeParams, TokenLogprob, token_logprob
 from dspark.decoding.stats import DecodeStats
 from dspark.decoding.tree import DraftTree
 
@@ -36,6 +36,12 @@ class VerifyItem:
     tokens: list[int]
     positions: list[int]
     tree_mask: Optional[np.ndarray]
+
+
+class NewTokens(list):
+    """A round's new tokens; ``logprobs``, when the request asked for them, has one
+    ``TokenLogprob`` per token."""
+    logprobs: Optional[list[TokenLogprob]] = None
 
 
 class Generation:
@@ -126,7 +132,7 @@ class Generation:
                           [root] + [root + d for d in self.tree.depths],
                           self.tree.mask() if self.tree.tokens else None)
 
-    def commit(self, logits: np.ndarray, taps: Optional[np.ndarray], target_s: float) -> list[int]:
+    def commit(self, logits: np.ndarray, taps: Optional[np.ndarray], target_s: float) -> NewTokens:
         """Accept from this round's pass; return the new tokens."""
         probes.accept_begin(len(self.tree.tokens) + 1)
         base = self.cache.length - len(self.tree.tokens) - 1
@@ -142,6 +148,10 @@ class Generation:
                               target_s)
         if eos is not None:
             new = new[:eos]  # the end-of-sequence token ends the text and is not part of it
+        new = NewTokens(new)
+        if self.sampling.logprobs is not None:  # new token i came from row rows[i]
+            new.logprobs = [token_logprob(logits[row], token, self.sampling.logprobs)
+                            for row, token in zip(rows, new)]
         self.history.extend(new)  # the tree's depth kept it within max_tokens
         self.stats.generated_tokens = self.generated
         if eos is not None:
@@ -163,7 +173,7 @@ class Generation:
             self.cache = None  # the runtime's cache slot goes back to its pool now
         return None
 
-    def step(self) -> Optional[list[int]]:
+    def step(self) -> Optional[NewTokens]:
         """One round with its own target call on this thread: the new tokens, or None when
         the request is done."""
         item = self.plan()
@@ -177,7 +187,7 @@ class Generation:
         probes.verify_batch(1, len(item.tokens), seconds)
         return self.commit(logits, taps, seconds)
 
-    def run(self) -> Iterator[list[int]]:
+    def run(self) -> Iterator[NewTokens]:
         """The round loop on this thread: one target call per round."""
         try:
             self.prefill()

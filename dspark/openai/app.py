@@ -119,8 +119,10 @@ def create_app(llms: TritonLLMs, api_key: Optional[str] = None) -> Starlette:
                 calls.feed(piece.text)
                 calls.finish()
                 return JSONResponse(reply.whole(piece.text, tools.finish_reason(calls, piece.finish_reason),
-                                                counts, tools.message(calls)))
-            return JSONResponse(reply.whole(echo + piece.text, finish_reason(piece.finish_reason), counts))
+                                                counts, tools.message(calls), reply.logprobs(piece.logprobs)))
+            reply.skip(echo)
+            return JSONResponse(reply.whole(echo + piece.text, finish_reason(piece.finish_reason), counts,
+                                            logprobs=reply.logprobs(piece.logprobs)))
         first = await _first_piece(pieces, guided_by)  # an error before any text is still an HTTP error
 
         def call_events(deltas):  # the chunks of a reply that may call tools
@@ -130,14 +132,17 @@ def create_app(llms: TritonLLMs, api_key: Optional[str] = None) -> Starlette:
             piece = first
             try:
                 if calls is None:
-                    yield sse(reply.chunk(echo + piece.text, first=True))
+                    reply.skip(echo)
+                    yield sse(reply.chunk(echo + piece.text, first=True, logprobs=reply.logprobs(piece.logprobs)))
                 else:
                     yield sse(reply.delta_chunk({"role": "assistant", "content": None}))
                     for event in call_events(calls.feed(piece.text)):
                         yield event
                 while not piece.final:
                     piece = await anext(pieces)
-                    if piece.text and calls is None:
+                    if piece.logprobs and calls is None:  # each chunk carries its tokens' log-probabilities
+                        yield sse(reply.chunk(piece.text, logprobs=reply.logprobs(piece.logprobs)))
+                    elif piece.text and calls is None:
                         yield reply.text_event(piece.text)
                     elif piece.text:
                         for event in call_events(calls.feed(piece.text)):

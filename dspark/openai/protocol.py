@@ -20,6 +20,8 @@ from dspark.openai import tools as toolcalls
 # Used when a request gives no max_tokens (OpenAI's own default is "up to the context").
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_SEQUENCES = 4  # as OpenAI
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
+MAX_COMPLETION_LOGPROBS = 5  # legacy completions' logprobs, as OpenAI
 
 
 class OpenAIError(Exception):
@@ -118,12 +120,17 @@ class _Request(BaseModel):
     def _token_limit(self) -> int:
         return self.max_tokens or DEFAULT_MAX_TOKENS
 
+    def _top_logprobs(self) -> Optional[int]:
+        return None
+
     def sampling_parameters(self) -> dict:
         """sampling_parameters of the speculative backend (it validates them once more)."""
         params: dict[str, Any] = {"max_tokens": self._token_limit(), "temperature": self.temperature,
                                   "top_p": self.top_p, "stop": self.stop}
         if self.seed is not None:
             params["seed"] = self.seed
+        if self._top_logprobs() is not None:
+            params["logprobs"] = self._top_logprobs()
         if self.speculative is not None:
             params["speculative"] = self.speculative
         if self.response_format is not None and (guided := self.response_format.guided()):
@@ -158,13 +165,24 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's newer name of max_tokens
-    logprobs: Literal[False, None] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Optional[list[toolcalls.Tool]] = None
     tool_choice: Optional[toolcalls.ToolChoice] = None
     parallel_tool_calls: Optional[bool] = None  # None: OpenAI's default, true
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value, info):
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return value
+
     def _token_limit(self) -> int:
         return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
+
+    def _top_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def tool_mode(self) -> str:
@@ -219,7 +237,10 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     prompt: Union[str, list[str]]
     echo: bool = False
-    logprobs: Literal[0, None] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+
+    def _top_logprobs(self) -> Optional[int]:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -268,26 +289,52 @@ class Reply:
         self.created = int(time.time())
         self.object = "chat.completion" if self.chat else "text_completion"
         self._text_event: Optional[tuple[bytes, bytes]] = None
+        self._offset = 0  # legacy completions' text_offset of the next token
+
+    def logprobs(self, entries: Optional[list[dict]]) -> Optional[dict]:
+        """A choice's ``logprobs`` from the backend's entries (None: not asked for): chat's
+        ``{content: [{token, logprob, bytes, top_logprobs}]}``, or legacy completions'
+        ``{tokens, token_logprobs, top_logprobs, text_offset}``."""
+        if entries is None:
+            return None
+        if self.chat:
+            def one(e):
+                return {"token": e["text"], "logprob": e["logprob"], "bytes": e["bytes"]}
+            return {"content": [{**one(e), "top_logprobs": [one(t) for t in e["top_logprobs"]]}
+                                for e in entries]}
+        offsets = []
+        for e in entries:
+            offsets.append(self._offset)
+            self._offset += len(e["text"])
+        return {"tokens": [e["text"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t["text"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "text_offset": offsets}
+
+    def skip(self, text: str) -> None:
+        """Text before the completion's tokens (an echoed prompt) counts in text_offset."""
+        self._offset += len(text)
 
     def _head(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, reason: str, counts: dict, message: Optional[dict] = None) -> dict:
+    def whole(self, text: str, reason: str, counts: dict, message: Optional[dict] = None,
+              logprobs: Optional[dict] = None) -> dict:
         """``message``: the chat reply's message when it is not just ``text`` (tool calls)."""
         if self.chat:
             choice = {"index": 0, "message": message or {"role": "assistant", "content": text},
-                      "finish_reason": reason, "logprobs": None}
+                      "finish_reason": reason, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
         return {**self._head(self.object), "choices": [choice], "usage": counts}
 
-    def chunk(self, text: Optional[str], reason: Optional[str] = None, first: bool = False) -> dict:
+    def chunk(self, text: Optional[str], reason: Optional[str] = None, first: bool = False,
+              logprobs: Optional[dict] = None) -> dict:
         if self.chat:
             delta: dict = {"role": "assistant", "content": text or ""} if first else \
                 ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def delta_chunk(self, delta: dict, reason: Optional[str] = None) -> dict:

@@ -31,6 +31,7 @@ class Piece:
     prompt_tokens: Optional[int] = None
     completion_tokens: Optional[int] = None
     finish_reason: Optional[str] = None
+    logprobs: Optional[list[dict]] = None  # the backend's entries, when asked for
 
     @property
     def final(self) -> bool:
@@ -43,10 +44,12 @@ def piece_of(response: dict) -> Piece:
         raise backend_error(str(response["error"]))
     text = response.get("text_output", "")
     usage = response.get("usage")
+    logprobs = json.loads(response["logprobs"]) if "logprobs" in response else None
     if usage is None:
-        return Piece(text)
+        return Piece(text, logprobs=logprobs)
     counts = json.loads(usage)
-    return Piece(text, counts["prompt_tokens"], counts["completion_tokens"], counts["finish_reason"])
+    return Piece(text, counts["prompt_tokens"], counts["completion_tokens"], counts["finish_reason"],
+                 logprobs)
 
 
 def _error_text(body: bytes) -> str:
