@@ -50,6 +50,11 @@ def piece_of(response: dict) -> Piece:
 
 
 def _error_text(body: bytes) -> str:
+    """The message of Triton's error reply: ``{"error": ...}``, or on generate_stream the same
+    as one server-sent event (``data: {"error": ...}``)."""
+    body = body.strip()
+    if body.startswith(b"data:"):
+        body = body[5:]
     try:
         return str(json.loads(body)["error"])
     except (ValueError, KeyError, TypeError):
@@ -121,6 +126,17 @@ class TritonLLMs:
             self._models, self._models_at = list(found.values()), time.monotonic()
             return self._models
 
+    async def ready(self) -> bool:
+        """Whether Triton answers that it is ready (/v2/health/ready)."""
+        import aiohttp
+
+        try:
+            async with self.session().get("/v2/health/ready") as reply:
+                await reply.read()
+                return reply.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
     async def require(self, model: str) -> None:
         if model not in {m["id"] for m in await self.models()}:
             self._models_at = 0.0  # a model loaded since: look again once
@@ -145,7 +161,7 @@ class TritonLLMs:
                 whole = await reply.read()
                 done = True
                 if reply.status != 200:
-                    raise backend_error(_error_text(whole))
+                    raise backend_error(_error_text(whole), reply.status)
                 piece = piece_of(json.loads(whole))
                 if not piece.final:
                     raise OpenAIError(500, f"model '{model}' answered without usage counts")
