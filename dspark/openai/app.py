@@ -24,8 +24,10 @@ from dspark.openai.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIError,
     Reply,
+    TokenizeRequest,
     finish_reason,
     parse,
     request_error,
@@ -109,7 +111,8 @@ def create_app(llms: TritonLLMs, api_key: Optional[str] = None, cors_origins: Se
 
     async def http_error(_request: Request, error: HTTPException):  # an unknown path or method
         return JSONResponse(OpenAIError(error.status_code, f"{error.detail}: the API serves GET /v1/models, "
-                                        "POST /v1/completions, POST /v1/chat/completions and GET /health").body(),
+                                        "POST /v1/completions, POST /v1/chat/completions, POST /tokenize, "
+                                        "POST /detokenize and GET /health").body(),
                             status_code=error.status_code, headers=error.headers)
 
     async def unexpected(_request: Request, error: Exception):
@@ -139,8 +142,7 @@ def create_app(llms: TritonLLMs, api_key: Optional[str] = None, cors_origins: Se
         await llms.require(req.model)
         reply = Reply(req)
         echo = req.prompt if isinstance(req, CompletionRequest) and req.echo else ""
-        # streamed from Triton in both cases: closing the stream cancels the model's request
-        pieces = llms.generate(req.model, inputs, stream=True)
+        pieces = llms.generate(req.model, inputs, stream=req.stream)
         if not req.stream:
             work = asyncio.ensure_future(_whole(pieces))
             gone = asyncio.ensure_future(_disconnected(request.receive))
@@ -179,6 +181,24 @@ def create_app(llms: TritonLLMs, api_key: Optional[str] = None, cors_origins: Se
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    async def tokenizer(request: Request, kind):
+        """The served model's own tokenizer, in its Triton backend: no second copy here."""
+        req = parse(kind, await body_of(request))
+        inputs = req.backend_inputs()
+        await llms.require(req.model)
+        pieces = llms.generate(req.model, inputs, stream=False)
+        try:
+            piece = await anext(pieces)
+        finally:
+            await pieces.aclose()
+        return JSONResponse(json.loads(piece.text))
+
+    async def tokenize(request: Request):
+        return await tokenizer(request, TokenizeRequest)
+
+    async def detokenize(request: Request):
+        return await tokenizer(request, DetokenizeRequest)
+
     async def chat_completions(request: Request):
         return await complete(request, ChatCompletionRequest)
 
@@ -189,6 +209,8 @@ def create_app(llms: TritonLLMs, api_key: Optional[str] = None, cors_origins: Se
               Route("/v1/models/{model}", authorized(get_model), methods=["GET"]),
               Route("/v1/chat/completions", authorized(chat_completions), methods=["POST"]),
               Route("/v1/completions", authorized(completions), methods=["POST"]),
+              Route("/tokenize", authorized(tokenize), methods=["POST"]),
+              Route("/detokenize", authorized(detokenize), methods=["POST"]),
               Route("/health", health, methods=["GET"])]
     middleware = []
     if cors_origins:  # pure ASGI; answers preflights itself

@@ -268,3 +268,28 @@ def backend_error(message: str, triton_status: Optional[int] = None) -> OpenAIEr
 
 def request_error(error: RequestError) -> OpenAIError:
     return OpenAIError(400, str(error), error.field or None)
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a prompt, or chat messages through the model's template."""
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1)
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+
+    def backend_inputs(self) -> dict[str, Any]:
+        if (self.prompt is None) == (self.messages is None):
+            raise OpenAIError(400, "give prompt or messages (one of them)", "prompt")
+        text = {"text_input": self.prompt} if self.messages is None else \
+            {"messages": json.dumps([m.as_backend() for m in self.messages])}
+        return {**text, "sampling_parameters": json.dumps({"tokenize": True})}
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape): token ids back to text."""
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1)
+    tokens: list[int] = Field(strict=True)
+
+    def backend_inputs(self) -> dict[str, Any]:
+        return {"sampling_parameters": json.dumps({"detokenize": self.tokens})}

@@ -1,13 +1,15 @@
 """The served LLMs, reached through Triton's HTTP generate endpoints (aiohttp, keep-alive).
 
 An LLM is any ready model whose backend is dspark's ``speculative``: found from Triton's
-repository index and model configs, never by name. A request is one call to the same endpoint a
-Triton user would call: ``/v2/models/M/generate`` (one response), or ``generate_stream`` with
-``stream: true`` (server-sent events, one per response the model sends; the final one carries
-``usage``). So Triton does the same work for the API as for its own clients, and the API adds only
-its own CPU: over gRPC, Triton's streaming frontend and grpcio's threads cost more per response.
-When the HTTP client goes away the connection to Triton is closed, which Triton turns into the
-request's cancellation; the backend sees it within a round and stops.
+repository index and model configs, never by name. A request is one call to the endpoint a Triton
+user would call to stream, ``/v2/models/M/generate_stream`` (server-sent events, one per response
+the model sends; the final one carries ``usage``), with ``stream: false`` when the client asked
+for one reply (then the model sends one response, as for ``generate``). So Triton does the same
+work for the API as for its own clients, and the API adds only its own CPU: over gRPC, Triton's
+streaming frontend and grpcio's threads cost more per response. When the HTTP client goes away
+the connection to Triton is closed, which Triton turns into the request's cancellation (on the
+streaming endpoint, which is why a single reply goes through it too); the backend sees it within
+a round and stops.
 """
 from __future__ import annotations
 
@@ -145,28 +147,23 @@ class TritonLLMs:
                                   "model", "model_not_found")
 
     async def generate(self, model: str, inputs: dict, stream: bool) -> AsyncIterator[Piece]:
-        """The model's pieces of text; the last one is final. Closing this iterator before the
-        final piece (the HTTP client went away) closes the connection, which cancels the request."""
+        """The model's pieces of text (one, the final one, unless ``stream``); the last one is
+        final. Closing this iterator before the final piece (the HTTP client went away) closes
+        the connection, which cancels the request."""
         import aiohttp
 
         body = json.dumps({**inputs, "stream": stream}).encode()
-        path = f"/v2/models/{model}/generate_stream" if stream else f"/v2/models/{model}/generate"
+        path = f"/v2/models/{model}/generate_stream"
         done = False  # Triton has answered the whole request: the connection may be reused
         try:
             reply = await self.session().post(path, data=body, headers={"Content-Type": "application/json"})
         except aiohttp.ClientError as error:
             raise self._unreachable(error) from None
         try:
-            if reply.status != 200 or not stream:
+            if reply.status != 200:
                 whole = await reply.read()
                 done = True
-                if reply.status != 200:
-                    raise backend_error(_error_text(whole), reply.status)
-                piece = piece_of(json.loads(whole))
-                if not piece.final:
-                    raise OpenAIError(500, f"model '{model}' answered without usage counts")
-                yield piece
-                return
+                raise backend_error(_error_text(whole), reply.status)
             async for line in reply.content:
                 if not line.startswith(b"data: "):
                     continue  # the blank line that ends each event
