@@ -130,10 +130,12 @@ def tokenizer_call(read: InputReader, generator: TextGenerator) -> Optional[dict
                                                   + (", ".join(extra) or "the other"))
     if "detokenize" in data:
         ids = data["detokenize"]
-        vocab = generator.tokenizer.vocab_size
-        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < vocab for i in ids):
-            raise RequestError("detokenize", f"must be a list of token ids, each in [0, {vocab})")
-        return {"prompt": generator.tokenizer.decode(ids)}
+        vocab = getattr(generator.tokenizer, "vocab_size", None)
+        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < (vocab or i + 1) for i in ids):
+            raise RequestError("detokenize", "must be a list of token ids"
+                                             + (f", each in [0, {vocab})" if vocab else ""))
+        # the bytes a generation of these ids sends (an incomplete character replaced)
+        return {"prompt": generator.tokenizer.decode_bytes(ids).decode("utf-8", "replace")}
     if data["tokenize"] is not True:
         raise RequestError("tokenize", "must be true")
     prompt, messages = _text(read, "text_input"), parse_messages(_text(read, "messages"))
