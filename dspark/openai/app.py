@@ -142,7 +142,9 @@ def create_app(llms: TritonLLMs, api_key: Optional[str] = None, cors_origins: Se
         await llms.require(req.model)
         reply = Reply(req)
         echo = req.prompt if isinstance(req, CompletionRequest) and req.echo else ""
-        pieces = llms.generate(req.model, inputs, stream=req.stream)
+        # streamed from Triton also for one reply: Triton sees a closed connection when it
+        # writes the next piece, so a client that went away cancels the model's request
+        pieces = llms.generate(req.model, inputs, stream=True)
         if not req.stream:
             work = asyncio.ensure_future(_whole(pieces))
             gone = asyncio.ensure_future(_disconnected(request.receive))

@@ -3,13 +3,12 @@
 An LLM is any ready model whose backend is dspark's ``speculative``: found from Triton's
 repository index and model configs, never by name. A request is one call to the endpoint a Triton
 user would call to stream, ``/v2/models/M/generate_stream`` (server-sent events, one per response
-the model sends; the final one carries ``usage``), with ``stream: false`` when the client asked
-for one reply (then the model sends one response, as for ``generate``). So Triton does the same
-work for the API as for its own clients, and the API adds only its own CPU: over gRPC, Triton's
-streaming frontend and grpcio's threads cost more per response. When the HTTP client goes away
-the connection to Triton is closed, which Triton turns into the request's cancellation (on the
-streaming endpoint, which is why a single reply goes through it too); the backend sees it within
-a round and stops.
+the model sends; the final one carries ``usage``). So Triton does the same work for the API as
+for its own clients, and the API adds only its own CPU: over gRPC, Triton's streaming frontend
+and grpcio's threads cost more per response. When the HTTP client goes away the connection to
+Triton is closed, which Triton turns into the request's cancellation when it writes the next
+response (so the API streams from Triton also when its client asked for one reply); the backend
+sees it within a round and stops.
 """
 from __future__ import annotations
 
