@@ -23,7 +23,7 @@ from dspark.errors import RequestError, UnavailableError
 from dspark.params import parse_parameters
 from dspark.tensors import GENERATE_INPUTS, GENERATE_OUTPUTS
 from dspark.triton.adapter import triton_error
-from dspark.triton.generate import build_generator, read_call, refuse_if_unloaded, usage
+from dspark.triton.generate import build_generator, read_call, refuse_if_unloaded, tokenizer_call, usage
 from dspark.triton.metrics import SpeculativeMetrics
 from dspark.triton.params import SpeculativeParameters
 from dspark.triton.request_pool import RequestPool, limit_heap_growth
@@ -119,6 +119,12 @@ class TritonPythonModel:
             self.metrics.running(-1)
 
     def _generate(self, request, sender):
+        answer = tokenizer_call(lambda name: _input(request, name), self.generator)
+        if answer is not None:  # /tokenize, /detokenize: no generation
+            counts = {"prompt_tokens": len(answer.get("tokens", ())), "completion_tokens": 0, "finish_reason": "stop"}
+            sender.send(pb_utils.InferenceResponse(output_tensors=[
+                _text_tensor(json.dumps(answer)), _text_tensor(json.dumps(counts), "usage")]), final=True)
+            return
         call = read_call(lambda name: _input(request, name), self.generator, self.default_spec)
         stats = DecodeStats()
         started = time.perf_counter()

@@ -65,6 +65,16 @@ def server_options(function):
         click.option("--openai-port", type=click.IntRange(1, 65535), default=None,
                      help="Also serve the OpenAI-compatible API (/v1/chat/completions, ...) on this port, on "
                           "--host. Off by default. Beyond loopback it needs the API key as a Bearer token."),
+        click.option("--openai-max-body-mb", type=click.FloatRange(0.001, 4096), default=8.0, show_default=True,
+                     help="The OpenAI API refuses a larger request body (413) as it arrives."),
+        click.option("--openai-max-header-kb", type=click.IntRange(1, 1 << 20), default=64, show_default=True,
+                     help="The OpenAI API refuses a longer request line and headers (431) as they arrive."),
+        click.option("--openai-max-concurrency", type=click.IntRange(1), default=256, show_default=True,
+                     help="Requests the OpenAI API answers at once (a stream counts until it ends); one more "
+                          "gets 429, which OpenAI's SDKs retry."),
+        click.option("--openai-cors", "openai_cors", multiple=True, metavar="ORIGIN",
+                     help="Let web pages from ORIGIN (e.g. https://app.example.com; repeatable; * for any) call "
+                          "the OpenAI API from a browser. Off by default."),
     ]
     for option in reversed(options):
         function = option(function)
@@ -75,7 +85,8 @@ def start_server(repositories: Sequence[Path], host: str, metrics_host: str, htt
                  metrics_port: int, model_control: str, load_models: Sequence[str], api_key, log_verbose: int, log_file, server_path,
                  forward_headers: str, exit_on_error: bool = True, exit_timeout_s: int = 30,
                  openai_port=None, allow_shared_repository: bool = False,
-                 key_inference: bool = False) -> tuple[TritonServer, object]:
+                 key_inference: bool = False, openai_max_body_mb: float = 8.0, openai_max_header_kb: int = 64,
+                 openai_max_concurrency: int = 256, openai_cors: Sequence[str] = ()) -> tuple[TritonServer, object]:
     """Start the server (and the OpenAI API when ``openai_port``: the second item, else None), or
     exit with one line saying why it could not."""
     try:
@@ -130,7 +141,11 @@ def start_server(repositories: Sequence[Path], host: str, metrics_host: str, htt
     shown = "from --api-key / " + API_KEY_ENV if api_key else f"in {server.key_path} (readable by you alone)"
     click.echo(f"  API key  {shown} (send it as the {API_KEY_HEADER} header to load/unload models, "
                "register shared memory, change logging or trace settings, read statistics)")
-    api = start_openai(server, host, openai_port, explicit_key=api_key) if openai_port else None
+    from dspark.openai.limits import MIB, Limits
+
+    limits = Limits(int(openai_max_body_mb * MIB), openai_max_header_kb << 10, openai_max_concurrency)
+    api = start_openai(server, host, openai_port, explicit_key=api_key, limits=limits,
+                       cors_origins=openai_cors) if openai_port else None
     return server, api
 
 
@@ -154,13 +169,14 @@ def stop_on_signal_while_starting(server: TritonServer) -> list[int]:
     return seen
 
 
-def start_openai(server: TritonServer, host: str, port: int, explicit_key):
+def start_openai(server: TritonServer, host: str, port: int, explicit_key, limits=None, cors_origins=()):
     """The OpenAI-compatible API on a thread of this process. It needs a key when the user gave
     one or when it listens beyond loopback (then the server's key, printed)."""
     from dspark.openai.server import OpenAIServer
 
     key = explicit_key or (None if is_loopback(host) else server.api_key)
-    api = OpenAIServer(host, port, server.http_url, key, server.repository_headers)
+    api = OpenAIServer(host, port, server.http_url, key, server.repository_headers,
+                       **({"limits": limits} if limits else {}), cors_origins=cors_origins)
     try:
         api.start()
     except RuntimeError as error:

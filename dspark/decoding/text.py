@@ -26,8 +26,10 @@ class Detokenizer:
         return self._utf8.decode(self.tokenizer.decode_bytes(new))
 
     def flush(self) -> str:
-        """What is held back (an incomplete character at the very end stays replaced)."""
-        return self._utf8.decode(b"", final=True)
+        """The end of the text: the bytes of a character the generation stopped inside (a reply
+        cut by its token limit) are dropped, never sent as U+FFFD; their tokens still count."""
+        self._utf8.reset()
+        return ""
 
 
 class Delta(str):

@@ -4,10 +4,12 @@ Starlette routes, not FastAPI's: pydantic checks the bodies here already, and Fa
 solving and extra middleware cost 0.4 of its 1.9 ms of CPU per request."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
-from typing import Optional
+import re
+from typing import Optional, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -23,8 +25,10 @@ from dspark.openai.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIError,
     Reply,
+    TokenizeRequest,
     finish_reason,
     parse,
     request_error,
@@ -44,6 +48,35 @@ def _check_with_backend_rules(inputs: dict) -> None:
         raise request_error(error) from None
 
 
+# a JSON string escape of a UTF-16 surrogate: only then can a decoded body hold a lone one
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_body(raw: bytes):
+    """A request body as JSON; any body a client can send that is not usable JSON text is a 400
+    (nesting deeper than Python's recursion limit, a lone surrogate such as "\\ud800")."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise OpenAIError(400, "the request body nests too deeply") from None
+    except ValueError as error:
+        raise OpenAIError(400, f"the request body is not JSON ({error})") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise OpenAIError(400, "the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff "
+                                   "not in a pair), which is no character") from None
+    return body
+
+
+async def _disconnected(receive) -> None:
+    """Returns once the client has gone (after its body was read, the next ASGI message is the
+    disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _first_piece(pieces, guided_by: Optional[str]):
     """The model's first piece; a constraint it cannot compile is named as ``guided_by``, the
     request field it came from (``tools`` for a tool call's grammar)."""
@@ -55,8 +88,24 @@ async def _first_piece(pieces, guided_by: Optional[str]):
         raise
 
 
-def create_app(llms: TritonLLMs, api_key: Optional[str] = None) -> Starlette:
-    """``api_key``: when set, every request needs ``Authorization: Bearer <api_key>``."""
+async def _whole(pieces, guided_by: Optional[str]):
+    """The text, final piece and log-probability entries (None: not asked for) of a generation."""
+    piece = await _first_piece(pieces, guided_by)
+    parts, entries = [], None
+    while True:
+        parts.append(piece.text)
+        if piece.logprobs is not None:
+            entries = (entries or []) + piece.logprobs
+        if piece.final:
+            return "".join(parts), piece, entries
+        piece = await anext(pieces, None)
+        if piece is None:
+            raise OpenAIError(500, "the model ended its stream without a final response")
+
+
+def create_app(llms: TritonLLMs, api_key: Optional[str] = None, cors_origins: Sequence[str] = ()) -> Starlette:
+    """``api_key``: when set, every request needs ``Authorization: Bearer <api_key>`` (but
+    GET /health). ``cors_origins``: browser origins allowed to call the API (none by default)."""
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
@@ -79,8 +128,9 @@ def create_app(llms: TritonLLMs, api_key: Optional[str] = None) -> Starlette:
 
     async def http_error(_request: Request, error: HTTPException):  # an unknown path or method
         return JSONResponse(OpenAIError(error.status_code, f"{error.detail}: the API serves GET /v1/models, "
-                                        "POST /v1/completions and POST /v1/chat/completions").body(),
-                            status_code=error.status_code)
+                                        "POST /v1/completions, POST /v1/chat/completions, POST /tokenize, "
+                                        "POST /detokenize and GET /health").body(),
+                            status_code=error.status_code, headers=error.headers)
 
     async def unexpected(_request: Request, error: Exception):
         return JSONResponse(OpenAIError(500, f"{type(error).__name__}: {error}").body(), status_code=500)
@@ -94,10 +144,13 @@ def create_app(llms: TritonLLMs, api_key: Optional[str] = None) -> Starlette:
         return JSONResponse(next(m for m in await llms.models() if m["id"] == model))
 
     async def body_of(request: Request):
-        try:
-            return json.loads(await request.body())
-        except ValueError as error:
-            raise OpenAIError(400, f"the request body is not JSON ({error})") from None
+        return parse_body(await request.body())
+
+    async def health(_request: Request):
+        """Liveness and readiness without a key (as vLLM's): 200 once Triton answers ready."""
+        if await llms.ready():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
 
     async def complete(request: Request, kind):
         req = parse(kind, await body_of(request))
@@ -108,21 +161,33 @@ def create_app(llms: TritonLLMs, api_key: Optional[str] = None) -> Starlette:
         echo = req.prompt if isinstance(req, CompletionRequest) and req.echo else ""
         calls = req.call_parser() if isinstance(req, ChatCompletionRequest) else None
         guided_by = "tools" if calls is not None else None
-        pieces = llms.generate(req.model, inputs, stream=req.stream)
+        # streamed from Triton also for one reply: Triton sees a closed connection when it
+        # writes the next piece, so a client that went away cancels the model's request
+        pieces = llms.generate(req.model, inputs, stream=True)
         if not req.stream:
+            work = asyncio.ensure_future(_whole(pieces, guided_by))
+            gone = asyncio.ensure_future(_disconnected(request.receive))
             try:
-                piece = await _first_piece(pieces, guided_by)
+                await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
             finally:
+                gone.cancel()
+                if not work.done():  # the client went away: stop the generation
+                    work.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, OpenAIError):
+                        await work
                 await pieces.aclose()
+            if work.cancelled():
+                return JSONResponse({}, status_code=499)  # nobody reads it
+            text, piece, entries = work.result()
             counts = usage(piece.prompt_tokens, piece.completion_tokens)
             if calls is not None:
-                calls.feed(piece.text)
+                calls.feed(text)
                 calls.finish()
-                return JSONResponse(reply.whole(piece.text, tools.finish_reason(calls, piece.finish_reason),
-                                                counts, tools.message(calls), reply.logprobs(piece.logprobs)))
+                return JSONResponse(reply.whole(text, tools.finish_reason(calls, piece.finish_reason),
+                                                counts, tools.message(calls), reply.logprobs(entries)))
             reply.skip(echo)
-            return JSONResponse(reply.whole(echo + piece.text, finish_reason(piece.finish_reason), counts,
-                                            logprobs=reply.logprobs(piece.logprobs)))
+            return JSONResponse(reply.whole(echo + text, finish_reason(piece.finish_reason), counts,
+                                            logprobs=reply.logprobs(entries)))
         first = await _first_piece(pieces, guided_by)  # an error before any text is still an HTTP error
 
         def call_events(deltas):  # the chunks of a reply that may call tools
@@ -164,6 +229,24 @@ def create_app(llms: TritonLLMs, api_key: Optional[str] = None) -> Starlette:
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    async def tokenizer(request: Request, kind):
+        """The served model's own tokenizer, in its Triton backend: no second copy here."""
+        req = parse(kind, await body_of(request))
+        inputs = req.backend_inputs()
+        await llms.require(req.model)
+        pieces = llms.generate(req.model, inputs, stream=False)
+        try:
+            piece = await anext(pieces)
+        finally:
+            await pieces.aclose()
+        return JSONResponse(json.loads(piece.text))
+
+    async def tokenize(request: Request):
+        return await tokenizer(request, TokenizeRequest)
+
+    async def detokenize(request: Request):
+        return await tokenizer(request, DetokenizeRequest)
+
     async def chat_completions(request: Request):
         return await complete(request, ChatCompletionRequest)
 
@@ -173,6 +256,17 @@ def create_app(llms: TritonLLMs, api_key: Optional[str] = None) -> Starlette:
     routes = [Route("/v1/models", authorized(list_models), methods=["GET"]),
               Route("/v1/models/{model}", authorized(get_model), methods=["GET"]),
               Route("/v1/chat/completions", authorized(chat_completions), methods=["POST"]),
-              Route("/v1/completions", authorized(completions), methods=["POST"])]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+              Route("/v1/completions", authorized(completions), methods=["POST"]),
+              Route("/tokenize", authorized(tokenize), methods=["POST"]),
+              Route("/detokenize", authorized(detokenize), methods=["POST"]),
+              Route("/health", health, methods=["GET"])]
+    middleware = []
+    if cors_origins:  # pure ASGI; answers preflights itself
+        from starlette.middleware import Middleware
+        from starlette.middleware.cors import CORSMiddleware
+
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins),
+                                     allow_methods=["GET", "POST"],
+                                     allow_headers=["Authorization", "Content-Type"]))
+    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware, exception_handlers={
         OpenAIError: openai_error, HTTPException: http_error, Exception: unexpected})

@@ -27,8 +27,7 @@ MAX_COMPLETION_LOGPROBS = 5  # legacy completions' logprobs, as OpenAI
 class OpenAIError(Exception):
     """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-             429: "rate_limit_error", 503: "server_error", 500: "server_error"}
+    TYPES = {401: "authentication_error", 429: "rate_limit_error"}  # else 4xx client, 5xx server
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
                  code: Optional[str] = None):
@@ -36,7 +35,8 @@ class OpenAIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+        kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return {"error": {"message": self.message, "type": kind,
                           "param": self.param, "code": self.code}}
 
 
@@ -87,17 +87,19 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[int] = Field(None, ge=1, strict=True)
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # OpenAI's default
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: Optional[int] = Field(None, ge=0)
     stop: Union[str, list[str], None] = None
     n: Literal[1] = 1
-    stream: bool = False
+    stream: bool = Field(False, strict=True)
     stream_options: Optional[StreamOptions] = None
     presence_penalty: Literal[0, 0.0] = 0
     frequency_penalty: Literal[0, 0.0] = 0
     user: Optional[str] = None  # accepted, not used
+    metadata: Optional[dict[str, str]] = None  # accepted, not used
+    store: Literal[False] = False  # nothing is stored: store: true is refused
     response_format: Optional[ResponseFormat] = None
     # dspark's extension: how the request speculates ({"method": "suffix", ...}), as in
     # sampling_parameters.speculative of Triton's generate endpoint
@@ -164,10 +166,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's newer name of max_tokens
+    max_completion_tokens: Optional[int] = Field(None, ge=1, strict=True)  # OpenAI's newer name of max_tokens
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: Optional[list[toolcalls.Tool]] = None
+    tools: Optional[list[toolcalls.Tool]] = Field(None, min_length=1)  # [] is a 400, as OpenAI
     tool_choice: Optional[toolcalls.ToolChoice] = None
     parallel_tool_calls: Optional[bool] = None  # None: OpenAI's default, true
 
@@ -236,8 +238,8 @@ class ChatCompletionRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: Union[str, list[str]]
-    echo: bool = False
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = Field(False, strict=True)
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS, strict=True)
 
     def _top_logprobs(self) -> Optional[int]:
         return self.logprobs
@@ -366,17 +368,20 @@ def sse(data: Union[dict, str]) -> bytes:
 SSE_DONE = sse("[DONE]")
 
 
-def backend_error(message: str) -> OpenAIError:
+def backend_error(message: str, triton_status: Optional[int] = None) -> OpenAIError:
     """A generation error the speculative backend returned, in OpenAI's terms. Triton's generate
-    endpoints pass on only the message, so the status follows dspark's own messages:
-    "busy: ..." (its request pool is full) is 429, a shut-down or unloading model 503, an
-    unexpected failure ("generation failed: ...") 500, anything else a bad request naming the
-    field before its first colon."""
+    endpoints pass on the message and an HTTP status from the error's code (dspark.errors:
+    UNAVAILABLE 503, INTERNAL 500, INVALID_ARG 400; generate_stream answers 400 for all), so
+    the status follows dspark's own messages first: "busy: ..." (its request pool is full) is
+    429, a shut-down or unloading model 503, an unexpected failure ("generation failed: ...")
+    500, then Triton's 503 or 500, anything else a bad request naming the field before its
+    first colon."""
     if message.startswith("busy:"):
         return OpenAIError(429, message, code="model_busy")
-    if "shutting down" in message or "is unloading" in message or "not ready" in message:
+    if ("shutting down" in message or "is unloading" in message or "not ready" in message
+            or triton_status == 503):
         return OpenAIError(503, message, code="model_unavailable")
-    if message.startswith("generation failed"):
+    if message.startswith("generation failed") or triton_status == 500:
         return OpenAIError(500, message)
     field, _, rest = message.partition(":")
     param = field if rest and " " not in field.strip() else None
@@ -387,3 +392,28 @@ def backend_error(message: str) -> OpenAIError:
 
 def request_error(error: RequestError) -> OpenAIError:
     return OpenAIError(400, str(error), error.field or None)
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a prompt, or chat messages through the model's template."""
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1)
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+
+    def backend_inputs(self) -> dict[str, Any]:
+        if (self.prompt is None) == (self.messages is None):
+            raise OpenAIError(400, "give prompt or messages (one of them)", "prompt")
+        text = {"text_input": self.prompt} if self.messages is None else \
+            {"messages": json.dumps([m.as_backend() for m in self.messages])}
+        return {**text, "sampling_parameters": json.dumps({"tokenize": True})}
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape): token ids back to text."""
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1)
+    tokens: list[int] = Field(strict=True)
+
+    def backend_inputs(self) -> dict[str, Any]:
+        return {"sampling_parameters": json.dumps({"detokenize": self.tokens})}

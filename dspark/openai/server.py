@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from dspark.openai.app import create_app
+from dspark.openai.limits import LimitedApp, Limits, header_limited_protocol
 from dspark.openai.triton import TritonLLMs
 
 
@@ -14,13 +15,15 @@ class OpenAIServer:
     """``start()`` returns once the port accepts connections; ``stop()`` ends it."""
 
     def __init__(self, host: str, port: int, triton_http_url: str, api_key: Optional[str] = None,
-                 repository_headers: Optional[dict] = None):
+                 repository_headers: Optional[dict] = None, limits: Limits = Limits(),
+                 cors_origins: Sequence[str] = ()):
         import uvicorn
 
         self.host, self.port = host, port
-        app = create_app(TritonLLMs(triton_http_url, repository_headers), api_key)
-        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                     access_log=False, lifespan="on"))
+        app = LimitedApp(create_app(TritonLLMs(triton_http_url, repository_headers), api_key, cors_origins), limits)
+        self._server = uvicorn.Server(uvicorn.Config(
+            app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
+            http=header_limited_protocol(limits.max_header_bytes)))
         self._server.install_signal_handlers = lambda: None  # the caller owns the signals
         self._thread = threading.Thread(target=self._server.run, name="openai-api", daemon=True)
 

@@ -1,13 +1,14 @@
 """The served LLMs, reached through Triton's HTTP generate endpoints (aiohttp, keep-alive).
 
 An LLM is any ready model whose backend is dspark's ``speculative``: found from Triton's
-repository index and model configs, never by name. A request is one call to the same endpoint a
-Triton user would call: ``/v2/models/M/generate`` (one response), or ``generate_stream`` with
-``stream: true`` (server-sent events, one per response the model sends; the final one carries
-``usage``). So Triton does the same work for the API as for its own clients, and the API adds only
-its own CPU: over gRPC, Triton's streaming frontend and grpcio's threads cost more per response.
-When the HTTP client goes away the connection to Triton is closed, which Triton turns into the
-request's cancellation; the backend sees it within a round and stops.
+repository index and model configs, never by name. A request is one call to the endpoint a Triton
+user would call to stream, ``/v2/models/M/generate_stream`` (server-sent events, one per response
+the model sends; the final one carries ``usage``). So Triton does the same work for the API as
+for its own clients, and the API adds only its own CPU: over gRPC, Triton's streaming frontend
+and grpcio's threads cost more per response. When the HTTP client goes away the connection to
+Triton is closed, which Triton turns into the request's cancellation when it writes the next
+response (so the API streams from Triton also when its client asked for one reply); the backend
+sees it within a round and stops.
 """
 from __future__ import annotations
 
@@ -53,6 +54,11 @@ def piece_of(response: dict) -> Piece:
 
 
 def _error_text(body: bytes) -> str:
+    """The message of Triton's error reply: ``{"error": ...}``, or on generate_stream the same
+    as one server-sent event (``data: {"error": ...}``)."""
+    body = body.strip()
+    if body.startswith(b"data:"):
+        body = body[5:]
     try:
         return str(json.loads(body)["error"])
     except (ValueError, KeyError, TypeError):
@@ -124,6 +130,17 @@ class TritonLLMs:
             self._models, self._models_at = list(found.values()), time.monotonic()
             return self._models
 
+    async def ready(self) -> bool:
+        """Whether Triton answers that it is ready (/v2/health/ready)."""
+        import aiohttp
+
+        try:
+            async with self.session().get("/v2/health/ready") as reply:
+                await reply.read()
+                return reply.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
     async def require(self, model: str) -> None:
         if model not in {m["id"] for m in await self.models()}:
             self._models_at = 0.0  # a model loaded since: look again once
@@ -132,12 +149,13 @@ class TritonLLMs:
                                   "model", "model_not_found")
 
     async def generate(self, model: str, inputs: dict, stream: bool) -> AsyncIterator[Piece]:
-        """The model's pieces of text; the last one is final. Closing this iterator before the
-        final piece (the HTTP client went away) closes the connection, which cancels the request."""
+        """The model's pieces of text (one, the final one, unless ``stream``); the last one is
+        final. Closing this iterator before the final piece (the HTTP client went away) closes
+        the connection, which cancels the request."""
         import aiohttp
 
         body = json.dumps({**inputs, "stream": stream}).encode()
-        path = f"/v2/models/{model}/generate_stream" if stream else f"/v2/models/{model}/generate"
+        path = f"/v2/models/{model}/generate_stream"
         done = False  # Triton has answered the whole request: the connection may be reused
         try:
             reply = await self.session().post(path, data=body, headers={"Content-Type": "application/json",
@@ -145,16 +163,10 @@ class TritonLLMs:
         except aiohttp.ClientError as error:
             raise self._unreachable(error) from None
         try:
-            if reply.status != 200 or not stream:
+            if reply.status != 200:
                 whole = await reply.read()
                 done = True
-                if reply.status != 200:
-                    raise backend_error(_error_text(whole))
-                piece = piece_of(json.loads(whole))
-                if not piece.final:
-                    raise OpenAIError(500, f"model '{model}' answered without usage counts")
-                yield piece
-                return
+                raise backend_error(_error_text(whole), reply.status)
             async for line in reply.content:
                 if not line.startswith(b"data: "):
                     continue  # the blank line that ends each event

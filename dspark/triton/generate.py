@@ -8,6 +8,7 @@ the rest.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,41 @@ def read_call(read: InputReader, generator: TextGenerator, default_spec: Specula
     exclude = bool(_scalar(read, "exclude_input_in_output"))
     echo = "" if messages is not None or exclude else prompt
     return GenerateCall(ids, sampling, options.spec, bool(_scalar(read, "stream")), echo)
+
+
+def tokenizer_call(read: InputReader, generator: TextGenerator) -> Optional[dict]:
+    """``sampling_parameters`` ``{"tokenize": true}`` (with text_input or messages: the prompt's
+    token ids as a generation would see them, chat template included, and the context) or
+    ``{"detokenize": [ids]}`` (their text): the model's own tokenizer answers, nothing is
+    generated. None for any other request (a generation)."""
+    raw = _scalar(read, "sampling_parameters")
+    if raw is None or b"tokenize" not in (raw.encode() if isinstance(raw, str) else bytes(raw)):
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None  # a generation's parser names the error
+    if not isinstance(data, dict) or not ({"tokenize", "detokenize"} & data.keys()):
+        return None
+    extra = sorted(set(data) - {"tokenize", "detokenize"})
+    if extra or len(data) != 1:
+        raise RequestError("sampling_parameters", "tokenize or detokenize comes alone, without "
+                                                  + (", ".join(extra) or "the other"))
+    if "detokenize" in data:
+        ids = data["detokenize"]
+        vocab = getattr(generator.tokenizer, "vocab_size", None)
+        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < (vocab or i + 1) for i in ids):
+            raise RequestError("detokenize", "must be a list of token ids"
+                                             + (f", each in [0, {vocab})" if vocab else ""))
+        # the bytes a generation of these ids sends (an incomplete character replaced)
+        return {"prompt": generator.tokenizer.decode_bytes(ids).decode("utf-8", "replace")}
+    if data["tokenize"] is not True:
+        raise RequestError("tokenize", "must be true")
+    prompt, messages = _text(read, "text_input"), parse_messages(_text(read, "messages"))
+    if (messages is None) == (prompt is None):
+        raise RequestError("text_input", "give text_input or messages (one of them)")
+    ids = generator.encode_chat(messages) if messages is not None else generator.encode(prompt)
+    return {"tokens": ids, "count": len(ids), "max_model_len": generator.engine.context}
 
 
 def usage(call: GenerateCall, stats: DecodeStats) -> dict:

@@ -111,3 +111,34 @@ def test_logprobs_shapes_of_chat_and_legacy_completions():
     assert first == {"tokens": ["He"], "token_logprobs": [-0.5], "top_logprobs": [{"He": -0.5, "I": -1.5}],
                      "text_offset": [3]}
     assert second["text_offset"] == [5] and second["tokens"] == ["llo"]
+@pytest.mark.parametrize("extra", [
+    {"response_format": {"type": "text"}}, {"store": False}, {"metadata": {"team": "a"}},
+    {"logprobs": False}, {"tool_choice": "none"}, {"parallel_tool_calls": False},
+])
+def test_harmless_defaults_are_accepted_and_change_nothing(extra):
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert parse(ChatCompletionRequest, {**base, **extra}).backend_inputs() == \
+        parse(ChatCompletionRequest, base).backend_inputs()
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"store": True}, "store"), ({"stream": "yes"}, "stream"), ({"max_tokens": "5"}, "max_tokens"),
+    ({"max_completion_tokens": 5.0}, "max_completion_tokens"), ({"tool_choice": "auto"}, "tool_choice"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"), ({"tools": []}, "tools"),
+])
+def test_wrongly_typed_or_unsupported_fields_are_named(extra, param):
+    with pytest.raises(OpenAIError) as error:
+        parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                      **extra}).backend_inputs()
+    assert error.value.status == 400 and error.value.param == param
+
+
+def test_the_stream_endpoints_error_frame_gives_its_message_and_status():
+    from dspark.openai.triton import _error_text
+
+    message = _error_text(b'data: {"error": "busy: 1 requests running and 0 waiting; retry later"}\n\n')
+    assert message.startswith("busy:")
+    assert backend_error(message, 400).status == 429
+    error = backend_error("the request was refused", 503)
+    assert error.status == 503 and error.body()["error"]["type"] == "server_error"
+    assert backend_error("temperature: must be at most 2", 400).param == "temperature"

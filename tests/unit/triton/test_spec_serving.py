@@ -100,6 +100,13 @@ def test_streamed_text_never_splits_a_character():
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_a_text_cut_inside_a_character_ends_before_it():
+    detok = Detokenizer(_Bytes())
+    data = "ok 東".encode()
+    pieces = [detok.add([b]) for b in data[:-1]] + [detok.flush()]  # cut by the token limit
+    assert "".join(pieces) == "ok "
+
+
 def test_the_servers_http_endpoint_is_read_from_its_command_line():
     from dspark.triton.adapter import server_http_url
 
