@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dspark.errors import RequestError, field_path
 
@@ -117,13 +117,60 @@ class ChatMessage(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None  # either way the output follows the schema (docs/openai.md)
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: text (no constraint), any JSON object, or a JSON schema; the
+    speculative backend's ``guided`` (dspark.decoding.constraint)."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
+        return self
+
+    def guided(self) -> Optional[dict]:
+        """The backend's ``guided``, its schema compiled once here: a bad one is a 400 naming
+        ``response_format.json_schema.schema`` before the request goes on."""
+        from dspark.decoding.constraint import check_grammar
+
+        if self.type == "text":
+            return None
+        if self.type == "json_object" or self.json_schema.json_schema is None:
+            return {"json_object": True}
+        schema = self.json_schema.json_schema
+        try:
+            check_grammar("json_schema", schema)
+        except RequestError as error:
+            raise OpenAIError(400, f"response_format.json_schema.schema: {error.reason}",
+                              "response_format.json_schema.schema") from None
+        return {"json_schema": schema}
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's newer name of max_tokens
     logprobs: Literal[False, None] = None
+    response_format: Optional[ResponseFormat] = None
 
     def _token_limit(self) -> int:
         return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
+
+    def sampling_parameters(self) -> dict:
+        params = super().sampling_parameters()
+        guided = self.response_format.guided() if self.response_format is not None else None
+        if guided is not None:
+            params["guided"] = guided
+        return params
 
     def backend_inputs(self) -> dict[str, Any]:
         return {"messages": json.dumps([m.as_backend() for m in self.messages]),
