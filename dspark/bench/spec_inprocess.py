@@ -284,7 +284,8 @@ def batching_rows(gen: TextGenerator, prompts: list[BenchPrompt], specs: dict[st
 
     engine = gen.engine
     batched = TextGenerator(SpeculativeEngine(engine.target, engine.proposers.values(), engine.context,
-                                              engine.eos_ids, batch_verification=True),
+                                              engine.eos_ids, batch_verification=True,
+                                              grammars=engine.grammars),
                             gen.tokenizer, gen.max_token_bytes)
     rows = []
     try:

@@ -26,10 +26,26 @@ def info() -> None:
         click.echo(f"tritonserver  {install.binary}")
     except ServerError as error:
         click.echo(f"tritonserver  not found: {error}")
-    from dspark.cli.kernels import echo_kernel_info
-
     echo_kernel_info()
     from dspark.cli.accel import echo_accelerator_info
     from dspark.paths import demo_repositories
 
     echo_accelerator_info(demo_repositories())
+
+
+def echo_kernel_info() -> None:
+    """Lines for `dspark info`: the fused kernel's dispatch, its BLAS, the NUMA topology."""
+    from dspark.kernels.dispatch import SIMD_ENV, dispatch_report
+    from dspark.kernels.numa import read_topology
+
+    report = dispatch_report()
+    click.echo(f"fused kernel  built for {', '.join(report.compiled)}; this CPU+OS runs "
+               f"{', '.join(report.supported)}; chosen: {report.chosen}"
+               + (f" ({SIMD_ENV}={report.override})" if report.override else " (auto; override with "
+                  f"{SIMD_ENV}=scalar|avx2|avx512)"))
+    click.echo(f"GEMM          {report.blas}, {report.blas_threads} threads")
+    topology = read_topology()
+    lines = topology.describe().splitlines()
+    click.echo(f"NUMA          {len(topology.nodes)} node(s) from {topology.source}")
+    for line in lines:
+        click.echo(f"              {line}")

@@ -1,33 +1,32 @@
-"""`dspark`: the command line. Each command lives in its own module, registered in COMMANDS."""
+"""`dspark`: the command line. Each command lives in its own module, named in COMMANDS and imported
+only when it runs (or when `dspark --help` lists it), so a command starts without the others'
+imports."""
 import click
 
 from dspark import __version__
-from dspark.cli import accel, bench, info, llm, quantize, repo, rollout, route, serve, trace, train
+from dspark.cli.lazy import lazy_group
 
-COMMANDS = [
-    serve.serve,
-    serve.demo,
-    repo.repo,
-    info.info,
-    bench.bench,
-    route.route,
-    quantize.quantize,
-    llm.llm,
-    rollout.rollout,
-    accel.accel,
-    trace.trace,
-    train.train,
-]
+# command name -> "module:attribute" of its click command
+COMMANDS = {
+    "serve": "dspark.cli.serve:serve",
+    "demo": "dspark.cli.serve:demo",
+    "repo": "dspark.cli.repo:repo",
+    "info": "dspark.cli.info:info",
+    "bench": "dspark.cli.bench:bench",
+    "route": "dspark.cli.route:route",
+    "quantize": "dspark.cli.quantize:quantize",
+    "llm": "dspark.cli.llm:llm",
+    "rollout": "dspark.cli.rollout:rollout",
+    "accel": "dspark.cli.accel:accel",
+    "trace": "dspark.cli.trace:trace",
+    "train": "dspark.cli.train:train",
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@lazy_group(COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="dspark")
 def cli() -> None:
     """Triton Inference Server plugins: serve, manage repositories, benchmark."""
-
-
-for command in COMMANDS:
-    cli.add_command(command)
 
 
 def main() -> None:

@@ -6,9 +6,17 @@ from pathlib import Path
 
 import click
 
+from dspark.cli.lazy import LazyChoice
 from dspark.paths import demo_repositories
-from dspark.repository import repo as repository_ops
-from dspark.repository.modelspec import FRAMEWORKS, SpecError
+
+# dspark.repository (protobuf, tritonclient, pydantic) is imported by the commands, so other
+# commands' start-up does not pay for it
+
+
+def _frameworks() -> list[str]:
+    from dspark.repository.modelspec import FRAMEWORKS
+
+    return sorted(FRAMEWORKS)
 
 
 def _repositories(paths) -> list[Path]:
@@ -24,6 +32,9 @@ def repo() -> None:
 @click.argument("repository", type=click.Path(path_type=Path), default=Path("model_repository"))
 def init(repository: Path) -> None:
     """Create REPOSITORY, and write a modelspec.yaml for each model that has only a config.pbtxt."""
+    from dspark.repository import repo as repository_ops
+    from dspark.repository.modelspec import SpecError
+
     try:
         written = repository_ops.init_repository(repository)
     except SpecError as error:
@@ -37,12 +48,15 @@ def init(repository: Path) -> None:
 @click.argument("name")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--version", "semver", required=True, help="Semantic version of this artifact, e.g. 1.2.0.")
-@click.option("--framework", type=click.Choice(sorted(FRAMEWORKS)), default=None,
+@click.option("--framework", type=LazyChoice(_frameworks), default=None,
               help="Needed for a new model whose file ending does not say it.")
 @click.option("--repository", "-r", type=click.Path(path_type=Path), default=Path("model_repository"),
               show_default=True)
 def add(name: str, artifact: Path, semver: str, framework, repository: Path) -> None:
     """Add ARTIFACT as a new version of model NAME (creating the model if it is new)."""
+    from dspark.repository import repo as repository_ops
+    from dspark.repository.modelspec import SpecError
+
     try:
         record = repository_ops.add_version(repository, name, artifact, semver, framework)
     except SpecError as error:
@@ -54,6 +68,8 @@ def add(name: str, artifact: Path, semver: str, framework, repository: Path) -> 
 @click.argument("repositories", nargs=-1, type=click.Path(path_type=Path))
 def validate(repositories) -> None:
     """Check every model in the repositories (default: the demo ones); exit 1 on any problem."""
+    from dspark.repository import repo as repository_ops
+
     repositories = _repositories(repositories)
     problems = repository_ops.validate(repositories)
     for problem in problems:
@@ -69,6 +85,8 @@ def validate(repositories) -> None:
 @click.argument("repositories", nargs=-1, type=click.Path(path_type=Path))
 def list_models(repositories) -> None:
     """Each model with its backend and its semantic version -> folder mapping."""
+    from dspark.repository import repo as repository_ops
+
     entries, problems = repository_ops.load_entries(_repositories(repositories))
     click.echo(f"{'model':<24} {'backend':<18} {'serves':<8} versions (semver -> folder)")
     for entry in entries:
@@ -91,6 +109,9 @@ def list_models(repositories) -> None:
               show_default=True)
 def sync(names, repository: Path) -> None:
     """Rewrite config.pbtxt from modelspec.yaml (all models, or the NAMES given)."""
+    from dspark.repository import repo as repository_ops
+    from dspark.repository.modelspec import SpecError
+
     try:
         written = repository_ops.sync(repository, names)
     except SpecError as error:
@@ -115,6 +136,8 @@ def publish(name: str, artifact: Path, semver: str, repository: Path, servers, a
     each server loads it beside the current version and, once it is ready, drops the old one
     (a model served as "latest"). For shadow, canary and rollback use `dspark rollout run`."""
     from dspark.errors import DsparkError
+    from dspark.repository import repo as repository_ops
+    from dspark.repository.modelspec import SpecError
     from dspark.rollout.fleet import Endpoint, Server
 
     try:

@@ -9,17 +9,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import click
 
 from dspark.errors import DsparkError
-from dspark.rollout import status as status_report
-from dspark.rollout.controller import Controller
-from dspark.rollout.deployment import Deployment
-from dspark.rollout.fleet import read_endpoints
-from dspark.rollout.plan import Plan
-from dspark.rollout.state import ModelLock, StateStore, default_state_path
+
+if TYPE_CHECKING:
+    from dspark.rollout.state import StateStore
+# dspark.rollout (tritonclient, psutil, yaml) is imported by the commands that use it, so other
+# commands' start-up does not pay for it
 
 ROLLED_BACK_EXIT = 3
 # distinct from every failure, so the Kubernetes Job starts `run` only when there is truly nothing
@@ -58,6 +57,8 @@ def _fleet_options(function):
 
 
 def _open_state(path: Optional[Path]) -> StateStore:
+    from dspark.rollout.state import StateStore, default_state_path
+
     try:
         return StateStore(path or default_state_path())
     except DsparkError as error:
@@ -93,6 +94,10 @@ def rollout() -> None:
 def run(model, artifact, semver, repository, router, routing_file, servers, metrics_urls, grpc_urls, servers_file,
         servers_dns, prometheus, plan_path, state_path, api_key) -> None:
     """Publish ARTIFACT as version SEMVER of MODEL and roll it out by the plan."""
+    from dspark.rollout.deployment import Deployment
+    from dspark.rollout.fleet import read_endpoints
+    from dspark.rollout.plan import Plan
+
     try:
         plan = Plan.load(plan_path)
         deployment = Deployment(model, router, repository,
@@ -126,12 +131,17 @@ def _active(state_path: Optional[Path], model: str):
 
 def _drive_recorded(active, state: StateStore, api_key, roll_back: bool) -> None:
     """Recover a rollout with the deployment and plan it recorded when it started."""
+    from dspark.rollout.deployment import Deployment
+    from dspark.rollout.plan import Plan
+
     settings = active.settings
     _drive(Deployment.from_settings(settings["deployment"]), Plan.from_dict(settings["plan"]), state,
            api_key, lambda c: c.recover(roll_back))
 
 
 def _drive(deployment, plan, state: StateStore, api_key, action) -> None:
+    from dspark.rollout.controller import Controller
+
     controller = None
     try:
         controller = Controller(deployment, plan, state, api_key, say=lambda line: click.echo(line))
@@ -154,6 +164,8 @@ def _command(name: str, help_text: str):
     @_state_option
     @_key_option
     def command(model, reason, state_path, api_key) -> None:
+        from dspark.rollout.state import ModelLock
+
         state, active = _active(state_path, model)
         running = ModelLock(state.path, model).held_by_other()
         if running:
@@ -188,6 +200,9 @@ _command("resume", "Let a paused rollout of MODEL go on.")
 def status(model, servers, metrics_urls, grpc_urls, servers_file, servers_dns, window, as_json, state_path,
            api_key) -> None:
     """Versions per server, traffic shares, health, live metrics and the rollout in progress."""
+    from dspark.rollout import status as status_report
+    from dspark.rollout.fleet import read_endpoints
+
     state = _open_state(state_path)
     try:
         given = servers or servers_file or servers_dns
@@ -206,6 +221,8 @@ def status(model, servers, metrics_urls, grpc_urls, servers_file, servers_dns, w
 @_state_option
 def history(model, limit, event_id, as_json, state_path) -> None:
     """Past rollouts: versions, outcome, reason, duration (or one rollout's events)."""
+    from dspark.rollout import status as status_report
+
     state = _open_state(state_path)
     if event_id is not None:
         events = state.events(event_id)

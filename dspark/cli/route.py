@@ -16,11 +16,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import click
-from dspark.repository.modelspec import load_config
+
 from dspark.errors import ConfigError
-from dspark.params import parse_parameters
-from dspark.routing.config import RoutingConfig, load_routing, update_routing
-from dspark.triton.params import RouterParameters
+
+# the repository, routing and parameter modules (protobuf, pydantic, yaml) are imported by the
+# commands that use them, so other commands' start-up does not pay for them
 
 _SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -28,6 +28,10 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 def router_files(repository: Path, model: str) -> tuple[Path, set[int] | None]:
     """The routing file of a router model and the target versions it may route to."""
+    from dspark.params import parse_parameters
+    from dspark.repository.modelspec import load_config
+    from dspark.triton.params import RouterParameters
+
     config_path = repository / model / "config.pbtxt"
     if not config_path.is_file():
         raise click.ClickException(f"--model: no {config_path}; is '{model}' a model in {repository}?")
@@ -95,6 +99,8 @@ def route() -> None:
 @_common
 def show(repository: Path, model: str, metrics_url: str | None) -> None:
     """Print the routing file and, with --metrics-url, what the running router reports."""
+    from dspark.routing.config import load_routing
+
     path, versions = router_files(repository, model)
     try:
         config = load_routing(path, versions)
@@ -152,6 +158,8 @@ def set_(repository: Path, model: str, metrics_url: str | None, shares, shadow_v
          shadow_atol, shadow_rtol, weights, deadlines, max_inflight, top_tier_headroom, inline_max_ms,
          fallback_version, wait_s) -> None:
     """Change routing; the running router applies it within about half a second."""
+    from dspark.routing.config import RoutingConfig, load_routing, update_routing
+
     path, versions = router_files(repository, model)
     try:
         config = load_routing(path, versions) if path.exists() else RoutingConfig()

@@ -1,212 +1,193 @@
-"""Grammar-constrained decoding with llguidance: a request's ``guided`` spec (a JSON schema, any
-JSON object, a regex, a choice of strings or a Lark grammar) becomes a ``Constraint`` that says,
-for the next position, which tokens keep the text inside the grammar.
+"""Grammar-constrained decoding: a request's ``guided`` spec (a JSON schema, any JSON object, a
+regex, a choice of strings or a Lark grammar) compiled by llguidance into a matcher that gives
+the tokens allowed at the next position.
 
-llguidance computes each mask lazily from the grammar's parser state and the tokenizer's token
-trie, so there is no per-schema compile step over the vocabulary: a request's first mask costs
-about as much as its later ones. The tokenizer side (``Grammars``) is built once per model from
-the model's own token bytes (the caller, which knows the tokenizer, hands them over as a
-``Vocabulary``); each request's ``Constraint`` is a matcher over it.
+Speculation stays lossless under a constraint because the mask is applied where tokens are
+chosen, not where they are proposed: ``dspark.decoding.rejection.verify`` masks each row the
+target scored along the path it walks, so a draft token the grammar forbids has probability 0
+and is rejected, and the bonus token comes from the masked distribution. The output is
+therefore the output of plain constrained decoding, whatever the method.
 
-The engine applies ``Constraint.mask`` to every row the target scores before acceptance
-(``dspark.decoding.rejection``), so a draft token the grammar forbids is rejected and the token
-the target adds is drawn from the masked distribution: speculation stays lossless with respect
-to constrained plain decoding.
+llguidance computes each mask lazily from the grammar's lexer state over a token trie (no
+per-schema compilation of the whole vocabulary), which is what makes a fresh schema per request
+cheap; see the README for why it was picked.
 """
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, Optional
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Optional
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from dspark.errors import RequestError
 
-# compact JSON with json.dumps's separators: small models otherwise may pad with whitespace forever
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_CHOICES = 256
+# JSON as OpenAI's API writes it: one space after ':' and ',', no other whitespace (a flexible
+# whitespace rule lets a small model pad forever); a schema's own "x-guidance" overrides it
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-@dataclass(frozen=True)
-class Vocabulary:
-    """A model's tokens as llguidance needs them: each id's exact bytes, the end-of-sequence
-    ids, the special (control) ids, and ``encode`` (text to ids, no BOS added)."""
-    tokens: Sequence[bytes]
-    eos_ids: Sequence[int]
-    encode: Callable[[str], list[int]]
-    special_ids: Sequence[int] = ()
-    bos_id: Optional[int] = None
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_VALUES = ("const", "enum", "default", "examples", "required")
 
 
-class _Wrapped:
-    """The object llguidance's ``TokenizerWrapper`` reads."""
-
-    def __init__(self, vocabulary: Vocabulary):
-        self.eos_token_id = vocabulary.eos_ids[0]
-        self.bos_token_id = vocabulary.bos_id
-        self.tokens = list(vocabulary.tokens)
-        self.special_token_ids = list(vocabulary.special_ids)
-        self._encode = vocabulary.encode
-
-    def __call__(self, text):
-        return self._encode(text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text)
-
-
-def grammar_text(kind: str, value: Any) -> str:
-    """llguidance's grammar for one ``guided`` entry (not yet checked)."""
-    import llguidance
-
-    if kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-    if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(value)
-    if kind == "choice":
-        return llguidance.LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
-    if kind == "grammar":
-        return llguidance.LLMatcher.grammar_from_lark(value)
-    raise ValueError(f"unknown guided kind {kind!r}")
-
-
-def check_grammar(kind: str, value: Any) -> str:
-    """The grammar of a ``guided`` entry, compiled once to check it; RequestError naming
-    ``guided.<kind>`` when llguidance refuses it."""
-    import llguidance
-
-    try:
-        grammar = grammar_text(kind, value)
-    except (ValueError, TypeError) as error:
-        raise RequestError(f"guided.{kind}", f"not usable: {error}") from None
-    message = llguidance.LLMatcher.validate_grammar(grammar)
-    if message:
-        raise RequestError(f"guided.{kind}", f"invalid: {message}")
-    return grammar
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists its
+    ``properties`` and says nothing of others (as xgrammar's strict mode in vLLM): output that
+    follows the result follows ``schema`` too, without the extra keys a small model invents."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        elif key in _VALUES:
+            out[key] = value
+        else:
+            out[key] = closed_objects(value)
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 class Guided(BaseModel):
-    """``sampling_parameters.guided``: exactly one of the kinds. Its grammar is compiled once
-    when parsed (``compiled``), so a bad schema is refused before any model work."""
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    """``sampling_parameters.guided``: exactly one kind of constraint."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     json_schema: Optional[dict[str, Any]] = None
-    json_object: Optional[Literal[True]] = None
-    regex: Optional[Annotated[str, Field(min_length=1)]] = None
-    choice: Optional[Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]] = None
-    grammar: Optional[Annotated[str, Field(min_length=1)]] = None
-    _grammar: str = PrivateAttr("")
+    json_object: Optional[StrictBool] = None
+    regex: Optional[str] = Field(None, min_length=1, max_length=16_384)
+    choice: Optional[list[str]] = Field(None, min_length=1, max_length=MAX_CHOICES)
+    grammar: Optional[str] = Field(None, min_length=1, max_length=262_144)
 
     @model_validator(mode="after")
-    def _one_kind(self) -> "Guided":
-        given = [k for k in KINDS if getattr(self, k) is not None]
+    def _exactly_one(self) -> "Guided":
+        given = [k for k, v in self if v is not None and v is not False]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of {', '.join(KINDS)} (got {', '.join(given) or 'none'})")
+            raise ValueError("give exactly one of json_schema, json_object (true), regex, choice, "
+                             f"grammar (got {', '.join(given) or 'none'})")
         return self
 
     @property
     def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) is not None)
+        return next(k for k, v in self if v is not None and v is not False)
 
-    @property
-    def value(self) -> Any:
-        return getattr(self, self.kind)
+    def lark(self) -> str:
+        """The constraint as llguidance grammar text."""
+        from llguidance import LLMatcher
 
-    def compiled(self) -> str:
-        """The llguidance grammar, checked (RequestError naming ``guided.<kind>`` if invalid)."""
-        if not self._grammar:
-            self._grammar = check_grammar(self.kind, self.value)
-        return self._grammar
+        kind = self.kind
+        if kind == "json_schema":
+            return LLMatcher.grammar_from_json_schema(json.dumps(closed_objects(self.json_schema)),
+                                                      defaults=JSON_STYLE)
+        if kind == "json_object":
+            return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_STYLE)
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(self.regex)
+        if kind == "choice":
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        return LLMatcher.grammar_from_lark(self.grammar)
 
 
 class Grammars:
-    """One model's llguidance tokenizer (built once, at load) and its request constraints."""
+    """Compiles ``Guided`` specs for one model's vocabulary. The llguidance tokenizer (a trie of
+    every token's bytes) is built on the first constrained request and kept."""
 
-    def __init__(self, vocabulary: Vocabulary, n_vocab: Optional[int] = None):
-        import llguidance
-
-        self.vocab_size = len(vocabulary.tokens)
-        self.eos_ids = frozenset(vocabulary.eos_ids)
-        self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Wrapped(vocabulary)),
-                                                n_vocab=n_vocab, eos_token=list(vocabulary.eos_ids))
-
-    def constraint(self, guided: Guided) -> "Constraint":
-        """A fresh constraint for one request; RequestError naming ``guided.<kind>`` when the
-        grammar does not compile against this model's tokens."""
-        import llguidance
-
-        matcher = llguidance.LLMatcher(self.tokenizer, guided.compiled(), log_level=0)
-        if matcher.is_error():
-            raise RequestError(f"guided.{guided.kind}", f"invalid: {matcher.get_error()}")
-        return Constraint(matcher, self.tokenizer.vocab_size, self.eos_ids)
-
-
-@dataclass
-class Constraint:
-    """One request's grammar state over the tokens committed so far. ``mask(width)`` is the
-    allowed-token boolean array of the next position (``width``: the logits' length; ids past
-    the tokenizer's are forbidden); ``consume`` commits a token; ``rollback`` undoes the last
-    ``n``; ``fork`` copies the state (a tree branch). ``mask_s``: seconds spent computing masks."""
-    matcher: Any
-    vocab_size: int
-    eos_ids: frozenset
-    mask_s: float = 0.0
-    masks: int = 0
-    _words: np.ndarray = field(init=False, repr=False)
-
-    def __post_init__(self):
-        self._words = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
-
-    def mask(self, width: Optional[int] = None) -> np.ndarray:
-        start = time.perf_counter()
-        words = self._words
-        self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        allowed = np.unpackbits(words.view(np.uint8), bitorder="little").astype(bool)
-        width = width or self.vocab_size
-        if len(allowed) >= width:
-            allowed = allowed[:width]
-        else:
-            allowed = np.concatenate([allowed, np.zeros(width - len(allowed), bool)])
-        allowed[self.vocab_size:] = False
-        if not allowed.any():  # an error state (the grammar cannot go on): only the end is left
-            allowed[[i for i in self.eos_ids if i < width]] = True
-        self.mask_s += time.perf_counter() - start
-        self.masks += 1
-        return allowed
-
-    def consume(self, token: int) -> bool:
-        """Commit ``token``; False when the grammar forbids it (the state is then an error)."""
-        return bool(self.matcher.consume_token(int(token)))
-
-    def rollback(self, n: int) -> None:
-        if n:
-            self.matcher.rollback(n)
-
-    def fork(self) -> "Constraint":
-        return Constraint(self.matcher.deep_copy(), self.vocab_size, self.eos_ids)
-
-    def is_accepting(self) -> bool:
-        """The text so far is a complete sentence of the grammar."""
-        return bool(self.matcher.is_accepting())
-
-    def is_finished(self) -> bool:
-        """Nothing but the end of the text may follow: the grammar is complete."""
-        if self.matcher.is_stopped():
-            return True
-        if not self.matcher.is_accepting():
-            return False
-        others = self.mask()
-        others[[i for i in self.eos_ids if i < len(others)]] = False
-        return not others.any()
+    def __init__(self, token_bytes: Callable[[], Sequence[bytes]], encode: Callable[[str], list[int]],
+                 eos_ids: Iterable[int], special_ids: Iterable[int] = ()):
+        self._token_bytes, self._encode = token_bytes, encode
+        self.eos_ids = sorted(eos_ids)
+        self.special_ids = sorted(special_ids)
+        self._tokenizer = None
+        self._lock = threading.Lock()
 
     @property
-    def error(self) -> Optional[str]:
-        return self.matcher.get_error() if self.matcher.is_error() else None
+    def tokenizer(self):
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance
+
+                tokens = list(self._token_bytes())
+                self._tokenizer = llguidance.LLTokenizer(
+                    _Vocabulary(tokens, self._encode, self.eos_ids[0], self.special_ids), n_vocab=len(tokens),
+                    eos_token=self.eos_ids)
+            return self._tokenizer
+
+    def compile(self, guided: Guided) -> "Constraint":
+        """A fresh matcher; an invalid schema, regex or grammar is a RequestError naming
+        ``guided.<kind>``."""
+        from llguidance import LLMatcher
+
+        field = f"guided.{guided.kind}"
+        try:
+            grammar = guided.lark()
+        except (ValueError, TypeError) as error:
+            raise RequestError(field, f"cannot be compiled ({_one_line(str(error))})") from None
+        tokenizer = self.tokenizer
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+        if is_error:
+            raise RequestError(field, f"cannot be compiled ({_one_line(messages[0])})")
+        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise RequestError(field, f"cannot be compiled ({_one_line(matcher.get_error())})")
+        return Constraint(matcher, tokenizer.vocab_size)
 
 
-def apply_mask(row: np.ndarray, allowed: np.ndarray) -> np.ndarray:
-    """``row``'s logits with the forbidden tokens at -inf."""
-    return np.where(allowed, row, -np.inf)
+def _one_line(message: str) -> str:
+    """llguidance's error without its drawing of the grammar: the first line and the "error:"
+    lines of a regex parser's report."""
+    lines = [line.strip() for line in message.splitlines()]
+    return "; ".join([lines[0], *(line for line in lines[1:] if line.startswith("error:"))])
+
+
+class Constraint:
+    """One request's grammar state: ``mask`` the next position's logits, ``advance`` by the
+    token chosen there."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self._matcher = matcher
+        self._vocab = vocab_size
+
+    def allowed(self) -> np.ndarray:
+        """A boolean per token: may it come next?"""
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        return np.unpackbits(bits, bitorder="little")[:self._vocab].astype(bool)
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """``logits`` with every token the grammar forbids next at -inf (a copy). Logit rows
+        wider than the grammar's vocabulary (padding) are forbidden past it."""
+        allowed = self.allowed()
+        out = np.full(logits.shape, -np.inf, dtype=logits.dtype)
+        n = min(len(allowed), len(logits))
+        out[:n] = np.where(allowed[:n], logits[:n], -np.inf)
+        return out
+
+    def advance(self, token: int) -> None:
+        if not self._matcher.consume_token(int(token)):
+            raise RuntimeError(f"the grammar refused token {token} it allowed: {self._matcher.get_error()}")
+
+    @property
+    def finished(self) -> bool:
+        """The grammar allows nothing more (only the end of the sequence)."""
+        return self._matcher.is_stopped()
+
+
+class _Vocabulary:
+    """What ``llguidance.LLTokenizer`` reads of a tokenizer: each token's bytes, the special
+    tokens (never matched as text) and the model's encoder (for a grammar's literals)."""
+
+    def __init__(self, tokens: list[bytes], encode: Callable[[str], list[int]], eos_id: int,
+                 special_ids: Sequence[int]):
+        self.tokens, self._encode = tokens, encode
+        self.eos_token_id = eos_id
+        self.bos_token_id = None
+        self.special_token_ids = list(special_ids)
+        self.is_tokenizer_wrapper = True
+
+    def __call__(self, text: "str | bytes") -> list[int]:
+        return self._encode(text.decode("utf-8", "replace") if isinstance(text, bytes) else text)

@@ -20,6 +20,7 @@ from typing import Optional
 
 import numpy as np
 
+from dspark.decoding.constraint import Constraint, Grammars
 from dspark.decoding.generation import Generation
 from dspark.decoding.proposers.base import PlainDecoding, Proposer
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
@@ -103,14 +104,15 @@ class SpeculativeEngine:
     tokenizer, chat template, stop strings and streams."""
 
     def __init__(self, target: TargetRuntime, proposers: Iterable[Proposer] = (), context: Optional[int] = None,
-                 eos_ids: Iterable[int] = (), batch_verification: bool = False, grammars=None):
+                 eos_ids: Iterable[int] = (), batch_verification: bool = False,
+                 grammars: Optional[Grammars] = None):
         if not isinstance(target, TargetRuntime):
             raise TypeError(f"{type(target).__name__} is not a TargetRuntime (dspark.runtimes.protocol)")
         self.target = target
         self.proposers: dict[str, Proposer] = {p.name: p for p in (PlainDecoding(), *proposers)}
         self.context = min(context or target.config.ctx, target.config.ctx)
         self.eos_ids = frozenset(eos_ids)
-        self.grammars = grammars  # dspark.decoding.constraint.Grammars: this model's tokens for guided requests
+        self.grammars = grammars  # compiles requests' ``guided`` constraints; None: refused
         # a runtime that computes a tree's rows bit for bit as the chains through it says so;
         # on others greedy requests verify chains only (identity with plain decoding)
         self.exact_trees = target.exact_trees
@@ -127,6 +129,15 @@ class SpeculativeEngine:
     def methods(self) -> tuple[str, ...]:
         return tuple(self.proposers)
 
+    def constraint(self, sampling: SamplingParams) -> Optional[Constraint]:
+        """The request's grammar state, or None when it has no ``guided``."""
+        if sampling.guided is None:
+            return None
+        if self.grammars is None:
+            raise RequestError("guided", "this model cannot constrain its output (no vocabulary given "
+                                         "to its engine)")
+        return self.grammars.compile(sampling.guided)
+
     def check(self, prompt: list[int], spec: SpeculativeParams) -> None:
         """Refuse what cannot be served, before any model work."""
         if spec.method not in self.proposers:
@@ -137,12 +148,6 @@ class SpeculativeEngine:
         if len(prompt) >= self.context:
             raise PromptTooLong(f"prompt is {len(prompt)} tokens but the context is "
                                 f"{self.context}; shorten it to at most {self.context - 1}")
-
-    def constraint(self, guided):
-        """A guided request's grammar over this model's tokens."""
-        if self.grammars is None:
-            raise RequestError("guided", "this model cannot constrain its output (no token bytes were given)")
-        return self.grammars.constraint(guided)
 
     def start(self, prompt: list[int], sampling: SamplingParams, spec: SpeculativeParams,
               stats: Optional[DecodeStats] = None,

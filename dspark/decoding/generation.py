@@ -51,13 +51,12 @@ class Generation:
         self.proposer = engine.proposers[spec.method]
         self.want_taps = self.proposer.wants_taps
         self.rng = np.random.default_rng(sampling.seed)
+        self.constraint = engine.constraint(sampling)  # before any work: a bad grammar is refused
         self.cache = engine.target.new_cache(engine.context)
         self.chains_only = sampling.greedy and not engine.exact_trees
         self.drafter: Drafter = self.proposer.start(DraftRequest(
             prompt, sampling, spec, self.rng, stats, engine.context, engine.verify_cost,
             self.chains_only))
-        # the grammar of a guided request, its state after the tokens committed so far
-        self.constraint = engine.constraint(sampling.guided) if sampling.guided is not None else None
         self.tree = DraftTree()
         self.done = False
         self._stopped = False
@@ -128,7 +127,8 @@ class Generation:
         """Accept from this round's pass; return the new tokens."""
         probes.accept_begin(len(self.tree.tokens) + 1)
         base = self.cache.length - len(self.tree.tokens) - 1
-        new, path = verify(logits, self.tree, self.sampling, self.rng, self.constraint)
+        new, path = verify(logits, self.tree, self.sampling, self.rng, self.constraint,
+                           self.engine.eos_ids)
         eos = next((i for i, token in enumerate(new) if token in self.engine.eos_ids), None)
         rows = np.array([0] + [n + 1 for n in path])
         self.cache.keep_rows(base, rows)
@@ -141,10 +141,8 @@ class Generation:
             new = new[:eos]  # the end-of-sequence token ends the text and is not part of it
         self.history.extend(new)  # the tree's depth kept it within max_tokens
         self.stats.generated_tokens = self.generated
-        if eos is not None:  # under a grammar the end is allowed only once it is complete
-            self.finish("eos" if self.constraint is None else "stop")
-        elif self.constraint is not None and self.constraint.is_finished():
-            self.finish("stop")  # the grammar is complete: only the end of the text may follow
+        if eos is not None:
+            self.finish("eos")
         elif self.generated >= self.sampling.max_tokens:
             self.finish("length")
         return new

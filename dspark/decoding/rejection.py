@@ -2,9 +2,11 @@
 speculative sampling (the rejection sampler), independent of how the tree was proposed."""
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
-from dspark.decoding.constraint import Constraint, apply_mask
+from dspark.decoding.constraint import Constraint
 from dspark.decoding.sampling import SamplingParams, distribution, sample
 from dspark.decoding.tree import DraftTree
 
@@ -42,37 +44,34 @@ def accept_among(p: np.ndarray, q: np.ndarray | None, candidates: list[int],
 
 
 def verify(logits: np.ndarray, tree: DraftTree, sampling: SamplingParams,
-           rng: np.random.Generator, constraint: Constraint | None = None) -> tuple[list[int], list[int]]:
+           rng: np.random.Generator, constraint: Optional[Constraint] = None,
+           eos_ids: frozenset[int] = frozenset()) -> tuple[list[int], list[int]]:
     """Walk the tree from the root (row 0 of ``logits``, node n in row n + 1): keep the longest
-    accepted path and append the target's own token after it. Returns (new tokens, path).
+    accepted path and append the target's own token after it; an end of sequence (``eos_ids``)
+    ends the walk. Returns (new tokens, path).
 
-    With a ``constraint`` each row on the walk is masked by the grammar's state after the path
-    to it (the constraint consumes each token as it is accepted), so a draft token the grammar
-    forbids is rejected and the added token is drawn from the masked distribution."""
+    With a ``constraint``, each row walked is masked by the grammar's state after the tokens
+    chosen before it, and the grammar advances by each token chosen: a draft token the grammar
+    forbids has probability 0 and is rejected, and the bonus token is drawn under the mask."""
     node, path, out = -1, [], []
     while True:
-        row = logits[node + 1]
-        if constraint is not None:
-            row = apply_mask(row, constraint.mask(len(row)))
+        row = logits[node + 1] if constraint is None else constraint.mask(logits[node + 1])
         if sampling.greedy:
             tok = int(np.argmax(row))
             match = [c for c in tree.children(node) if tree.tokens[c] == tok]
-            if not match:
-                out.append(tok)
-                break
-            node = match[0]
+            child = match[0] if match else None
         else:
             draws = tree.candidates.get(node, [])
-            chosen, resampled = accept_among(distribution(row, sampling), tree.q.get(node),
-                                             [tree.tokens[c] for c in draws], rng)
-            if chosen < 0:
-                out.append(resampled)
-                break
-            node = draws[chosen]
-        path.append(node)
-        out.append(tree.tokens[node])
+            chosen, tok = accept_among(distribution(row, sampling), tree.q.get(node),
+                                       [tree.tokens[c] for c in draws], rng)
+            child = draws[chosen] if chosen >= 0 else None
+            tok = tree.tokens[child] if child is not None else tok
+        out.append(tok)
+        if tok in eos_ids:  # the end: an accepted end-of-sequence counts as the last token
+            return out, path
         if constraint is not None:
-            constraint.consume(out[-1])
-    if constraint is not None:
-        constraint.consume(out[-1])
-    return out, path
+            constraint.advance(tok)
+        if child is None:
+            return out, path
+        node = child
+        path.append(node)

@@ -8,7 +8,6 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from dspark.decoding.constraint import Guided
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.errors import RequestError, field_path, from_validation_error
 
@@ -51,9 +50,8 @@ def parse_generate_options(raw: "str | bytes | None", default_spec: SpeculativeP
     chat = data.pop("chat", False)
     if not isinstance(chat, bool):
         raise RequestError("chat", f"must be true or false, got {json.dumps(chat)}")
-    guided = parse_guided(data.pop("guided", None))
     try:
-        sampling = SamplingParams(**{k: v for k, v in data.items() if v is not None}, guided=guided)
+        sampling = SamplingParams(**{k: v for k, v in data.items() if v is not None})
     except ValidationError as error:
         raise from_validation_error(error) from None
     except TypeError as error:  # not keyword-able (a non-string key cannot come from JSON)
@@ -66,24 +64,6 @@ def parse_generate_options(raw: "str | bytes | None", default_spec: SpeculativeP
         raise RequestError("speculative.method", f"{spec.method!r} is not one of this model's "
                                                  f"methods {methods}")
     return GenerateOptions(sampling, spec, chat)
-
-
-def parse_guided(data) -> Optional[Guided]:
-    """``guided`` (one of json_schema, json_object, regex, choice, grammar), its grammar
-    compiled now: a bad schema is a RequestError naming ``guided.<kind>``."""
-    if data is None:
-        return None
-    if not isinstance(data, dict):
-        raise RequestError("guided", "must be a JSON object with one of json_schema, json_object, "
-                                     "regex, choice, grammar")
-    try:
-        guided = Guided(**data)
-    except ValidationError as error:
-        first = error.errors()[0]
-        path = field_path(("guided", *first["loc"]))
-        raise RequestError(path, first["msg"]) from None
-    guided.compiled()
-    return guided
 
 
 def parse_sampling_parameters(raw: "str | bytes | None", default_spec: SpeculativeParams,

@@ -40,7 +40,7 @@ class SamplingParams:
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
     seed: Optional[Annotated[int, Field(ge=0, le=MAX_SEED)]] = None
     stop: list[Annotated[str, Field(min_length=1)]] = field(default_factory=list)
-    guided: Optional[Guided] = None  # grammar-constrained output (dspark.decoding.constraint)
+    guided: Optional[Guided] = None  # the grammar the output follows (dspark.decoding.constraint)
 
     @field_validator("temperature")
     @classmethod

@@ -139,13 +139,6 @@ class LlamaTokenizer(Tokenizer):
             return len(self._tok.tokens)
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    @cached_property
-    def special_ids(self) -> list[int]:
-        """Ids of the control and user-defined tokens (matched whole in text, never spelled)."""
-        if self.kind == "llama":
-            return sorted(self._tok.special.values())
-        return sorted(self._tok.get_added_tokens_decoder())
-
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (control tokens in it matched), BOS first when the model wants it
         and the text (a chat template's output, say) did not bring it."""
@@ -164,6 +157,18 @@ class LlamaTokenizer(Tokenizer):
         ``decode`` would replace; feed these to an incremental UTF-8 decoder instead."""
         table = self._token_bytes
         return b"".join(table[i] for i in ids)
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Control tokens (BOS, EOS, chat markers): never text a grammar can match."""
+        if self.kind == "llama":
+            return frozenset(self._tok.special.values())
+        return frozenset(self._tok.get_added_tokens_decoder())
+
+    @property
+    def token_bytes(self) -> list[bytes]:
+        """Every token's exact bytes, by id."""
+        return self._token_bytes
 
     @cached_property
     def _token_bytes(self) -> list[bytes]:

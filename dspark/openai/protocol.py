@@ -51,6 +51,34 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: Optional[bool] = None  # the output always follows the schema (docs/openai.md)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema' and only with it")
+        return self
+
+    def guided(self) -> Optional[dict]:
+        """The backend's ``guided`` constraint (dspark.decoding.constraint.Guided)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json_schema": self.json_schema.schema_}
+        return None
+
+
 class _Request(BaseModel):
     """The fields completions and chat completions share."""
     model_config = ConfigDict(extra="forbid")
@@ -67,6 +95,7 @@ class _Request(BaseModel):
     presence_penalty: Literal[0, 0.0] = 0
     frequency_penalty: Literal[0, 0.0] = 0
     user: Optional[str] = None  # accepted, not used
+    response_format: Optional[ResponseFormat] = None
     # dspark's extension: how the request speculates ({"method": "suffix", ...}), as in
     # sampling_parameters.speculative of Triton's generate endpoint
     speculative: Optional[dict[str, Any]] = None
@@ -96,6 +125,8 @@ class _Request(BaseModel):
             params["seed"] = self.seed
         if self.speculative is not None:
             params["speculative"] = self.speculative
+        if self.response_format is not None and (guided := self.response_format.guided()):
+            params["guided"] = guided
         return params
 
 
@@ -117,60 +148,13 @@ class ChatMessage(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    name: str = Field(min_length=1, max_length=64)
-    description: Optional[str] = None
-    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
-    strict: Optional[bool] = None  # either way the output follows the schema (docs/openai.md)
-
-
-class ResponseFormat(BaseModel):
-    """``response_format``: text (no constraint), any JSON object, or a JSON schema; the
-    speculative backend's ``guided`` (dspark.decoding.constraint)."""
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[JsonSchemaFormat] = None
-
-    @model_validator(mode="after")
-    def _schema_with_its_type(self) -> "ResponseFormat":
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema is required with type json_schema, and only with it")
-        return self
-
-    def guided(self) -> Optional[dict]:
-        """The backend's ``guided``, its schema compiled once here: a bad one is a 400 naming
-        ``response_format.json_schema.schema`` before the request goes on."""
-        from dspark.decoding.constraint import check_grammar
-
-        if self.type == "text":
-            return None
-        if self.type == "json_object" or self.json_schema.json_schema is None:
-            return {"json_object": True}
-        schema = self.json_schema.json_schema
-        try:
-            check_grammar("json_schema", schema)
-        except RequestError as error:
-            raise OpenAIError(400, f"response_format.json_schema.schema: {error.reason}",
-                              "response_format.json_schema.schema") from None
-        return {"json_schema": schema}
-
-
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's newer name of max_tokens
     logprobs: Literal[False, None] = None
-    response_format: Optional[ResponseFormat] = None
 
     def _token_limit(self) -> int:
         return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
-
-    def sampling_parameters(self) -> dict:
-        params = super().sampling_parameters()
-        guided = self.response_format.guided() if self.response_format is not None else None
-        if guided is not None:
-            params["guided"] = guided
-        return params
 
     def backend_inputs(self) -> dict[str, Any]:
         return {"messages": json.dumps([m.as_backend() for m in self.messages]),
@@ -288,6 +272,8 @@ def backend_error(message: str) -> OpenAIError:
         return OpenAIError(500, message)
     field, _, rest = message.partition(":")
     param = field if rest and " " not in field.strip() else None
+    if param and param.startswith("guided"):  # the backend's name for the constraint
+        param = "response_format"
     return OpenAIError(400, message, param)
 
 

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from dspark.decoding.constraint import Grammars, Vocabulary
+from dspark.decoding.constraint import Grammars
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.proposers import standard_proposers
 from dspark.decoding.proposers.dspark import DSparkProposer
@@ -38,13 +38,13 @@ def dspark_proposers(folder: Path, weights: str | Path | None = None, threads: i
 
 
 def grammars(tokenizer) -> Grammars:
-    """The model's tokens for guided (grammar-constrained) requests, built once at load."""
-    def encode(text: str) -> list[int]:  # the text alone: no BOS
+    """Constrained decoding over this tokenizer's vocabulary (its tokens' bytes; the encoder
+    without the BOS it adds to prompts)."""
+    def encode(text: str) -> list[int]:
         ids = tokenizer.encode(text)
-        return ids[1:] if tokenizer.add_bos and ids and ids[0] == tokenizer.bos_id else ids
+        return ids[1:] if tokenizer.add_bos and ids[:1] == [tokenizer.bos_id] else ids
 
-    tokens = [tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size)]
-    return Grammars(Vocabulary(tokens, [tokenizer.eos_id], encode, tokenizer.special_ids, tokenizer.bos_id))
+    return Grammars(lambda: tokenizer.token_bytes, encode, [tokenizer.eos_id], tokenizer.special_ids)
 
 
 def llm_generator(folder: Path, threads: int = 2, max_context: Optional[int] = None,

@@ -1,11 +1,12 @@
-"""Structured output on the real server's two demo LLMs (spec_lm: SmolLM2, gemma_lm: Gemma 3):
-``response_format`` through the real `openai` SDK, instructor and LangChain return JSON that
-validates; /generate's ``guided`` regex and choice hold; a bad schema is a 400 naming its
-field and the server keeps serving."""
+"""Structured output through the OpenAI-compatible API and /generate on the real server's demo
+LLMs (SmolLM2 `spec_lm`, Gemma 3 270M `gemma_lm`), as apps ask for it: `response_format` with the
+real `openai` SDK, `instructor` and LangChain's `with_structured_output`, and
+`sampling_parameters.guided` on Triton's generate endpoint."""
 from __future__ import annotations
 
 import json
-import re
+import socket
+from typing import Literal
 
 import instructor
 import jsonschema
@@ -13,110 +14,127 @@ import openai
 import pytest
 import requests
 from langchain_openai import ChatOpenAI
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from tests.integration.test_openai_endpoint import api, client  # noqa: F401 - the fixtures
+from dspark.openai.server import OpenAIServer
 
-MODELS = ("spec_lm", "gemma_lm")
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
-          "properties": {"name": {"type": "string", "maxLength": 16},
+MODELS = ["spec_lm", "gemma_lm"]
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 24},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "tags": {"type": "array", "items": {"enum": ["admin", "user"]}, "maxItems": 2}}}
-USER = "Describe a user of a web shop as JSON: name, age and tags."
-ANSWER = 'Reply with a JSON object with a key "answer" whose value is the capital of France.'
+                         "pet": {"enum": ["cat", "dog", "none"]}},
+          "required": ["name", "age", "pet"]}
+ASK = "Ann is 31 and has a dog. Give her name, age and pet as JSON."
 
 
-class AnyObject(BaseModel):
-    """What JSON mode (``json_object``) guarantees: an object, whatever its keys (a schema's keys
-    and types need ``json_schema``: a 135M model does not reliably follow one given in a prompt)."""
-    model_config = ConfigDict(extra="allow")
+class Person(BaseModel):
+    name: str = Field(max_length=24)
+    age: int = Field(ge=0, le=120)
+    pet: Literal["cat", "dog", "none"]
 
 
-class City(BaseModel):
-    city: str = Field(max_length=40)
-    country: str = Field(max_length=40)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def _chat(client, model: str, prompt: str, **extra):
-    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                          max_tokens=80, temperature=0, **extra)
+@pytest.fixture(scope="module")
+def api(triton_server):
+    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.http_url,
+                          repository_headers=triton_server.repository_headers)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(api):
+    return openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_json_schema_and_json_object_validate_on_both_models(client, model):
-    for strict in (True, False):
-        reply = _chat(client, model, USER, response_format={
-            "type": "json_schema", "json_schema": {"name": "user", "schema": PERSON, "strict": strict}})
-        jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
-        assert reply.choices[0].finish_reason == "stop"
-    sampled = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": USER}], max_tokens=80, temperature=1.0, seed=5,
-        response_format={"type": "json_schema", "json_schema": {"name": "user", "schema": PERSON}})
+def test_json_schema_replies_follow_the_schema_greedy_sampled_and_streamed(client, model):
+    messages = [{"role": "user", "content": ASK}]
+    greedy = client.chat.completions.create(model=model, messages=messages, max_tokens=80, temperature=0,
+                                            response_format=_json_schema(PERSON))
+    jsonschema.validate(json.loads(greedy.choices[0].message.content), PERSON)
+    assert greedy.choices[0].finish_reason == "stop"
+    sampled = client.chat.completions.create(model=model, messages=messages, max_tokens=80, temperature=1.0,
+                                             seed=3, response_format=_json_schema(PERSON))
     jsonschema.validate(json.loads(sampled.choices[0].message.content), PERSON)
-    reply = _chat(client, model, ANSWER, response_format={"type": "json_object"})
+    chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=80, temperature=0,
+                                            response_format=_json_schema(PERSON), stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == greedy.choices[0].message.content
+
+
+def test_json_object_and_text_formats_on_chat_and_completions(client):
+    reply = client.chat.completions.create(
+        model="spec_lm", max_tokens=60, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Reply with a JSON object with keys name and age for Ann, 31."}])
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
-    assert reply.choices[0].finish_reason == "stop"
-    # text: no constraint, the same reply as without response_format
-    assert _chat(client, model, ANSWER, response_format={"type": "text"}).choices[0].message.content == \
-        _chat(client, model, ANSWER).choices[0].message.content
+    text = client.chat.completions.create(model="spec_lm", max_tokens=8, temperature=0, response_format={"type": "text"},
+                                          messages=[{"role": "user", "content": "Hi"}])
+    plain = client.chat.completions.create(model="spec_lm", max_tokens=8, temperature=0,
+                                           messages=[{"role": "user", "content": "Hi"}])
+    assert text.choices[0].message.content == plain.choices[0].message.content
+    completion = client.completions.create(model="gemma_lm", prompt="Ann, 31, has a dog. As JSON:", max_tokens=60,
+                                           temperature=0, extra_body={"response_format": _json_schema(PERSON)})
+    jsonschema.validate(json.loads(completion.choices[0].text), PERSON)
 
 
-def test_streamed_json_schema_reply_is_the_whole_reply(client):
-    form = {"type": "json_schema", "json_schema": {"name": "user", "schema": PERSON}}
-    whole = _chat(client, "spec_lm", USER, response_format=form).choices[0].message.content
-    chunks = _chat(client, "spec_lm", USER, response_format=form, stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+def test_a_schema_that_cannot_be_compiled_is_a_400_naming_response_format(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model="spec_lm", max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
+                                       response_format=_json_schema({"type": "nonsense"}))
+    assert error.value.body["param"] == "response_format"
+    assert "cannot be compiled" in error.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="json_schema"):
+        client.chat.completions.create(model="spec_lm", max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
+                                       response_format={"type": "json_schema"})
+    assert client.chat.completions.create(model="spec_lm", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
 
 
-def _generate(triton_server, model: str, params: dict) -> requests.Response:
-    body = {"text_input": "Name a colour and a number.", "exclude_input_in_output": True,
-            "sampling_parameters": json.dumps({"max_tokens": 40, **params})}
+def _generate(triton_server, model: str, params: dict):
+    body = {"text_input": "The answer, in one word:", "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps(params)}
     return requests.post(f"http://{triton_server.http_url}/v2/models/{model}/generate", json=body, timeout=120)
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_generate_with_guided_regex_and_choice(triton_server, model):
-    pattern = "(red|green|blue) [0-9]{1,3}"
-    for params in ({}, {"temperature": 0.9, "seed": 3}, {"speculative": {"method": "ngram"}}):
-        reply = _generate(triton_server, model, {"guided": {"regex": pattern}, **params})
-        assert reply.status_code == 200, reply.text
-        assert re.fullmatch(pattern, reply.json()["text_output"]), reply.json()
-        reply = _generate(triton_server, model, {"guided": {"choice": ["yes", "no", "maybe so"]}, **params})
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["text_output"] in ("yes", "no", "maybe so")
+@pytest.mark.parametrize("method", ["none", "suffix", "dspark", "hybrid"])
+def test_generate_follows_a_regex_and_a_choice_for_every_method(triton_server, method):
+    spec = {"method": method}
+    reply = _generate(triton_server, "spec_lm", {"max_tokens": 20, "guided": {"regex": "[0-9]{3}-[0-9]{4}"},
+                                                 "speculative": spec})
+    assert reply.status_code == 200, reply.text
+    text = reply.json()["text_output"]
+    assert len(text) == 8 and text[3] == "-" and (text[:3] + text[4:]).isdigit()
+    choice = _generate(triton_server, "spec_lm", {"max_tokens": 20, "guided": {"choice": ["yes", "no", "maybe"]},
+                                                  "speculative": spec})
+    assert choice.json()["text_output"] in ("yes", "no", "maybe")
 
 
-def test_a_bad_schema_is_a_400_naming_the_field_and_the_server_keeps_serving(client, triton_server):
-    reply = _generate(triton_server, "spec_lm", {"guided": {"json_schema": {"type": "nope"}}})
-    assert reply.status_code == 400 and "guided.json_schema" in reply.json()["error"], reply.text
-    reply = _generate(triton_server, "spec_lm", {"guided": {"regex": "(("}})
-    assert reply.status_code == 400 and "guided.regex" in reply.json()["error"], reply.text
-    with pytest.raises(openai.BadRequestError) as caught:
-        _chat(client, "spec_lm", USER, response_format={
-            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nope"}}})
-    assert caught.value.status_code == 400
-    assert caught.value.body["param"] == "response_format.json_schema.schema"
-    with pytest.raises(openai.BadRequestError) as caught:
-        _chat(client, "spec_lm", USER, response_format={"type": "json_schema"})
-    assert caught.value.body["param"] == "response_format"
-    assert _generate(triton_server, "spec_lm", {"guided": {"choice": ["ok"]}}).json()["text_output"] == "ok"
+def test_generate_refuses_a_bad_guided_spec_naming_it(triton_server):
+    reply = _generate(triton_server, "spec_lm", {"max_tokens": 4, "guided": {"regex": "(("}})
+    assert reply.status_code == 400 and "guided.regex: cannot be compiled" in reply.json()["error"]
+    reply = _generate(triton_server, "spec_lm", {"max_tokens": 4, "guided": {"regex": "a", "choice": ["b"]}})
+    assert reply.status_code == 400 and "exactly one" in reply.json()["error"]
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_instructor_returns_a_parsed_object(api, model):  # noqa: F811 - the fixture
-    for mode, prompt, response_model in ((instructor.Mode.JSON, ANSWER, AnyObject),
-                                         (instructor.Mode.JSON_SCHEMA, "Name a city and its country.", City)):
-        patched = instructor.from_openai(openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0,
-                                                       timeout=120), mode=mode)
-        result = patched.chat.completions.create(model=model, response_model=response_model, max_retries=0,
-                                                 messages=[{"role": "user", "content": prompt}],
-                                                 max_tokens=80, temperature=0)
-        assert isinstance(result, response_model), mode
+def test_instructor_returns_a_parsed_model(client):
+    structured = instructor.from_openai(client, mode=instructor.Mode.JSON_SCHEMA)
+    person = structured.chat.completions.create(model="spec_lm", response_model=Person, max_retries=0,
+                                                max_tokens=80, temperature=0,
+                                                messages=[{"role": "user", "content": ASK}])
+    assert isinstance(person, Person)
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_langchain_structured_output_returns_a_parsed_object(api, model):  # noqa: F811 - the fixture
-    chat = ChatOpenAI(model=model, base_url=api.url, api_key="unused", temperature=0, max_tokens=80,
-                      max_retries=0, timeout=120)
-    result = chat.with_structured_output(City, method="json_schema").invoke("Name a city and its country.")
-    assert isinstance(result, City) and result.city and result.country
+def test_langchain_with_structured_output_json_schema(api, model):
+    chat = ChatOpenAI(model=model, base_url=api.url, api_key="unused", temperature=0, max_tokens=80, max_retries=0)
+    person = chat.with_structured_output(Person, method="json_schema").invoke(ASK)
+    assert isinstance(person, Person)

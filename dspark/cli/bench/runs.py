@@ -100,6 +100,3 @@ def stream_cancel(**options) -> None:
     from dspark.bench.stream_cancel import run_stream_cancel
 
     run_stream_cancel(SimpleNamespace(**options))
-
-
-COMMANDS = [drafter, llm_kernels, soak, stream_cancel]

@@ -22,12 +22,12 @@ def test_each_type_maps_onto_guided():
     for strict in (True, False, None):
         form = {"name": "city", "schema": SCHEMA, **({} if strict is None else {"strict": strict})}
         assert _guided({"type": "json_schema", "json_schema": form}) == {"json_schema": SCHEMA}
-    assert _guided({"type": "json_schema", "json_schema": {"name": "any"}}) == {"json_object": True}
+    assert _guided({"type": "json_schema", "json_schema": {"name": "any"}}) == {"json_schema": {}}
 
 
 @pytest.mark.parametrize("response_format, param", [
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
-     "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "has space", "schema": SCHEMA}},
+     "response_format.json_schema.name"),
     ({"type": "json_schema"}, "response_format"),
     ({"type": "json_object", "json_schema": {"name": "x"}}, "response_format"),
     ({"type": "xml"}, "response_format.type"),

@@ -12,7 +12,7 @@ from typing import Optional
 import click
 
 from dspark.bench.rollout import PATTERN
-from dspark.cli.bench_common import bench_errors, emit
+from dspark.cli.bench.common import bench_errors, emit
 
 
 @click.command(name="rollout")

@@ -11,7 +11,7 @@ from typing import Optional
 
 import click
 
-from dspark.cli.bench_common import bench_errors, emit, progress_log
+from dspark.cli.bench.common import bench_errors, emit, progress_log
 
 
 @click.command(name="spec")

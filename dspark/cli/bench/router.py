@@ -8,7 +8,7 @@ from typing import Optional
 
 import click
 
-from dspark.cli.bench_common import bench_errors, emit, print_checks, progress_log
+from dspark.cli.bench.common import bench_errors, emit, print_checks, progress_log
 
 
 def _tier_mix(ctx, param, value):

@@ -1,31 +1,12 @@
-"""Kernel parts of the CLI: the SIMD dispatch / BLAS / NUMA lines of `dspark info`, and the
-micro benchmarks (`dspark bench micro`, and its named shortcuts `bench kernels`, `bench pool`,
-`bench gemm`), thin commands over dspark/bench/micro."""
+"""`dspark bench micro`, and its named shortcuts `bench kernels`, `bench pool`, `bench gemm`: the
+operator micro benchmarks, thin commands over dspark/bench/micro."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
 
-from dspark.cli.bench_common import bench_errors, emit, progress_log
-
-
-def echo_kernel_info() -> None:
-    """Lines for `dspark info`: the fused kernel's dispatch, its BLAS, the NUMA topology."""
-    from dspark.kernels.dispatch import SIMD_ENV, dispatch_report
-    from dspark.kernels.numa import read_topology
-
-    report = dispatch_report()
-    click.echo(f"fused kernel  built for {', '.join(report.compiled)}; this CPU+OS runs "
-               f"{', '.join(report.supported)}; chosen: {report.chosen}"
-               + (f" ({SIMD_ENV}={report.override})" if report.override else " (auto; override with "
-                  f"{SIMD_ENV}=scalar|avx2|avx512)"))
-    click.echo(f"GEMM          {report.blas}, {report.blas_threads} threads")
-    topology = read_topology()
-    lines = topology.describe().splitlines()
-    click.echo(f"NUMA          {len(topology.nodes)} node(s) from {topology.source}")
-    for line in lines:
-        click.echo(f"              {line}")
+from dspark.cli.bench.common import bench_errors, emit, progress_log
 
 
 @click.command("kernels")
