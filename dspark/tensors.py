@@ -100,4 +100,6 @@ GENERATE_INPUTS = [
     {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
 ]
 GENERATE_OUTPUTS = [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
-           {"name": "usage", "data_type": "TYPE_STRING", "dims": [1]}]
+           {"name": "usage", "data_type": "TYPE_STRING", "dims": [1]},
+           # JSON, when sampling_parameters.logprobs is given: the response's tokens' log-probabilities
+           {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [1]}]

@@ -18,7 +18,7 @@ import triton_python_backend_utils as pb_utils
 from dspark._ext import probes
 from dspark.decoding.sampling import SpeculativeParams
 from dspark.decoding.stats import DecodeStats
-from dspark.decoding.text import send_coalesced
+from dspark.decoding.text import join_deltas, send_coalesced
 from dspark.errors import RequestError, UnavailableError
 from dspark.params import parse_parameters
 from dspark.tensors import GENERATE_INPUTS, GENERATE_OUTPUTS
@@ -125,24 +125,32 @@ class TritonPythonModel:
         probes.request_start(self.name, call.spec.method, len(call.ids))
         pieces = self.generator.stream(call.ids, call.sampling, call.spec, stats,
                                        cancelled=lambda: self.pool.closing.is_set() or sender.is_cancelled())
-        text = ""
+        text, entries = "", [] if call.sampling.logprobs is not None else None
         if call.stream:
             def send(piece):  # the text first: each call below is an IPC round trip
                 probes.stream_begin(len(piece))
                 if not sender.known_cancelled:
-                    sender.send(pb_utils.InferenceResponse(output_tensors=[_text_tensor(piece)]))
+                    outputs = [_text_tensor(piece)]
+                    if entries is not None:
+                        outputs.append(_text_tensor(json.dumps(piece.logprobs or []), "logprobs"))
+                    sender.send(pb_utils.InferenceResponse(output_tensors=outputs))
                 probes.stream_end(len(piece))
                 self.metrics.count_generated(stats)
                 sender.is_cancelled(ask_here=True)  # asked here, the decode loop rarely has to
 
             send_coalesced(pieces, send, self.stream_interval_s)
         else:
-            text = call.echo + "".join(pieces)
+            done = join_deltas(list(pieces))
+            text = call.echo + done
+            if entries is not None:
+                entries = done.logprobs or []
         self.metrics.record(stats, time.perf_counter() - started, self.generator.engine.target_calls)
         probes.request_end(self.name, call.spec.method, stats.generated_tokens, stats.rounds, stats.draft_s,
                            stats.target_s)
         refuse_if_unloaded(stats, self.pool.closing.is_set(), self.name)
         outputs = [_text_tensor(text), _text_tensor(json.dumps(usage(call, stats)), "usage")]
+        if entries is not None:  # streamed: each response carried its tokens' entries
+            outputs.append(_text_tensor(json.dumps(entries if not call.stream else []), "logprobs"))
         sender.send(pb_utils.InferenceResponse(output_tensors=outputs), final=True)
 
     def finalize(self):

@@ -79,9 +79,6 @@ def start_server(repositories: Sequence[Path], host: str, metrics_host: str, htt
     """Start the server (and the OpenAI API when ``openai_port``: the second item, else None), or
     exit with one line saying why it could not."""
     try:
-        if key_inference and openai_port:
-            raise ServerError("--key-inference with --openai-port: the OpenAI API does not send the key on its "
-                              "inference calls; serve it without --key-inference (it has its own Bearer key)")
         extra = header_forward_args(forward_headers) if forward_headers else []
         server = TritonServer(
             repositories=[r if is_remote_repository(r) else Path(r) for r in repositories] or demo_repositories(),
@@ -171,7 +168,7 @@ def start_openai(server: TritonServer, host: str, port: int, explicit_key):
         server.stop()
         sys.exit(1)
     click.echo(f"  OpenAI   {api.url}" + ("" if key is None else
-               f" (Authorization: Bearer <the API key>)"))
+               " (Authorization: Bearer <the API key>)"))
     return api
 
 

@@ -17,8 +17,11 @@ import click
 @click.option("--pmu", is_flag=True, help="Also read the hardware counters (perf stat) over the same time.")
 @click.option("--raw", type=click.Path(dir_okay=False, path_type=Path),
               help="Write bpftrace's own output here too.")
+@click.option("--png", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also draw the per-token time split and the probe-duration histograms into this PNG.")
 @click.option("--overhead", is_flag=True, help="Instead: time the probes' own cost (detached, and attached as root).")
-def trace(pid: Optional[int], port: int, duration: float, pmu: bool, raw: Optional[Path], overhead: bool) -> None:
+def trace(pid: Optional[int], port: int, duration: float, pmu: bool, raw: Optional[Path], png: Optional[Path],
+          overhead: bool) -> None:
     """Trace a running dspark server: per-token time in draft, verify, sampling, streaming and
     waiting; probe duration percentiles; off-CPU time and run-queue latency of its threads; page
     faults and syscalls per request (docs/trace.md)."""
@@ -57,6 +60,16 @@ def trace(pid: Optional[int], port: int, duration: float, pmu: bool, raw: Option
         raw.write_text(out)
     if traced == 0.0:
         raise click.ClickException("bpftrace did not attach: " + (err.strip().splitlines() or ["no output"])[-1])
-    click.echo(report.format_report(report.summarize(report.parse(out, traced)), traced))
+    parsed = report.parse(out, traced)
+    summary = report.summarize(parsed)
+    click.echo(report.format_report(summary, traced))
+    if png:
+        from dspark.trace.plot import write_png
+
+        try:
+            write_png(parsed, summary, png)
+        except RuntimeError as error:
+            raise click.ClickException(str(error)) from None
+        click.echo(f"wrote {png}", err=True)
     for line in counters:
         click.echo(line)

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+from numpy.random import default_rng
 
 from dspark._ext import probes
 from dspark.decoding.prompt import PREFILL_CHUNK, read_prompt
 from dspark.decoding.proposers.base import DraftRequest, Drafter
 from dspark.decoding.rejection import verify
-from dspark.decoding.sampling import SamplingParams, SpeculativeParams
+from dspark.decoding.sampling import SamplingParams, SpeculativeParams, TokenLogprob, token_logprob
 from dspark.decoding.stats import DecodeStats
 from dspark.decoding.tree import DraftTree
 
@@ -37,6 +38,12 @@ class VerifyItem:
     tree_mask: Optional[np.ndarray]
 
 
+class NewTokens(list):
+    """A round's new tokens; ``logprobs``, when the request asked for them, has one
+    ``TokenLogprob`` per token."""
+    logprobs: Optional[list[TokenLogprob]] = None
+
+
 class Generation:
     """One request's decoding: its target cache, its drafter, its history."""
 
@@ -50,10 +57,12 @@ class Generation:
         self.prompt_length = len(prompt)
         self.proposer = engine.proposers[spec.method]
         self.want_taps = self.proposer.wants_taps
-        self.rng = np.random.default_rng(sampling.seed)
+        self.rng = default_rng(sampling.seed)  # the proposers' draws, and unseeded sampling's
         self.constraint = engine.constraint(sampling)  # before any work: a bad grammar is refused
         self.cache = engine.target.new_cache(engine.context)
-        self.chains_only = sampling.greedy and not engine.exact_trees
+        # greedy and seeded requests pick each token from the target's row: only a runtime whose
+        # tree rows equal the chains' (bit for bit) can verify trees for them
+        self.chains_only = (sampling.greedy or sampling.seed is not None) and not engine.exact_trees
         self.drafter: Drafter = self.proposer.start(DraftRequest(
             prompt, sampling, spec, self.rng, stats, engine.context, engine.verify_cost,
             self.chains_only))
@@ -123,12 +132,12 @@ class Generation:
                           [root] + [root + d for d in self.tree.depths],
                           self.tree.mask() if self.tree.tokens else None)
 
-    def commit(self, logits: np.ndarray, taps: Optional[np.ndarray], target_s: float) -> list[int]:
+    def commit(self, logits: np.ndarray, taps: Optional[np.ndarray], target_s: float) -> NewTokens:
         """Accept from this round's pass; return the new tokens."""
         probes.accept_begin(len(self.tree.tokens) + 1)
         base = self.cache.length - len(self.tree.tokens) - 1
         new, path = verify(logits, self.tree, self.sampling, self.rng, self.constraint,
-                           self.engine.eos_ids)
+                           self.engine.eos_ids, len(self.history))
         eos = next((i for i, token in enumerate(new) if token in self.engine.eos_ids), None)
         rows = np.array([0] + [n + 1 for n in path])
         self.cache.keep_rows(base, rows)
@@ -139,6 +148,10 @@ class Generation:
                               target_s)
         if eos is not None:
             new = new[:eos]  # the end-of-sequence token ends the text and is not part of it
+        new = NewTokens(new)
+        if self.sampling.logprobs is not None:  # new token i came from row rows[i]
+            new.logprobs = [token_logprob(logits[row], token, self.sampling.logprobs)
+                            for row, token in zip(rows, new)]
         self.history.extend(new)  # the tree's depth kept it within max_tokens
         self.stats.generated_tokens = self.generated
         if eos is not None:
@@ -160,7 +173,7 @@ class Generation:
             self.cache = None  # the runtime's cache slot goes back to its pool now
         return None
 
-    def step(self) -> Optional[list[int]]:
+    def step(self) -> Optional[NewTokens]:
         """One round with its own target call on this thread: the new tokens, or None when
         the request is done."""
         item = self.plan()
@@ -174,7 +187,7 @@ class Generation:
         probes.verify_batch(1, len(item.tokens), seconds)
         return self.commit(logits, taps, seconds)
 
-    def run(self) -> Iterator[list[int]]:
+    def run(self) -> Iterator[NewTokens]:
         """The round loop on this thread: one target call per round."""
         try:
             self.prefill()

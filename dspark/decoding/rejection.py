@@ -7,7 +7,7 @@ from typing import Optional
 import numpy as np
 
 from dspark.decoding.constraint import Constraint
-from dspark.decoding.sampling import SamplingParams, distribution, sample
+from dspark.decoding.sampling import SamplingParams, distribution, sample, sample_at, seeded_uniform
 from dspark.decoding.tree import DraftTree
 
 
@@ -45,19 +45,27 @@ def accept_among(p: np.ndarray, q: np.ndarray | None, candidates: list[int],
 
 def verify(logits: np.ndarray, tree: DraftTree, sampling: SamplingParams,
            rng: np.random.Generator, constraint: Optional[Constraint] = None,
-           eos_ids: frozenset[int] = frozenset()) -> tuple[list[int], list[int]]:
+           eos_ids: frozenset[int] = frozenset(), position: int = 0) -> tuple[list[int], list[int]]:
     """Walk the tree from the root (row 0 of ``logits``, node n in row n + 1): keep the longest
     accepted path and append the target's own token after it; an end of sequence (``eos_ids``)
     ends the walk. Returns (new tokens, path).
 
     With a ``constraint``, each row walked is masked by the grammar's state after the tokens
     chosen before it, and the grammar advances by each token chosen: a draft token the grammar
-    forbids has probability 0 and is rejected, and the bonus token is drawn under the mask."""
+    forbids has probability 0 and is rejected, and the bonus token is drawn under the mask.
+
+    A seeded sampled request (``sampling.seed``) draws the token at each sequence position
+    (``position``: the root's token's) from ``seeded_uniform(seed, position)`` by inverse CDF,
+    as plain sampling does, and accepts a guess only if it is that token: the text is plain
+    sampling's for that seed whatever was proposed, and exactly distributed as the target's
+    sampling distribution (the draw is uniform). Unseeded requests use the rejection sampler,
+    which accepts more of a sampled draft."""
     node, path, out = -1, [], []
     while True:
         row = logits[node + 1] if constraint is None else constraint.mask(logits[node + 1])
-        if sampling.greedy:
-            tok = int(np.argmax(row))
+        if sampling.greedy or sampling.seed is not None:
+            tok = int(np.argmax(row)) if sampling.greedy else \
+                sample_at(distribution(row, sampling), seeded_uniform(sampling.seed, position + len(out)))
             match = [c for c in tree.children(node) if tree.tokens[c] == tok]
             child = match[0] if match else None
         else:

@@ -2,7 +2,7 @@
 logits -> distribution transform."""
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass as record, field
 from typing import Annotated, Optional
 
 import numpy as np
@@ -17,6 +17,7 @@ from dspark.decoding.constraint import Guided
 MIN_TEMPERATURE = 1e-3
 MAX_TEMPERATURE = 10.0
 MAX_SEED = 2 ** 63 - 1
+MAX_LOGPROBS = 20
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -41,6 +42,9 @@ class SamplingParams:
     seed: Optional[Annotated[int, Field(ge=0, le=MAX_SEED)]] = None
     stop: list[Annotated[str, Field(min_length=1)]] = field(default_factory=list)
     guided: Optional[Guided] = None  # the grammar the output follows (dspark.decoding.constraint)
+    # how many of the most likely alternatives to report with each token's log-probability
+    # (0: the token's own only); None: no log-probabilities
+    logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
 
     @field_validator("temperature")
     @classmethod
@@ -80,5 +84,51 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return p
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """The model's log-probabilities (float64) of one row of logits."""
+    z = logits.astype(np.float64)
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+@record(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target model (its raw distribution: before
+    temperature, top-k and top-p) and the ``top`` most likely tokens with theirs, most likely
+    first."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """``token``'s entry from the row of logits that emitted it."""
+    logp = log_softmax(logits)
+    best = np.argsort(-logp, kind="stable")[:top] if top else ()
+    return TokenLogprob(int(token), float(logp[token]),
+                        tuple((int(t), float(logp[t])) for t in best))
+
+
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
-    return int(min(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"), len(p) - 1))
+    return sample_at(p, rng.random())
+
+
+def sample_at(p: np.ndarray, u: float) -> int:
+    """The token whose interval of the cumulative distribution holds ``u`` in [0, 1)."""
+    return int(min(np.searchsorted(np.cumsum(p), u * p.sum(), side="right"), len(p) - 1))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A uniform draw in [0, 1) that depends on (seed, position) only (SplitMix64 of the pair).
+
+    A seeded request draws the token at each position of the sequence from this number, so
+    its text depends on the seed alone: not on which guesses a proposer made, how many rows a
+    pass verified, or what the proposer learnt from earlier requests."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return (x >> 11) / float(1 << 53)

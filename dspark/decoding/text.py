@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Optional
 
 from dspark.decoding.engine import SpeculativeEngine
-from dspark.decoding.sampling import SamplingParams, SpeculativeParams
+from dspark.decoding.sampling import SamplingParams, SpeculativeParams, TokenLogprob
 from dspark.decoding.stats import DecodeStats
 from dspark.errors import RequestError
 from dspark.runtimes.protocol import Tokenizer
@@ -28,6 +28,20 @@ class Detokenizer:
     def flush(self) -> str:
         """What is held back (an incomplete character at the very end stays replaced)."""
         return self._utf8.decode(b"", final=True)
+
+
+class Delta(str):
+    """A text delta; ``logprobs`` (when the request asked for them): one entry per token whose
+    text ends in this delta (``TextGenerator.logprob_entry``)."""
+    logprobs: Optional[list[dict]] = None
+
+
+def join_deltas(pieces: list[str]) -> str:
+    """One delta of several, their log-probabilities in order."""
+    joined = Delta("".join(pieces))
+    if any(getattr(piece, "logprobs", None) is not None for piece in pieces):
+        joined.logprobs = [e for piece in pieces for e in (getattr(piece, "logprobs", None) or [])]
+    return joined
 
 
 class TextGenerator:
@@ -78,28 +92,57 @@ class TextGenerator:
         detokenizer = Detokenizer(self.tokenizer)
         text, sent = "", 0
         hold = max((len(s) for s in sampling.stop), default=1) - 1
+        # with logprobs: each token's entry and where its text starts, until its delta is sent
+        pending: list[tuple[int, dict]] = []
+        want = sampling.logprobs is not None
+
+        def delta(end: int, last: bool = False) -> str:
+            piece = Delta(text[sent:end])
+            if want:
+                piece.logprobs = [e for start, e in pending if start < end or last]
+                pending[:] = [(start, e) for start, e in pending if not (start < end or last)]
+            return piece
+
         try:
             for new in tokens:
-                text += detokenizer.add(new)
+                if want:
+                    for entry in new.logprobs:
+                        pending.append((len(text), self.logprob_entry(entry)))
+                        text += detokenizer.add([entry.token])
+                else:
+                    text += detokenizer.add(new)
                 cut = _find_stop(text, sampling.stop, max(0, sent - hold))
                 if cut is not None:
                     if cut > sent:
-                        yield text[sent:cut]
+                        pending[:] = [(start, e) for start, e in pending if start < cut]
+                        yield delta(cut, last=True)
                     stats.finish_reason = "stop"
                     return
                 safe = len(text) - hold
                 if safe > sent:
-                    yield text[sent:safe]
+                    yield delta(safe)
                     sent = safe
             text += detokenizer.flush()
             cut = _find_stop(text, sampling.stop, max(0, sent - hold))
             if cut is not None:
                 stats.finish_reason = "stop"
                 text = text[:cut]
-            if len(text) > sent:
-                yield text[sent:]
+                pending[:] = [(start, e) for start, e in pending if start < cut]
+            if len(text) > sent or pending:
+                yield delta(len(text), last=True)
         finally:
             tokens.close()  # ends the request's round loop now, also when the consumer stops
+
+    def token_entry(self, token: int, logprob: float) -> dict:
+        raw = self.tokenizer.decode_bytes([token])
+        return {"id": token, "text": raw.decode("utf-8", errors="replace"), "bytes": list(raw),
+                "logprob": logprob}
+
+    def logprob_entry(self, entry: TokenLogprob) -> dict:
+        """A token's log-probabilities as the APIs report them: its id, text, UTF-8 bytes,
+        logprob and ``top_logprobs`` (the same, for the most likely tokens)."""
+        return {**self.token_entry(entry.token, entry.logprob),
+                "top_logprobs": [self.token_entry(t, v) for t, v in entry.top]}
 
     def complete(self, prompt: "str | list[int]", sampling: SamplingParams,
                  spec: SpeculativeParams, stats: Optional[DecodeStats] = None) -> str:
@@ -175,7 +218,7 @@ class _Coalescer:
                 self._ready.wait(wait if wait > 0 else None)
             if not self.buffer:
                 return None
-            text, self.buffer = "".join(self.buffer), []
+            text, self.buffer = join_deltas(self.buffer), []
             return text
 
     def sent(self) -> None:

@@ -18,6 +18,7 @@ from starlette.routing import Route
 from dspark.decoding.request import parse_generate_options, parse_messages
 from dspark.decoding.sampling import SpeculativeParams
 from dspark.errors import RequestError
+from dspark.openai import tools
 from dspark.openai.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
@@ -41,6 +42,17 @@ def _check_with_backend_rules(inputs: dict) -> None:
         parse_messages(inputs.get("messages"))
     except RequestError as error:
         raise request_error(error) from None
+
+
+async def _first_piece(pieces, guided_by: Optional[str]):
+    """The model's first piece; a constraint it cannot compile is named as ``guided_by``, the
+    request field it came from (``tools`` for a tool call's grammar)."""
+    try:
+        return await anext(pieces)
+    except OpenAIError as error:
+        if guided_by and error.message.startswith("guided"):
+            error.param = guided_by
+        raise
 
 
 def create_app(llms: TritonLLMs, api_key: Optional[str] = None) -> Starlette:
@@ -94,25 +106,54 @@ def create_app(llms: TritonLLMs, api_key: Optional[str] = None) -> Starlette:
         await llms.require(req.model)
         reply = Reply(req)
         echo = req.prompt if isinstance(req, CompletionRequest) and req.echo else ""
+        calls = req.call_parser() if isinstance(req, ChatCompletionRequest) else None
+        guided_by = "tools" if calls is not None else None
         pieces = llms.generate(req.model, inputs, stream=req.stream)
         if not req.stream:
             try:
-                piece = await anext(pieces)
+                piece = await _first_piece(pieces, guided_by)
             finally:
                 await pieces.aclose()
-            return JSONResponse(reply.whole(echo + piece.text, finish_reason(piece.finish_reason),
-                                            usage(piece.prompt_tokens, piece.completion_tokens)))
-        first = await anext(pieces)  # an error before any text is still an HTTP error
+            counts = usage(piece.prompt_tokens, piece.completion_tokens)
+            if calls is not None:
+                calls.feed(piece.text)
+                calls.finish()
+                return JSONResponse(reply.whole(piece.text, tools.finish_reason(calls, piece.finish_reason),
+                                                counts, tools.message(calls), reply.logprobs(piece.logprobs)))
+            reply.skip(echo)
+            return JSONResponse(reply.whole(echo + piece.text, finish_reason(piece.finish_reason), counts,
+                                            logprobs=reply.logprobs(piece.logprobs)))
+        first = await _first_piece(pieces, guided_by)  # an error before any text is still an HTTP error
+
+        def call_events(deltas):  # the chunks of a reply that may call tools
+            return [sse(reply.delta_chunk(tools.delta_json(delta))) for delta in deltas]
 
         async def events():
             piece = first
             try:
-                yield sse(reply.chunk(echo + piece.text, first=True))
+                if calls is None:
+                    reply.skip(echo)
+                    yield sse(reply.chunk(echo + piece.text, first=True, logprobs=reply.logprobs(piece.logprobs)))
+                else:
+                    yield sse(reply.delta_chunk({"role": "assistant", "content": None}))
+                    for event in call_events(calls.feed(piece.text)):
+                        yield event
                 while not piece.final:
                     piece = await anext(pieces)
-                    if piece.text:
+                    if piece.logprobs and calls is None:  # each chunk carries its tokens' log-probabilities
+                        yield sse(reply.chunk(piece.text, logprobs=reply.logprobs(piece.logprobs)))
+                    elif piece.text and calls is None:
                         yield reply.text_event(piece.text)
-                yield sse(reply.chunk(None, finish_reason(piece.finish_reason)))
+                    elif piece.text:
+                        for event in call_events(calls.feed(piece.text)):
+                            yield event
+                if calls is None:
+                    reason = finish_reason(piece.finish_reason)
+                else:
+                    for event in call_events(calls.finish()):
+                        yield event
+                    reason = tools.finish_reason(calls, piece.finish_reason)
+                yield sse(reply.chunk(None, reason))
                 if req.include_usage:
                     yield sse(reply.usage_chunk(usage(piece.prompt_tokens, piece.completion_tokens)))
                 yield SSE_DONE

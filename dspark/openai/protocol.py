@@ -15,10 +15,13 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dspark.errors import RequestError, field_path
+from dspark.openai import tools as toolcalls
 
 # Used when a request gives no max_tokens (OpenAI's own default is "up to the context").
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_SEQUENCES = 4  # as OpenAI
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
+MAX_COMPLETION_LOGPROBS = 5  # legacy completions' logprobs, as OpenAI
 
 
 class OpenAIError(Exception):
@@ -117,12 +120,17 @@ class _Request(BaseModel):
     def _token_limit(self) -> int:
         return self.max_tokens or DEFAULT_MAX_TOKENS
 
+    def _top_logprobs(self) -> Optional[int]:
+        return None
+
     def sampling_parameters(self) -> dict:
         """sampling_parameters of the speculative backend (it validates them once more)."""
         params: dict[str, Any] = {"max_tokens": self._token_limit(), "temperature": self.temperature,
                                   "top_p": self.top_p, "stop": self.stop}
         if self.seed is not None:
             params["seed"] = self.seed
+        if self._top_logprobs() is not None:
+            params["logprobs"] = self._top_logprobs()
         if self.speculative is not None:
             params["speculative"] = self.speculative
         if self.response_format is not None and (guided := self.response_format.guided()):
@@ -138,33 +146,101 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: Union[str, list[ContentPart]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list[ContentPart], None] = None  # None: an assistant's message of calls only
     name: Optional[str] = None  # accepted, not used
+    tool_calls: Optional[list[toolcalls.ToolCall]] = None  # an assistant's calls
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
 
     def as_backend(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        text = self.content if isinstance(self.content, str) or self.content is None else \
+            "".join(p.text for p in self.content)
         # "developer" is OpenAI's newer name for the system role
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return message
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's newer name of max_tokens
-    logprobs: Literal[False, None] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Optional[list[toolcalls.Tool]] = None
+    tool_choice: Optional[toolcalls.ToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None  # None: OpenAI's default, true
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value, info):
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return value
 
     def _token_limit(self) -> int:
         return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
 
+    def _top_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def tool_mode(self) -> str:
+        """What the reply may do with the tools: "none", "auto", "required" or "named"."""
+        return toolcalls.choice_mode(self.tool_choice, self.tools)
+
+    def call_parser(self) -> Optional[toolcalls.ToolCallParser]:
+        """The parser of the reply's tool calls; None when no tools are offered."""
+        return None if self.tool_mode == "none" else toolcalls.ToolCallParser()
+
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise OpenAIError(400, "tools: two functions have the same name", "tools")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise OpenAIError(400, "tool_choice: is only allowed when tools are given", "tool_choice")
+        if isinstance(self.tool_choice, toolcalls.NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise OpenAIError(400, f"tool_choice: no function named {self.tool_choice.function.name!r} "
+                                   "in tools", "tool_choice.function.name")
+        called: set[str] = set()
+        for i, message in enumerate(self.messages):
+            if message.content is None and not (message.role == "assistant" and message.tool_calls):
+                raise OpenAIError(400, f"messages[{i}].content: is required (only an assistant message "
+                                       "with tool_calls may have none)", f"messages[{i}].content")
+            if message.tool_calls and message.role != "assistant":
+                raise OpenAIError(400, f"messages[{i}].tool_calls: only an assistant message has tool calls",
+                                  f"messages[{i}].tool_calls")
+            called.update(c.id for c in message.tool_calls or [])
+            if message.role == "tool" and message.tool_call_id not in called:
+                raise OpenAIError(400, f"messages[{i}].tool_call_id: a tool message answers a call of an "
+                                       "earlier assistant message: give that call's id",
+                                  f"messages[{i}].tool_call_id")
+
+    def sampling_parameters(self) -> dict:
+        params = super().sampling_parameters()
+        if self.tool_mode != "none":  # the reply's calls follow the functions' schemas
+            text = params.pop("guided", None)  # response_format's: a reply that does not call
+            params["guided"] = {"grammar": toolcalls.call_grammar(
+                toolcalls.offered(self.tools, self.tool_choice), self.tool_mode,
+                self.parallel_tool_calls is not False, text)}
+        return params
+
     def backend_inputs(self) -> dict[str, Any]:
-        return {"messages": json.dumps([m.as_backend() for m in self.messages]),
-                "sampling_parameters": json.dumps(self.sampling_parameters())}
+        self._check_tools()
+        mode = self.tool_mode
+        messages = toolcalls.render_messages([m.as_backend() for m in self.messages],
+                                         toolcalls.offered(self.tools or [], self.tool_choice), mode,
+                                         self.parallel_tool_calls is not False)
+        return {"messages": json.dumps(messages), "sampling_parameters": json.dumps(self.sampling_parameters())}
 
 
 class CompletionRequest(_Request):
     prompt: Union[str, list[str]]
     echo: bool = False
-    logprobs: Literal[0, None] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+
+    def _top_logprobs(self) -> Optional[int]:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -213,26 +289,58 @@ class Reply:
         self.created = int(time.time())
         self.object = "chat.completion" if self.chat else "text_completion"
         self._text_event: Optional[tuple[bytes, bytes]] = None
+        self._offset = 0  # legacy completions' text_offset of the next token
+
+    def logprobs(self, entries: Optional[list[dict]]) -> Optional[dict]:
+        """A choice's ``logprobs`` from the backend's entries (None: not asked for): chat's
+        ``{content: [{token, logprob, bytes, top_logprobs}]}``, or legacy completions'
+        ``{tokens, token_logprobs, top_logprobs, text_offset}``."""
+        if entries is None:
+            return None
+        if self.chat:
+            def one(e):
+                return {"token": e["text"], "logprob": e["logprob"], "bytes": e["bytes"]}
+            return {"content": [{**one(e), "top_logprobs": [one(t) for t in e["top_logprobs"]]}
+                                for e in entries]}
+        offsets = []
+        for e in entries:
+            offsets.append(self._offset)
+            self._offset += len(e["text"])
+        return {"tokens": [e["text"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t["text"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "text_offset": offsets}
+
+    def skip(self, text: str) -> None:
+        """Text before the completion's tokens (an echoed prompt) counts in text_offset."""
+        self._offset += len(text)
 
     def _head(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, reason: str, counts: dict) -> dict:
+    def whole(self, text: str, reason: str, counts: dict, message: Optional[dict] = None,
+              logprobs: Optional[dict] = None) -> dict:
+        """``message``: the chat reply's message when it is not just ``text`` (tool calls)."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "message": message or {"role": "assistant", "content": text},
+                      "finish_reason": reason, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
         return {**self._head(self.object), "choices": [choice], "usage": counts}
 
-    def chunk(self, text: Optional[str], reason: Optional[str] = None, first: bool = False) -> dict:
+    def chunk(self, text: Optional[str], reason: Optional[str] = None, first: bool = False,
+              logprobs: Optional[dict] = None) -> dict:
         if self.chat:
             delta: dict = {"role": "assistant", "content": text or ""} if first else \
                 ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
         return {**self._head("text_completion"), "choices": [choice]}
+
+    def delta_chunk(self, delta: dict, reason: Optional[str] = None) -> dict:
+        """A chat chunk of any ``delta`` (a tool call's start or arguments)."""
+        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def text_event(self, text: str) -> bytes:
         """``sse(self.chunk(text))`` for a chunk of text, the one event sent per streamed piece:

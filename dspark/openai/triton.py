@@ -31,6 +31,7 @@ class Piece:
     prompt_tokens: Optional[int] = None
     completion_tokens: Optional[int] = None
     finish_reason: Optional[str] = None
+    logprobs: Optional[list[dict]] = None  # the backend's entries, when asked for
 
     @property
     def final(self) -> bool:
@@ -43,10 +44,12 @@ def piece_of(response: dict) -> Piece:
         raise backend_error(str(response["error"]))
     text = response.get("text_output", "")
     usage = response.get("usage")
+    logprobs = json.loads(response["logprobs"]) if "logprobs" in response else None
     if usage is None:
-        return Piece(text)
+        return Piece(text, logprobs=logprobs)
     counts = json.loads(usage)
-    return Piece(text, counts["prompt_tokens"], counts["completion_tokens"], counts["finish_reason"])
+    return Piece(text, counts["prompt_tokens"], counts["completion_tokens"], counts["finish_reason"],
+                 logprobs)
 
 
 def _error_text(body: bytes) -> str:
@@ -58,8 +61,8 @@ def _error_text(body: bytes) -> str:
 
 class TritonLLMs:
     """Lists and calls the LLMs of one Triton server (``http_url``: host:port of its HTTP
-    endpoint). ``headers``: sent with the repository index call (the model-repository API may
-    need the server's key)."""
+    endpoint). ``headers``: sent with every call (the server's key: its model-repository API
+    needs it, and so does inference when the server was started with ``--key-inference``)."""
 
     def __init__(self, http_url: str, headers: Optional[dict] = None):
         self.base = http_url if "://" in http_url else f"http://{http_url}"
@@ -114,7 +117,7 @@ class TritonLLMs:
             found: dict[str, dict] = {}
             for name, version in sorted(ready):
                 if (name, version) not in self._backends:
-                    config = await self._get_json("GET", f"/v2/models/{name}/config")
+                    config = await self._get_json("GET", f"/v2/models/{name}/config", self.headers)
                     self._backends[(name, version)] = config.get("backend")
                 if self._backends[(name, version)] == LLM_BACKEND:
                     found[name] = {"id": name, "object": "model", "created": 0, "owned_by": "dspark"}
@@ -137,7 +140,8 @@ class TritonLLMs:
         path = f"/v2/models/{model}/generate_stream" if stream else f"/v2/models/{model}/generate"
         done = False  # Triton has answered the whole request: the connection may be reused
         try:
-            reply = await self.session().post(path, data=body, headers={"Content-Type": "application/json"})
+            reply = await self.session().post(path, data=body, headers={"Content-Type": "application/json",
+                                                                        **self.headers})
         except aiohttp.ClientError as error:
             raise self._unreachable(error) from None
         try:

@@ -63,8 +63,8 @@ def main(calls: int, rounds: int, with_tracer: bool) -> str:
         result = attached(calls, rounds)
         lines.append("attached: " + (", ".join(f"{k} {v:.1f}" for k, v in result.items()) if result
                                      else "bpftrace did not attach (root and bpftrace needed)"))
-    lines.append("decode tokens/s and router throughput with and without probes: build with "
-                 "CFLAGS=-DDSPARK_NO_PROBES for the baseline and run `dspark bench` on both (docs/trace.md)")
+    lines.append("decode tokens/s and router throughput built without probes, detached and attached: "
+                 "`dspark bench trace` (docs/trace.md)")
     return "\n".join(lines)
 
 

@@ -192,3 +192,13 @@ def test_a_keyed_endpoint_needs_the_bearer_key(triton_server):
         assert MODEL in [m.id for m in good.models.list()]
     finally:
         server.stop()
+
+
+def test_a_seed_reproduces_a_sampled_reply_whatever_the_method(client):
+    def ask(**extra):
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                              max_tokens=32, temperature=0.8, seed=11, **extra).choices[0].message.content
+
+    first = ask()  # the default method, whose suffix tree learns from each reply
+    assert ask() == first == ask(extra_body={"speculative": {"method": "none"}}) == \
+        ask(extra_body={"speculative": {"method": "ngram"}})

@@ -26,7 +26,7 @@ SECRET = np.arange(16, dtype=np.float32).reshape(1, 16) + 1000  # the victim's i
 @pytest.fixture(scope="module")
 def keyed_server(request):
     with serving(request, [project_root() / "model_repository"], model_control="explicit",
-                 load_models=["mlp_classifier"], key_inference=True) as server:
+                 load_models=["mlp_classifier", "spec_lm"], key_inference=True) as server:
         yield server
 
 
@@ -79,3 +79,27 @@ def test_region_names_are_not_guessable():
     names = {new_region_name() for _ in range(1000)}
     assert len(names) == 1000
     assert all(re.fullmatch("dspark-[0-9a-f]{32}", name) for name in names)  # 128 random bits
+
+
+def test_the_openai_api_sends_the_key_on_its_inference_calls(keyed_server):
+    """`serve --key-inference --openai-port`: the API (on loopback, no Bearer key of its own) is
+    served; a direct call to Triton's generate endpoint without the key is refused."""
+    import openai
+    import requests
+
+    from dspark.openai.server import OpenAIServer
+    from tests.integration.test_openai_endpoint import _free_port
+
+    api = OpenAIServer("127.0.0.1", _free_port(), keyed_server.http_url,
+                       repository_headers=keyed_server.repository_headers)
+    api.start()
+    try:
+        client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model="spec_lm", max_tokens=4,
+                                               messages=[{"role": "user", "content": "Hi"}])
+        assert reply.choices[0].message.content and reply.usage.completion_tokens > 0
+    finally:
+        api.stop()
+    direct = requests.post(f"http://{keyed_server.http_url}/v2/models/spec_lm/generate",
+                           json={"text_input": "Hi", "sampling_parameters": "{\"max_tokens\": 2}"}, timeout=60)
+    assert direct.status_code in (401, 403) or "restricted" in direct.text.lower(), direct.text

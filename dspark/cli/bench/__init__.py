@@ -1,7 +1,8 @@
 """`dspark bench`: thin commands over dspark/bench, one module of this package per family:
 load.py (`model`, `system`, `profile`, `crosscheck`: a running server), results.py (`compare`,
 `all`), micro.py (operator micro benchmarks), llm.py (speculative decoding, GGUF shapes, the OpenAI
-API, LLM quality), router.py, rollout.py, runs.py (long runs over a library ``run_*``); common.py
+API, LLM quality), router.py, rollout.py, runs.py (long runs over a library ``run_*``),
+trace_overhead.py (the probes' end-to-end cost); common.py
 holds what they share. A command is added to the group by one line in COMMANDS, and its module is
 imported only when it runs (or when `dspark bench --help` lists it)."""
 from __future__ import annotations
@@ -31,6 +32,7 @@ COMMANDS = {
     "llm-kernels": "dspark.cli.bench.runs:llm_kernels",
     "soak": "dspark.cli.bench.runs:soak",
     "stream-cancel": "dspark.cli.bench.runs:stream_cancel",
+    "trace": "dspark.cli.bench.trace_overhead:trace_bench",
 }
 
 

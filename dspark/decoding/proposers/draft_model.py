@@ -13,7 +13,7 @@ import numpy as np
 from dspark.decoding.adaptive import AdaptiveDraftLength
 from dspark.decoding.prompt import read_prompt
 from dspark.decoding.proposers.base import BaseDrafter, DraftRequest, agreed
-from dspark.decoding.sampling import distribution, sample
+from dspark.decoding.sampling import distribution, sample, sample_at, seeded_uniform
 from dspark.decoding.tree import DraftTree
 
 # A chain stops after a token the draft itself gives less than this probability: the next guess
@@ -109,7 +109,10 @@ class DraftModelDrafter(BaseDrafter):
                 confidence = 1.0 / float(np.exp(logits - logits[token]).sum())
             else:
                 q = distribution(logits, sampling)
-                token = sample(q, self.request.rng)
+                # seeded: the draw the target's token at this position comes from, so the two
+                # agree wherever their distributions are alike
+                token = sample(q, self.request.rng) if sampling.seed is None else \
+                    sample_at(q, seeded_uniform(sampling.seed, root_pos + level))
                 tree.q[node] = q
                 confidence = float(q.max())
             node = tree.add(token, node)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from dspark.decoding import generation
 from dspark.decoding.adaptive import AdaptiveDraftLength, best_k, expected_rates
 from dspark.decoding.engine import PromptTooLong, SpeculativeEngine, VerifyCost
 from dspark.llm.kernel_runtime import KernelRuntime
@@ -172,12 +173,15 @@ def test_hybrid_without_a_repeated_ngram_is_the_draft_alone():
     assert s_hybrid.draft_calls == s_draft.draft_calls > 0
 
 
-@pytest.mark.parametrize("method,width", [("draft", 1), ("tree", 3), ("ngram", 1), ("hybrid", 1),
-                                          ("suffix", 3), ("none", 1)])
-def test_sampled_speculation_follows_the_target_distribution(method, width):
+@pytest.mark.parametrize("method,width,seeded", [("draft", 1, False), ("tree", 3, False), ("ngram", 1, False),
+                                                 ("hybrid", 1, False), ("suffix", 3, False), ("none", 1, False),
+                                                 ("none", 1, True)])
+def test_sampled_speculation_follows_the_target_distribution(method, width, seeded, monkeypatch):
     """Lossless sampling: the joint law of the first two tokens equals the target's (G-test
     at alpha 0.001 over 1500 fixed-seed runs; a lossy rule, e.g. always accepting the draft,
-    fails it)."""
+    fails it). Unseeded requests go through the rejection sampler, here with generators of
+    fixed seeds; seeded ones draw each position from (seed, position), the same text for every
+    method (the next test), so plain seeded sampling's law is theirs."""
     engine = ENGINES[2]
     prompt = [1, 2, 1, 3, 1]
     # the top 3 tokens of each step: few enough outcomes for the test, the same law for every method
@@ -186,11 +190,40 @@ def test_sampled_speculation_follows_the_target_distribution(method, width):
     counts = np.zeros_like(expected)
     n = 1500
     for seed in range(n):
-        s = SamplingParams(max_tokens=2, temperature=1.0, top_k=3, seed=seed)
+        if not seeded:
+            monkeypatch.setattr(generation, "default_rng", lambda _none, seed=seed: np.random.default_rng(seed))
+        s = SamplingParams(max_tokens=2, temperature=1.0, top_k=3, seed=seed if seeded else None)
         x1, x2 = run(engine, prompt, s, SpeculativeParams(method, num_speculative_tokens=2,
                                                             tree_width=width))
         counts[x1, x2] += 1
     assert g_test_p_value(counts, expected * n) > 1e-3
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_a_seed_gives_the_same_text_on_every_call_and_for_every_method(temperature, top_p):
+    """A seeded sampled text is plain sampling's for that seed, whatever the method, the draft,
+    or what the proposers learnt from earlier requests (the suffix tree has seen the text)."""
+    engine = make_engine(LMS["target"], LMS["coarse"])
+    prompt = [4, 1, 4, 1, 5, 9, 2, 6]
+    for seed in (0, 1, 2):
+        sampling = SamplingParams(max_tokens=24, temperature=temperature, top_p=top_p, seed=seed)
+        plain = run(engine, prompt, sampling, SpeculativeParams("none"))
+        for method in ("draft", "tree", "ngram", "suffix", "hybrid", "none"):
+            for _ in range(2):
+                assert run(engine, prompt, sampling, SpeculativeParams(method, tree_width=3)) == plain, (seed, method)
+    texts = {tuple(run(engine, prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=seed),
+                       SpeculativeParams("suffix"))) for seed in range(5)}
+    assert len(texts) > 1  # the seed matters
+
+
+def test_a_seeded_draft_model_agrees_with_the_target_where_they_are_alike():
+    """Seeded, the draft draws from the same uniform as the target: a draft equal to the target
+    is always accepted, as under greedy decoding."""
+    engine = make_engine(LMS["target"], LMS["target"])
+    stats = DecodeStats()
+    run(engine, [3, 1, 4], SamplingParams(max_tokens=24, temperature=1.0, seed=5),
+        SpeculativeParams("draft", adaptive=False), stats)
+    assert stats.accepted == stats.proposed > 0
 
 
 def exact_two_token_distribution_small(engine, prompt, sampling, vocab) -> np.ndarray:

@@ -48,3 +48,22 @@ def test_lookup_and_draft_chains_share_a_pass_on_a_repeated_passage(generator):
         assert _ids(generator, text, method, s, num_speculative_tokens=4, adaptive=False) == expected, method
     assert stats["ngram"].accepted > 0
     assert stats["hybrid"].rounds <= stats["draft"].rounds and stats["hybrid"].rounds < stats["ngram"].rounds
+
+
+def test_seeded_sampled_text_is_the_same_for_every_method_and_call(generator):
+    """A seed fixes the sampled text: the same on every call and for every method, equal to
+    plain sampling with that seed (a repeated passage lets the lookup methods accept)."""
+    text = PROMPT + PROMPT[:60]
+    ids = generator.tokenizer.encode(text)
+    sampling = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=1234)
+
+    def sample(method):
+        spec = SpeculativeParams(method, num_speculative_tokens=4, tree_width=3)
+        return [t for chunk in generator.engine.generate(ids, sampling, spec) for t in chunk]
+
+    plain = sample("none")
+    for method in ("draft", "tree", "ngram", "suffix", "hybrid", "suffix"):
+        assert sample(method) == plain, method
+    assert sample("none") != [t for chunk in generator.engine.generate(
+        ids, SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=1235),
+        SpeculativeParams("none")) for t in chunk]

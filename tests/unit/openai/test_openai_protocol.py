@@ -35,7 +35,7 @@ def test_completion_defaults_follow_openai():
     ({"model": "m", "prompt": ""}, "prompt"),
     ({"model": "m", "prompt": "a", "n": 3}, "n"),
     ({"model": "m", "prompt": "a", "stop": ["1", "2", "3", "4", "5"]}, "stop"),
-    ({"model": "m", "prompt": "a", "logprobs": 5}, "logprobs"),
+    ({"model": "m", "prompt": "a", "logprobs": 6}, "logprobs"),
     ({"model": "m", "prompt": "a", "suffix": "x"}, "suffix"),
     ({"model": "", "prompt": "a"}, "model"),
     ({"prompt": "a"}, "model"),
@@ -76,3 +76,38 @@ def test_chunks_and_sse_framing():
     event = sse(mid)
     assert event.startswith(b"data: {") and event.endswith(b"\n\n") and json.loads(event[6:]) == mid
     assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+LOGPROB_ENTRIES = [{"id": 7, "text": "He", "bytes": [72, 101], "logprob": -0.5,
+                    "top_logprobs": [{"id": 7, "text": "He", "bytes": [72, 101], "logprob": -0.5},
+                                     {"id": 9, "text": "I", "bytes": [73], "logprob": -1.5}]},
+                   {"id": 8, "text": "llo", "bytes": [108, 108, 111], "logprob": -0.1, "top_logprobs": []}]
+
+
+def test_logprobs_requests_become_sampling_parameters():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    params = lambda req: json.loads(req.backend_inputs()["sampling_parameters"])  # noqa: E731
+    assert params(parse(ChatCompletionRequest, {**chat, "logprobs": True, "top_logprobs": 3}))["logprobs"] == 3
+    assert params(parse(ChatCompletionRequest, {**chat, "logprobs": True}))["logprobs"] == 0
+    assert "logprobs" not in params(parse(ChatCompletionRequest, {**chat, "logprobs": False}))
+    assert params(parse(CompletionRequest, {"model": "m", "prompt": "a", "logprobs": 2}))["logprobs"] == 2
+    for bad in ({**chat, "top_logprobs": 2}, {**chat, "logprobs": True, "top_logprobs": 21}):
+        with pytest.raises(OpenAIError) as error:
+            parse(ChatCompletionRequest, bad)
+        assert error.value.status == 400 and error.value.param == "top_logprobs"
+
+
+def test_logprobs_shapes_of_chat_and_legacy_completions():
+    chat = Reply(parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+    content = chat.logprobs(LOGPROB_ENTRIES)["content"]
+    assert content[0] == {"token": "He", "logprob": -0.5, "bytes": [72, 101],
+                          "top_logprobs": [{"token": "He", "logprob": -0.5, "bytes": [72, 101]},
+                                           {"token": "I", "logprob": -1.5, "bytes": [73]}]}
+    assert chat.logprobs(None) is None
+    legacy = Reply(parse(CompletionRequest, {"model": "m", "prompt": "Say"}))
+    legacy.skip("Say")  # an echoed prompt
+    first = legacy.logprobs(LOGPROB_ENTRIES[:1])
+    second = legacy.logprobs(LOGPROB_ENTRIES[1:])  # the next streamed chunk goes on counting
+    assert first == {"tokens": ["He"], "token_logprobs": [-0.5], "top_logprobs": [{"He": -0.5, "I": -1.5}],
+                     "text_offset": [3]}
+    assert second["text_offset"] == [5] and second["tokens"] == ["llo"]

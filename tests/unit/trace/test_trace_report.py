@@ -127,3 +127,29 @@ def test_the_pmu_says_once_where_it_is_not_supported(monkeypatch):
 def test_the_pmu_without_perf(monkeypatch):
     monkeypatch.setattr(attach.shutil, "which", lambda name: None)
     assert attach.pmu(None, 0.1) == ({}, "perf is not installed: `apt-get install linux-perf`")
+
+
+def test_the_png_holds_the_split_and_one_histogram_per_duration(tmp_path):
+    from dspark.trace.plot import write_png
+
+    trace = report.parse(OUTPUT, 2.0)
+    summary = report.summarize(trace)
+    path = tmp_path / "trace.png"
+    titles = write_png(trace, summary, path)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    # the split on top, then the histograms two a row: accept, queue_wait, request, stream_send, verify_pass
+    assert (width, height) == (800, 880)  # 8 x 2.2 inches a row, 4 rows, at 100 dpi
+    assert titles[0].startswith("per output token: 361 us (7 tokens, 1 requests)")
+    assert [t.split(":")[0] for t in titles[1:]] == ["accept", "queue_wait", "request", "stream_send", "verify_pass"]
+    assert titles[-1] == "verify_pass: n 2, p50 800 us, p99 1000 us"
+
+
+def test_the_png_of_an_empty_trace_says_so(tmp_path):
+    from dspark.trace.plot import write_png
+
+    trace = report.parse("TRACING\n", 1.0)
+    titles = write_png(trace, report.summarize(trace), tmp_path / "empty.png")
+    assert titles == ["per output token: no request ended in the window"]
+    assert (tmp_path / "empty.png").read_bytes()[:4] == b"\x89PNG"
