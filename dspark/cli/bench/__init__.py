@@ -25,6 +25,7 @@ COMMANDS = {
     "shapes": "dspark.cli.bench.llm:shapes",
     "openai": "dspark.cli.bench.llm:openai",
     "llm-quality": "dspark.cli.bench.llm:llm_quality",
+    "constrained": "dspark.cli.bench.llm:constrained",
     "router": "dspark.cli.bench.router:router",
     "rollout": "dspark.cli.bench.rollout:rollout_bench",
     "drafter": "dspark.cli.bench.runs:drafter",
