@@ -13,7 +13,7 @@ from dspark.paths import project_root
 
 BENCH_COMMANDS = {"all", "compare", "crosscheck", "gemm", "kernels", "llm-quality", "micro", "model", "openai",
                   "pool", "profile", "rollout", "router", "shapes", "spec", "system",
-                  "drafter", "llm-kernels", "soak", "stream-cancel", "trace"}
+                  "drafter", "llm-kernels", "soak", "stream-cancel", "trace", "constrained", "prefix"}
 
 
 def test_every_bench_subcommand_is_registered():
