@@ -13,7 +13,7 @@ from typing import Optional
 
 import click
 
-from dspark.cli import bench_rollout, bench_router, bench_spec, kernels
+from dspark.cli import bench_prefix, bench_rollout, bench_router, bench_spec, kernels
 from dspark.cli.bench import runs
 from dspark.cli.bench_common import bench_errors, emit, print_checks, progress_log
 from dspark.server.access import API_KEY_ENV, API_KEY_HEADER, repository_headers
@@ -319,7 +319,7 @@ COMMANDS = [
     model, system, compare, profile, bench_all, crosscheck,
     kernels.bench_kernels, kernels.bench_pool, kernels.bench_gemm, kernels.micro,
     bench_spec.spec, bench_spec.shapes, bench_spec.openai, bench_spec.llm_quality,
-    bench_router.router, bench_rollout.rollout_bench,
+    bench_router.router, bench_rollout.rollout_bench, bench_prefix.prefix,
 ]
 for command in COMMANDS + runs.COMMANDS:
     bench.add_command(command)

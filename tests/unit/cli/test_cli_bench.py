@@ -11,7 +11,7 @@ from dspark.cli.main import cli
 from dspark.paths import project_root
 
 BENCH_COMMANDS = {"all", "compare", "crosscheck", "gemm", "kernels", "llm-quality", "micro", "model", "openai",
-                  "pool", "profile", "rollout", "router", "shapes", "spec", "system",
+                  "pool", "prefix", "profile", "rollout", "router", "shapes", "spec", "system",
                   "drafter", "llm-kernels", "soak", "stream-cancel"}
 
 
