@@ -90,7 +90,7 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(
             f"speculative backend: {self.name} {served} context={engine.context} methods={engine.methods} "
             f"default={settings.default_method} workers={settings.max_concurrent_requests} "
-            f"batch_verification={settings.batch_verification}")
+            f"batch_verification={settings.batch_verification} prefix_cache_mb={settings.prefix_cache_mb:g}")
 
     def execute(self, requests):
         for request in requests:
@@ -150,7 +150,9 @@ class TritonPythonModel:
             text = call.echo + done
             if entries is not None:
                 entries = done.logprobs or []
-        self.metrics.record(stats, time.perf_counter() - started, self.generator.engine.target_calls)
+        engine = self.generator.engine
+        self.metrics.record(stats, time.perf_counter() - started, engine.target_calls,
+                            engine.prefix_cache.stats if engine.prefix_cache is not None else None)
         probes.request_end(self.name, call.spec.method, stats.generated_tokens, stats.rounds, stats.draft_s,
                            stats.target_s)
         refuse_if_unloaded(stats, self.pool.closing.is_set(), self.name)

@@ -56,6 +56,8 @@ DOC_TABLES: tuple[DocTable, ...] = (
                                            "--json", "{json}")),
     DocTable("llm-quality", "docs/llm.md", ("bench", "llm-quality", "--json", "{json}")),
     DocTable("openai", "docs/openai.md", ("bench", "openai", "--json", "{json}")),
+    DocTable("constrained", "docs/openai.md", ("bench", "constrained", "--json", "{json}")),
+    DocTable("prefix", "docs/openai.md", ("bench", "prefix", "--json", "{json}")),
     DocTable("trace", "docs/trace.md", ("bench", "trace", "--json", "{json}")),
 )
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from dspark.decoding.constraint import Constraint, Grammars
 from dspark.decoding.generation import Generation
+from dspark.decoding.prefix_cache import PrefixCache
 from dspark.decoding.proposers.base import PlainDecoding, Proposer
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.decoding.stats import DecodeStats
@@ -105,10 +106,14 @@ class SpeculativeEngine:
 
     def __init__(self, target: TargetRuntime, proposers: Iterable[Proposer] = (), context: Optional[int] = None,
                  eos_ids: Iterable[int] = (), batch_verification: bool = False,
-                 grammars: Optional[Grammars] = None):
+                 grammars: Optional[Grammars] = None, prefix_cache: Optional[PrefixCache] = None):
         if not isinstance(target, TargetRuntime):
             raise TypeError(f"{type(target).__name__} is not a TargetRuntime (dspark.runtimes.protocol)")
+        if prefix_cache is not None and not target.copies_rows:
+            raise TypeError(f"{type(target).__name__} cannot copy cache rows: no prefix cache on it")
         self.target = target
+        # KV rows of earlier requests' prompts and replies, shared by every request of this engine
+        self.prefix_cache = prefix_cache
         self.proposers: dict[str, Proposer] = {p.name: p for p in (PlainDecoding(), *proposers)}
         self.context = min(context or target.config.ctx, target.config.ctx)
         self.eos_ids = frozenset(eos_ids)

@@ -73,6 +73,24 @@ class Generation:
         self._prompt_rows = 0  # rows of the prompt in the cache
         self._prompt_taps: list[np.ndarray] = []
         self._prefill_start: Optional[float] = None
+        # a proposer that wants the prompt's taps reads the whole prompt (the cache keeps rows only)
+        self.prefix_cache = None if self.want_taps else engine.prefix_cache
+        if self.prefix_cache is not None:
+            self._reuse_prefix()
+
+    def _reuse_prefix(self) -> None:
+        """Copy the cached rows of the longest known prefix of the prompt's rows (all but its
+        last token, which each round feeds as the root) into this request's cache."""
+        for rows in self.prefix_cache.lookup(self.history[:self.prompt_length - 1]):
+            self.cache.write_rows(self.cache.length, rows)
+        self._prompt_rows = self.cache.length
+        self.stats.cached_prompt_tokens = self.cache.length
+
+    def _keep_prefix(self, rows: int) -> None:
+        """Offer the first ``rows`` committed rows of this request to the prefix cache."""
+        if self.prefix_cache is not None and self.cache is not None:
+            rows = min(rows, self.cache.length, len(self.history))  # never a row past history
+            self.prefix_cache.insert(self.history[:rows], self.cache.read_rows)
 
     @property
     def generated(self) -> int:
@@ -82,8 +100,9 @@ class Generation:
         """The target reads everything but the prompt's last token, which each round feeds as
         the root."""
         self._prefill_start = time.perf_counter()
-        taps = read_prompt(self.engine.target, self.cache, self.history, self.want_taps)
-        self.prompt_read(self.prompt_length - 1, taps)
+        taps = read_prompt(self.engine.target, self.cache, self.history, self.want_taps,
+                           self._prompt_rows)
+        self.prompt_read(self.prompt_length - 1 - self._prompt_rows, taps)
 
     def plan_prompt(self) -> Optional[VerifyItem]:
         """The next chunk of the prompt for a batched call (``prompt_read`` takes its
@@ -109,6 +128,7 @@ class Generation:
             self.stats.prefill_s = time.perf_counter() - self._prefill_start
             self.drafter.prefilled(np.concatenate(self._prompt_taps) if self._prompt_taps else None)
             self._prompt_taps = []
+            self._keep_prefix(self._prompt_rows)
 
     def plan(self) -> Optional[VerifyItem]:
         """This round's rows (root + guesses), or None when the request is done."""
@@ -170,6 +190,9 @@ class Generation:
             self.done = True
             self.stats.finish_reason = self.stats.finish_reason or reason
             self.drafter.finish(self.history[self.prompt_length:])
+            if self.prefilled and reason != "error":  # the reply too: a chat's next turn starts so
+                # rows below len(history) are committed; past it a round's guesses may lie
+                self._keep_prefix(len(self.history))
             self.cache = None  # the runtime's cache slot goes back to its pool now
         return None
 

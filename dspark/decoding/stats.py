@@ -12,6 +12,7 @@ class DecodeStats:
     accepted: int = 0
     draft_calls: int = 0
     prefill_s: float = 0.0  # the target reading the prompt (the same for every method)
+    cached_prompt_tokens: int = 0  # prompt rows copied from the prefix cache, not computed
     draft_s: float = 0.0
     target_s: float = 0.0
     finish_reason: str = ""  # length, stop, eos, cancelled

@@ -190,12 +190,43 @@ class KernelCache(CacheRows):
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes + self.positions.nbytes
 
+    def read_rows(self, start: int, stop: int) -> "KernelRows":
+        """A copy of rows ``start:stop`` (both multiples of 16: whole key blocks)."""
+        if start % 16 or stop % 16 or not 0 <= start < stop <= self.length:
+            raise ValueError(f"rows {start}:{stop} of {self.length}: expected whole blocks of 16 cached rows")
+        return KernelRows(self.keys[:, :, start // 16:stop // 16].copy(),
+                          self.values[:, :, start:stop].copy(), self.positions[start:stop].copy())
+
+    def write_rows(self, start: int, rows: "KernelRows") -> None:
+        """Put ``rows`` (from ``read_rows`` of a cache of the same model) at ``start`` (a multiple
+        of 16, at most ``length``); the cache then ends after them."""
+        n = len(rows.positions)
+        if start % 16 or not 0 <= start <= self.length:
+            raise ValueError(f"cannot write rows at {start} of a cache of length {self.length}")
+        self.check_room(start + n - self.length)
+        self.keys[:, :, start // 16:(start + n) // 16] = rows.keys
+        self.values[:, :, start:start + n] = rows.values
+        self.positions[start:start + n] = rows.positions
+        self.length = start + n
+
     @classmethod
     def empty(cls, model: "_llama.LlamaModel", capacity: int) -> "KernelCache":
         """An empty cache of ``model`` with room for ``capacity`` rows."""
         kshape, vshape = model.cache_shapes(capacity)
         return cls(np.zeros(kshape, np.uint16), np.zeros(vshape, np.uint16),
                    np.zeros(vshape[2], np.int64), 0, capacity)
+
+
+@dataclass
+class KernelRows:
+    """Rows copied out of a ``KernelCache`` (``read_rows``), in its layout."""
+    keys: np.ndarray
+    values: np.ndarray
+    positions: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes
 
 
 def pack_float(weights: np.ndarray) -> "_llama.PackedMatrix":
@@ -305,6 +336,7 @@ class KernelRuntime(TargetRuntime):
     subset of it (``head_subset``)."""
     exact_trees = True  # a tree row's logits are bitwise a chain's (docs/llm_kernels.md)
     skips_logits = True  # forward(logit_rows=()) runs no head product (a prompt's chunks)
+    copies_rows = True  # KernelCache.read_rows / write_rows
 
     def __init__(self, model: GGUFModel | str | Path, threads: int | None = None,
                  isa: str | None = None, max_context: int = DEFAULT_MAX_CONTEXT):

@@ -114,7 +114,7 @@ def header_limited_protocol(max_header_bytes: int):
 
     class HeaderLimitedProtocol(HttpToolsProtocol):
         _head_bytes = 0
-        _in_head = True
+        _in_head = False
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -126,7 +126,9 @@ def header_limited_protocol(max_header_bytes: int):
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
-            self._in_head, self._head_bytes = True, 0  # the next request on this connection
+            # a head again only once the next request's first byte arrives (on_message_begin): a
+            # chunk that ended with a whole request is no head
+            self._in_head, self._head_bytes = False, 0
 
         def data_received(self, data: bytes) -> None:
             if self.transport.is_closing():

@@ -35,6 +35,15 @@ class CacheRows:
         """Keep the new rows ``rows`` (offsets from ``base``) at base, base+1, ...; drop the rest."""
         raise NotImplementedError
 
+    def read_rows(self, start: int, stop: int) -> Any:
+        """A copy of rows ``start:stop`` (its ``nbytes`` says its size), for ``write_rows`` into
+        another cache of the same model (prefix caching: runtimes that declare ``copies_rows``)."""
+        raise NotImplementedError
+
+    def write_rows(self, start: int, rows: Any) -> None:
+        """Put rows from ``read_rows`` at ``start``; the cache then ends after them."""
+        raise NotImplementedError
+
 
 @runtime_checkable
 class TargetRuntime(Protocol):
@@ -47,6 +56,9 @@ class TargetRuntime(Protocol):
     # ``forward(..., logit_rows=())`` and ``forward_batch(..., skip_logits=...)`` skip the head
     # product for rows nobody reads (a prompt's chunks)
     skips_logits: ClassVar[bool] = False
+    # its caches' ``read_rows`` / ``write_rows`` copy rows between requests (in whole blocks of
+    # 16 rows), so the engine may keep a prefix cache (``dspark.decoding.prefix_cache``)
+    copies_rows: ClassVar[bool] = False
 
     def new_cache(self, capacity: Optional[int] = None) -> CacheRows:
         """An empty cache of ``capacity`` rows (default the context)."""

@@ -43,7 +43,8 @@ def build_generator(settings: SpeculativeParameters, repository: Path, version: 
     folder = _imported(version_dir, "llm_model", settings.llm_model)
     draft = _imported(version_dir, "draft_llm", settings.draft_llm) if settings.draft_llm else None
     generator = llm_generator(folder, settings.intra_op_threads, settings.max_context or None,
-                              settings.batch_verification, draft=draft)
+                              settings.batch_verification, draft=draft,
+                              prefix_cache_mb=settings.prefix_cache_mb)
     served = f"llm={settings.llm_model} draft={settings.draft_llm or 'none'}"
     if settings.default_method not in generator.engine.methods:
         raise ConfigError("parameter 'default_method'",

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import Any, Optional
 
+from dspark.decoding.prefix_cache import PrefixCacheStats
 from dspark.decoding.stats import DecodeStats
 
 _COUNTER, _GAUGE = "counter", "gauge"
@@ -20,7 +21,13 @@ SPECULATIVE_METRICS = {  # name: (kind, description)
     "mean_accepted_length": (_GAUGE, "Tokens per target pass, last request"),
     "tokens_per_second": (_GAUGE, "Generated tokens per second, last request"),
     "requests_running": (_GAUGE, "Requests generating now"),
+    "prefix_cache_hits": (_COUNTER, "Requests whose prompt started with rows the prefix cache held"),
+    "prefix_cache_misses": (_COUNTER, "Requests whose prompt's first block the prefix cache did not hold"),
+    "prefix_cache_rows_reused": (_COUNTER, "Prompt rows copied from the prefix cache instead of computed"),
+    "prefix_cache_evictions": (_COUNTER, "Blocks of rows the prefix cache dropped to stay within its budget"),
+    "prefix_cache_bytes": (_GAUGE, "Bytes of KV rows the prefix cache holds"),
 }
+PREFIX_COUNTS = ("hits", "misses", "rows_reused", "evictions")  # PrefixCacheStats' counters
 
 
 class SpeculativeMetrics:
@@ -42,6 +49,7 @@ class SpeculativeMetrics:
         self._lock = threading.Lock()
         self._running = 0
         self._calls_reported = 0
+        self._prefix_reported = dict.fromkeys(PREFIX_COUNTS, 0)
 
     def running(self, change: int) -> None:
         with self._lock:
@@ -57,10 +65,19 @@ class SpeculativeMetrics:
                 stats.reported += new
                 self.metrics["generated"].increment(new)
 
-    def record(self, stats: DecodeStats, seconds: float, target_calls: int) -> None:
-        """A finished request (``target_calls``: the engine's count so far)."""
+    def record(self, stats: DecodeStats, seconds: float, target_calls: int,
+               prefix: Optional[PrefixCacheStats] = None) -> None:
+        """A finished request (``target_calls``: the engine's count so far; ``prefix``: its
+        prefix cache's counts so far, when it has one)."""
         self.count_generated(stats)
         with self._lock:
+            if prefix is not None:
+                for key in PREFIX_COUNTS:  # counts taken by requests ending together may come out of order
+                    value = getattr(prefix, key)
+                    if value > self._prefix_reported[key]:
+                        self.metrics[f"prefix_cache_{key}"].increment(value - self._prefix_reported[key])
+                        self._prefix_reported[key] = value
+                self.metrics["prefix_cache_bytes"].set(prefix.bytes_held)
             self.metrics["proposed"].increment(stats.proposed)
             self.metrics["accepted"].increment(stats.accepted)
             self.metrics["target_passes"].increment(stats.rounds)

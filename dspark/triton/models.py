@@ -9,6 +9,7 @@ from typing import Optional
 
 from dspark.decoding.constraint import Grammars
 from dspark.decoding.engine import SpeculativeEngine
+from dspark.decoding.prefix_cache import PrefixCache
 from dspark.decoding.proposers import standard_proposers
 from dspark.decoding.proposers.dspark import DSparkProposer
 from dspark.decoding.text import TextGenerator
@@ -49,11 +50,12 @@ def grammars(tokenizer) -> Grammars:
 
 def llm_generator(folder: Path, threads: int = 2, max_context: Optional[int] = None,
                   batch_verification: bool = False, model_proposers: Optional[tuple] = None,
-                  draft: Optional[Path] = None) -> TextGenerator:
+                  draft: Optional[Path] = None, prefix_cache_mb: float = 0) -> TextGenerator:
     """A real LLM imported by ``dspark llm import`` (``folder``: import.json naming the GGUF,
     tokenizer.json) on dspark's kernels, with the model-free proposers, ``model_proposers``
     (default: DSpark's when a drafter was trained for this model) and, with ``draft`` (another
-    imported folder whose GGUF lists the same tokens), the draft model's ``draft`` and ``tree``."""
+    imported folder whose GGUF lists the same tokens), the draft model's ``draft`` and ``tree``.
+    ``prefix_cache_mb`` > 0: a prefix cache of that many MiB of the target's KV rows."""
     from dspark.llm.importer import check_same_vocabulary, import_source
     from dspark.llm.kernel_runtime import DEFAULT_MAX_CONTEXT, KernelRuntime
     from dspark.llm.tokenizer import LlamaTokenizer
@@ -78,9 +80,10 @@ def llm_generator(folder: Path, threads: int = 2, max_context: Optional[int] = N
                           f"{target.config.ctx}: set the parameter max_context to at most {draft_lm.config.ctx}",
                           draft_source)
     tokenizer = LlamaTokenizer.load(folder / "tokenizer.json")
+    prefix_cache = PrefixCache(int(prefix_cache_mb * (1 << 20))) if prefix_cache_mb > 0 else None
     engine = SpeculativeEngine(target, standard_proposers(draft_lm, model_proposers=model_proposers),
                                eos_ids=[tokenizer.eos_id], batch_verification=batch_verification,
-                               grammars=grammars(tokenizer))
+                               grammars=grammars(tokenizer), prefix_cache=prefix_cache)
     engine.verify_cost.measure(target)  # this model's pass costs by rows, before the first request
     longest = max(len(tokenizer.decode_bytes([i])) for i in range(tokenizer.vocab_size))
     return TextGenerator(engine, tokenizer, max_token_bytes=longest)

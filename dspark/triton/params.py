@@ -58,6 +58,8 @@ class SpeculativeParameters(ConfigParameters):
     max_queue_wait_ms: int = Field(30_000, ge=0)
     batch_verification: bool = False
     max_context: int = Field(0, ge=0)  # 0 = the model's own context
+    # MiB of the target's KV rows kept for prompts that start as earlier ones did; 0: off
+    prefix_cache_mb: float = Field(256, ge=0, le=1 << 20)
 
 
 class RouterParameters(ConfigParameters):

@@ -26,6 +26,7 @@ COMMANDS = {
     "openai": "dspark.cli.bench.llm:openai",
     "llm-quality": "dspark.cli.bench.llm:llm_quality",
     "constrained": "dspark.cli.bench.llm:constrained",
+    "prefix": "dspark.cli.bench.llm:prefix",
     "router": "dspark.cli.bench.router:router",
     "rollout": "dspark.cli.bench.rollout:rollout_bench",
     "drafter": "dspark.cli.bench.runs:drafter",

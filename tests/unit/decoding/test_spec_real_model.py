@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from dspark.decoding.engine import SpeculativeEngine
+from dspark.decoding.prefix_cache import PrefixCache
 from dspark.decoding.sampling import SamplingParams, SpeculativeParams
 from dspark.decoding.stats import DecodeStats
 from dspark.paths import project_root
@@ -67,3 +69,30 @@ def test_seeded_sampled_text_is_the_same_for_every_method_and_call(generator):
     assert sample("none") != [t for chunk in generator.engine.generate(
         ids, SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=1235),
         SpeculativeParams("none")) for t in chunk]
+def test_a_prefix_cache_hit_decodes_as_a_cold_run_for_each_method(generator):
+    cold = generator.engine
+    cached = SpeculativeEngine(cold.target, cold.proposers.values(), cold.context, eos_ids=cold.eos_ids,
+                               prefix_cache=PrefixCache(64 << 20))
+    ids = generator.tokenizer.encode(PROMPT * 8)  # ~160 tokens: two whole blocks
+    for method in ("none", "suffix", "draft"):
+        spec = SpeculativeParams(method, num_speculative_tokens=4)
+        expected = [t for chunk in cold.generate(ids, SamplingParams(max_tokens=24), spec) for t in chunk]
+        cached.prefix_cache.clear()
+        for run in range(2):
+            stats = DecodeStats()
+            got = [t for chunk in cached.generate(ids, SamplingParams(max_tokens=24), spec, stats) for t in chunk]
+            assert got == expected, (method, run)
+            assert stats.cached_prompt_tokens == (0 if run == 0 else (len(ids) - 1) // 64 * 64), (method, run)
+
+
+def test_a_chats_next_turn_starts_with_the_tokens_of_its_last_prompt(generator):
+    """The chat template renders the earlier turns unchanged and the tokenizer splits at the
+    turn boundary, so turn n + 1's tokens start with turn n's prompt (the prefix cache's hit)."""
+    tokenizer = generator.tokenizer
+    messages = [{"role": "system", "content": "You answer briefly."},
+                {"role": "user", "content": "Name a river in Europe."}]
+    first = tokenizer.encode(tokenizer.apply_chat_template(messages))
+    messages += [{"role": "assistant", "content": "The Danube."},
+                 {"role": "user", "content": "And one in Asia?"}]
+    second = tokenizer.encode(tokenizer.apply_chat_template(messages))
+    assert len(second) > len(first) and second[:len(first)] == first
