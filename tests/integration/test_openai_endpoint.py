@@ -4,39 +4,18 @@ client that leaves mid-stream, and OpenAI-shaped errors."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import openai
 import pytest
 import requests
 
-from dspark.openai.server import OpenAIServer
+from tests.integration.conftest import serve_openai
 from tests.integration.spec_client import completion, metric, wait_for
 
 MODEL = "spec_lm"
 QUESTION = "Why is the sky blue? Answer in two sentences."
 KEY = "openai-test-key-0123456789"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def api(triton_server):
-    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.http_url,
-                          repository_headers=triton_server.repository_headers)
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(api):
-    return openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=120)
 
 
 def _generate_chat(triton_server, question: str, max_tokens: int) -> str:
@@ -178,9 +157,7 @@ def test_a_body_that_is_not_json_or_an_unknown_path_is_openai_shaped(api):
 
 
 def test_a_keyed_endpoint_needs_the_bearer_key(triton_server):
-    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.http_url, api_key=KEY,
-                          repository_headers=triton_server.repository_headers)
-    server.start()
+    server = serve_openai(triton_server, api_key=KEY)
     try:
         with pytest.raises(openai.AuthenticationError) as denied:
             openai.OpenAI(base_url=server.url, api_key="wrong-key", max_retries=0).models.list()

@@ -11,7 +11,7 @@ import openai
 import pytest
 import requests
 
-from tests.integration.test_openai_endpoint import MODEL, QUESTION, api, client  # noqa: F401 - fixtures
+from tests.integration.test_openai_endpoint import MODEL, QUESTION
 
 PROMPT = "The three primary colours are"
 

@@ -15,37 +15,12 @@ import pytest
 import requests
 
 from dspark.openai.limits import MIB, Limits
-from dspark.openai.server import OpenAIServer
+from tests.integration.conftest import serve_openai
 from tests.integration.spec_client import metric, wait_for
 
 MODEL = "spec_lm"
 KEY = "openai-test-key-0123456789"
 LONG = [{"role": "user", "content": "Write a very long story about a dragon."}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(triton_server, **options) -> OpenAIServer:
-    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.http_url,
-                          repository_headers=triton_server.repository_headers, **options)
-    server.start()
-    return server
-
-
-@pytest.fixture(scope="module")
-def api(triton_server):
-    server = _serve(triton_server)
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(api):
-    return openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=120)
 
 
 def _root(api) -> str:
@@ -129,7 +104,7 @@ def test_a_reply_cut_inside_a_character_ends_before_it(client):
 
 
 def test_a_huge_body_is_refused_and_the_api_process_stays_small(triton_server):
-    server = _serve(triton_server, api_key=KEY)
+    server = serve_openai(triton_server, api_key=KEY)
     try:
         before = _rss_kib()
 
@@ -173,7 +148,7 @@ def test_a_huge_header_is_refused_while_it_arrives(api):
 
 
 def test_requests_past_the_concurrency_limit_get_429(triton_server):
-    server = _serve(triton_server, limits=Limits(max_concurrency=2))
+    server = serve_openai(triton_server, limits=Limits(max_concurrency=2))
     sdk = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
 
     def served() -> bool:
@@ -198,7 +173,7 @@ def test_requests_past_the_concurrency_limit_get_429(triton_server):
 
 
 def test_health_needs_no_key(triton_server):
-    server = _serve(triton_server, api_key=KEY)
+    server = serve_openai(triton_server, api_key=KEY)
     try:
         assert requests.get(f"{_root(server)}/health", timeout=10).status_code == 200
         assert requests.get(f"{server.url}/models", timeout=10).status_code == 401
@@ -222,7 +197,7 @@ def test_tokenize_counts_what_a_generation_counts(api, client):
 
 
 def test_cors_preflight_is_answered_for_the_given_origin(triton_server):
-    server = _serve(triton_server, api_key=KEY, cors_origins=["https://app.example"])
+    server = serve_openai(triton_server, api_key=KEY, cors_origins=["https://app.example"])
     try:
         reply = requests.options(f"{server.url}/chat/completions", timeout=10, headers={
             "Origin": "https://app.example", "Access-Control-Request-Method": "POST",

@@ -5,7 +5,6 @@ real `openai` SDK, `instructor` and LangChain's `with_structured_output`, and
 from __future__ import annotations
 
 import json
-import socket
 from typing import Literal
 
 import instructor
@@ -16,7 +15,6 @@ import requests
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
-from dspark.openai.server import OpenAIServer
 
 MODELS = ["spec_lm", "gemma_lm"]
 PERSON = {"type": "object",
@@ -31,26 +29,6 @@ class Person(BaseModel):
     name: str = Field(max_length=24)
     age: int = Field(ge=0, le=120)
     pet: Literal["cat", "dog", "none"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def api(triton_server):
-    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.http_url,
-                          repository_headers=triton_server.repository_headers)
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(api):
-    return openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=120)
 
 
 def _json_schema(schema: dict) -> dict:

@@ -6,8 +6,6 @@ instructor (Mode.TOOLS). Small models choose their calls badly: the tests check 
 guarantees, that every call names an offered function and its arguments follow its schema."""
 from __future__ import annotations
 
-import json
-import socket
 from typing import Literal
 
 import instructor
@@ -17,7 +15,6 @@ from langchain_core.messages import AIMessageChunk
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, ConfigDict, Field
 
-from dspark.openai.server import OpenAIServer
 
 MODELS = ["spec_lm", "gemma_lm"]
 QUESTION = "What is the weather in Paris, in celsius?"
@@ -55,26 +52,6 @@ ARGUMENTS = {"get_weather": Weather, "get_time": Clock}
 TOOLS = [{"type": "function", "function": {"name": name, "description": model.__doc__,
                                            "parameters": model.model_json_schema()}}
          for name, model in ARGUMENTS.items()]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def api(triton_server):
-    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.http_url,
-                          repository_headers=triton_server.repository_headers)
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(api):
-    return openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=120)
 
 
 def ask(client, model, **fields):

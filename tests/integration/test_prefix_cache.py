@@ -4,13 +4,9 @@ shows, and a 3-turn chat over the OpenAI API (the real `openai` SDK) reuses the 
 rows."""
 from __future__ import annotations
 
-import socket
 import uuid
 
-import openai
-import pytest
 
-from dspark.openai.server import OpenAIServer
 from tests.integration.spec_client import completion, metric
 
 MODEL = "spec_lm"
@@ -18,25 +14,10 @@ ROWS = "dspark_speculative_prefix_cache_rows_reused_total"
 HITS = "dspark_speculative_prefix_cache_hits_total"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _passage(tag: str, sentences: int) -> str:
     """Text no other test sends (``tag``), about 20 tokens a sentence."""
     return " ".join(f"Entry {i} of log {tag}: the pump in room {i % 7} was checked and found working."
                     for i in range(sentences))
-
-
-@pytest.fixture(scope="module")
-def client(triton_server):
-    server = OpenAIServer("127.0.0.1", _free_port(), triton_server.http_url,
-                          repository_headers=triton_server.repository_headers)
-    server.start()
-    yield openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=180)
-    server.stop()
 
 
 def test_a_long_prompt_sent_twice_gives_the_same_text_from_cached_rows(triton_server):
