@@ -176,6 +176,23 @@ class Constraint:
         """The grammar allows nothing more (only the end of the sequence)."""
         return self._matcher.is_stopped()
 
+    def steer(self, guesses: list[int], limit: int) -> list[int]:
+        """A lookup's chain of guesses fitted to the grammar, at most ``limit`` long: cut before
+        the first guess the grammar forbids (its row would be verified for nothing); when none
+        is, followed by the tokens the grammar forces next (a JSON schema's keys and
+        punctuation: llguidance's tokenization of the forced bytes, guesses the target takes
+        unless it splits those bytes otherwise). The state is left as it was."""
+        matcher = self._matcher
+        guesses = list(guesses[:limit])
+        valid = matcher.validate_tokens(guesses)
+        if valid < len(guesses) or valid == limit:
+            return guesses[:valid]
+        if not matcher.consume_tokens(guesses):
+            raise RuntimeError(f"the grammar refused tokens it validated: {matcher.get_error()}")
+        forced = [] if matcher.is_stopped() else matcher.compute_ff_tokens()
+        matcher.rollback(len(guesses))
+        return guesses + forced[:limit - len(guesses)]
+
 
 class _Vocabulary:
     """What ``llguidance.LLTokenizer`` reads of a tokenizer: each token's bytes, the special

@@ -59,6 +59,8 @@ class Generation:
         self.want_taps = self.proposer.wants_taps
         self.rng = default_rng(sampling.seed)  # the proposers' draws, and unseeded sampling's
         self.constraint = engine.constraint(sampling)  # before any work: a bad grammar is refused
+        # a speculating request's guesses are fitted to its grammar (method none stays one token a pass)
+        self.steered = self.constraint is not None and spec.method != "none"
         self.cache = engine.target.new_cache(engine.context)
         # greedy and seeded requests pick each token from the target's row: only a runtime whose
         # tree rows equal the chains' (bit for bit) can verify trees for them
@@ -146,6 +148,9 @@ class Generation:
             if budget > 1 else DraftTree()
         if self.chains_only:
             self.tree = self.tree.first_path()
+        if self.steered and budget > 1 and self.tree.is_chain and not self.tree.q:
+            # deterministic guesses only: dropping a drawn one would change what is sampled
+            self.tree = DraftTree.chain(self.constraint.steer(self.tree.tokens, min(budget - 1, room)))
         self.stats.draft_s += time.perf_counter() - start
         root = len(history) - 1
         return VerifyItem(self.cache, [history[-1]] + self.tree.tokens,

@@ -90,6 +90,31 @@ def test_a_draft_token_the_grammar_forbids_is_rejected_and_the_bonus_is_masked(t
     assert constraint.finished
 
 
+def test_guesses_are_cut_at_a_forbidden_token_and_followed_by_the_forced_ones(tiny):
+    engine, tokens = tiny
+    a, b, c, d = (tokens.index(x) for x in (b"a", b"b", b"f", b"d"))  # "c" is the EOS token here
+    constraint = engine.grammars.compile(Guided(regex="abf(x|y)"))
+    before = constraint.allowed()
+    assert constraint.steer([], 8) == [a, b, c]  # nothing guessed: the forced "abf"
+    assert constraint.steer([a, b], 8) == [a, b, c]
+    assert constraint.steer([a, d, c], 8) == [a]  # "d" is forbidden: its row would be wasted
+    assert constraint.steer([], 2) == [a, b]  # within the limit
+    assert (constraint.allowed() == before).all()  # the state is as it was
+    constraint.advance(a)
+    assert constraint.steer([], 8) == [b, c]
+
+
+def test_fitted_guesses_take_fewer_passes_and_change_no_token(tiny):
+    """A grammar that forces most of the text: a lookup with forced guesses verifies it in
+    fewer passes than plain decoding and gives the same text."""
+    engine, tokens = tiny
+    sampling = SamplingParams(max_tokens=20, guided={"regex": "abdefghi(x|y)jklmnopq"})
+    plain, steered = DecodeStats(), DecodeStats()
+    expected = _run(engine, [5, 6, 7], sampling, "none", plain)
+    assert _run(engine, [5, 6, 7], sampling, "ngram", steered) == expected
+    assert steered.rounds < plain.rounds / 2, (steered.rounds, plain.rounds)
+
+
 def test_constrained_sampling_follows_the_masked_target_distribution(tiny):
     """The first two tokens' joint law under the grammar equals plain constrained sampling's
     (G-test at alpha 0.001 over fixed seeds), with a draft model and with a tree."""
