@@ -87,12 +87,9 @@ def test_the_openai_api_sends_the_key_on_its_inference_calls(keyed_server):
     import openai
     import requests
 
-    from dspark.openai.server import OpenAIServer
-    from tests.integration.test_openai_endpoint import _free_port
+    from tests.integration.conftest import serve_openai
 
-    api = OpenAIServer("127.0.0.1", _free_port(), keyed_server.http_url,
-                       repository_headers=keyed_server.repository_headers)
-    api.start()
+    api = serve_openai(keyed_server)
     try:
         client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=120)
         reply = client.chat.completions.create(model="spec_lm", max_tokens=4,
