@@ -156,7 +156,7 @@ class Constraint:
     def allowed(self) -> np.ndarray:
         """A boolean per token: may it come next?"""
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        return np.unpackbits(bits, bitorder="little")[:self._vocab].astype(bool)
+        return np.unpackbits(bits, bitorder="little")[:self._vocab].view(bool)  # 0/1 bytes: no copy
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """``logits`` with every token the grammar forbids next at -inf (a copy). Logit rows
