@@ -162,10 +162,15 @@ class Constraint:
         """``logits`` with every token the grammar forbids next at -inf (a copy). Logit rows
         wider than the grammar's vocabulary (padding) are forbidden past it."""
         allowed = self.allowed()
-        out = np.full(logits.shape, -np.inf, dtype=logits.dtype)
         n = min(len(allowed), len(logits))
-        out[:n] = np.where(allowed[:n], logits[:n], -np.inf)
+        out = logits.copy()
+        np.copyto(out[:n], logits.dtype.type(-np.inf), where=~allowed[:n])
+        out[n:] = -np.inf
         return out
+
+    def allows(self, token: int) -> bool:
+        """May ``token`` come next? One token's check: cheaper than the whole mask."""
+        return self._matcher.validate_tokens([int(token)]) == 1
 
     def advance(self, token: int) -> None:
         if not self._matcher.consume_token(int(token)):

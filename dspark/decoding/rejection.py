@@ -43,6 +43,15 @@ def accept_among(p: np.ndarray, q: np.ndarray | None, candidates: list[int],
     return -1, sample(p, rng)
 
 
+def _greedy_token(row: np.ndarray, constraint: Optional[Constraint]) -> int:
+    """The row's best token the grammar allows. When the row's best is allowed it is the masked
+    row's best too, and checking one token costs less than the mask."""
+    tok = int(np.argmax(row))
+    if constraint is not None and not constraint.allows(tok):
+        tok = int(np.argmax(constraint.mask(row)))
+    return tok
+
+
 def verify(logits: np.ndarray, tree: DraftTree, sampling: SamplingParams,
            rng: np.random.Generator, constraint: Optional[Constraint] = None,
            eos_ids: frozenset[int] = frozenset(), position: int = 0) -> tuple[list[int], list[int]]:
@@ -62,9 +71,11 @@ def verify(logits: np.ndarray, tree: DraftTree, sampling: SamplingParams,
     which accepts more of a sampled draft."""
     node, path, out = -1, [], []
     while True:
-        row = logits[node + 1] if constraint is None else constraint.mask(logits[node + 1])
+        row = logits[node + 1]
+        if constraint is not None and not sampling.greedy:
+            row = constraint.mask(row)
         if sampling.greedy or sampling.seed is not None:
-            tok = int(np.argmax(row)) if sampling.greedy else \
+            tok = _greedy_token(row, constraint) if sampling.greedy else \
                 sample_at(distribution(row, sampling), seeded_uniform(sampling.seed, position + len(out)))
             match = [c for c in tree.children(node) if tree.tokens[c] == tok]
             child = match[0] if match else None
