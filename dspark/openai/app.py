@@ -95,7 +95,8 @@ async def _whole(pieces, guided_by: Optional[str]):
     while True:
         parts.append(piece.text)
         if piece.logprobs is not None:
-            entries = (entries or []) + piece.logprobs
+            entries = entries if entries is not None else []
+            entries.extend(piece.logprobs)
         if piece.final:
             return "".join(parts), piece, entries
         piece = await anext(pieces, None)
