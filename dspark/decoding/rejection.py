@@ -52,6 +52,31 @@ def _greedy_token(row: np.ndarray, constraint: Optional[Constraint]) -> int:
     return tok
 
 
+def _drawn_token(row: np.ndarray, sampling: SamplingParams, constraint: Optional[Constraint],
+                 rng: np.random.Generator, position: int) -> int:
+    """A token drawn from the row's sampling distribution under the grammar: by inverse CDF at
+    ``seeded_uniform(seed, position)`` for a seeded request, else from ``rng``.
+
+    Without top-k and top-p, the masked distribution is the row's distribution restricted to
+    the allowed tokens, so a draw from the whole row that the grammar allows is a draw from it
+    (rejection sampling): only when the draw is forbidden is the mask computed and a second,
+    independent draw made under it. Top-k and top-p pick their tokens among the allowed ones,
+    so they always mask first."""
+    def draw(p: np.ndarray, stream: int) -> int:
+        if sampling.seed is None:
+            return sample(p, rng)
+        return sample_at(p, seeded_uniform(sampling.seed, position, stream))
+
+    if constraint is None:
+        return draw(distribution(row, sampling), 0)
+    if sampling.top_k == 0 and sampling.top_p == 1.0:
+        tok = draw(distribution(row, sampling), 0)
+        if constraint.allows(tok):
+            return tok
+        return draw(distribution(constraint.mask(row), sampling), 1)
+    return draw(distribution(constraint.mask(row), sampling), 0)
+
+
 def verify(logits: np.ndarray, tree: DraftTree, sampling: SamplingParams,
            rng: np.random.Generator, constraint: Optional[Constraint] = None,
            eos_ids: frozenset[int] = frozenset(), position: int = 0) -> tuple[list[int], list[int]]:
@@ -67,22 +92,23 @@ def verify(logits: np.ndarray, tree: DraftTree, sampling: SamplingParams,
     (``position``: the root's token's) from ``seeded_uniform(seed, position)`` by inverse CDF,
     as plain sampling does, and accepts a guess only if it is that token: the text is plain
     sampling's for that seed whatever was proposed, and exactly distributed as the target's
-    sampling distribution (the draw is uniform). Unseeded requests use the rejection sampler,
-    which accepts more of a sampled draft."""
+    sampling distribution (the draw is uniform). An unseeded request draws from ``rng`` and takes
+    the guess that is its token, or, where the draft model drew the guesses (``tree.q``), uses
+    the rejection sampler, which accepts more of them."""
     node, path, out = -1, [], []
     while True:
         row = logits[node + 1]
-        if constraint is not None and not sampling.greedy:
-            row = constraint.mask(row)
-        if sampling.greedy or sampling.seed is not None:
+        q = tree.q.get(node)
+        if sampling.greedy or sampling.seed is not None or q is None:
             tok = _greedy_token(row, constraint) if sampling.greedy else \
-                sample_at(distribution(row, sampling), seeded_uniform(sampling.seed, position + len(out)))
+                _drawn_token(row, sampling, constraint, rng, position + len(out))
             match = [c for c in tree.children(node) if tree.tokens[c] == tok]
             child = match[0] if match else None
         else:
+            if constraint is not None:
+                row = constraint.mask(row)
             draws = tree.candidates.get(node, [])
-            chosen, tok = accept_among(distribution(row, sampling), tree.q.get(node),
-                                       [tree.tokens[c] for c in draws], rng)
+            chosen, tok = accept_among(distribution(row, sampling), q, [tree.tokens[c] for c in draws], rng)
             child = draws[chosen] if chosen >= 0 else None
             tok = tree.tokens[child] if child is not None else tok
         out.append(tok)

@@ -121,13 +121,15 @@ def sample_at(p: np.ndarray, u: float) -> int:
 _MASK64 = (1 << 64) - 1
 
 
-def seeded_uniform(seed: int, position: int) -> float:
-    """A uniform draw in [0, 1) that depends on (seed, position) only (SplitMix64 of the pair).
+def seeded_uniform(seed: int, position: int, stream: int = 0) -> float:
+    """A uniform draw in [0, 1) that depends on (seed, position) only (SplitMix64 of the pair);
+    ``stream`` 1, 2... give further independent draws for the same position.
 
     A seeded request draws the token at each position of the sequence from this number, so
     its text depends on the seed alone: not on which guesses a proposer made, how many rows a
     pass verified, or what the proposer learnt from earlier requests."""
-    x = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK64
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + stream * 0x8CB92BA72F3D8DD7
+         + 0x632BE59BD9B4E019) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     x ^= x >> 31

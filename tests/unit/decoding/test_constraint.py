@@ -142,6 +142,26 @@ def test_constrained_sampling_follows_the_masked_target_distribution(tiny):
         assert g_test_p_value(counts, expected * n) > 1e-3, method
 
 
+@pytest.mark.parametrize("guesses,top_p", [([], 1.0), ([0], 1.0), ([3], 1.0), ([0], 0.9)])
+def test_an_unseeded_constrained_draw_follows_the_masked_distribution(tiny, guesses, top_p):
+    """Unseeded, with no guess, an allowed guess, a forbidden one, and under top-p: the token
+    emitted is distributed as the masked row's sampling distribution (G-test, a fixed rng).
+    A token drawn from the whole row is kept only where the grammar allows it."""
+    engine, tokens = tiny
+    row = np.random.default_rng(1).normal(0.0, 1.5, len(tokens)).astype(np.float32)
+    row[3] = 4.0  # "d": the likeliest, and forbidden
+    allowed = np.array([t in (b"a", b"b", b"e") for t in tokens])
+    sampling = SamplingParams(temperature=1.0, top_p=top_p)
+    expected = distribution(np.where(allowed, row, -np.inf), sampling)
+    logits, rng, n = np.tile(row, (len(guesses) + 1, 1)), np.random.default_rng(0), 1500
+    counts = np.zeros(len(tokens))
+    for _ in range(n):
+        new, _ = verify(logits, DraftTree.chain(guesses), sampling, rng,
+                        engine.grammars.compile(Guided(regex="[abe]")), frozenset([EOS_ID]))
+        counts[new[0]] += 1
+    assert counts[~allowed].sum() == 0 and g_test_p_value(counts, expected * n) > 1e-3
+
+
 def test_a_finished_grammar_ends_the_text_with_its_last_character(tiny):
     engine, tokens = tiny
     stats = DecodeStats()
