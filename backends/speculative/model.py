@@ -144,7 +144,12 @@ class TritonPythonModel:
                 self.metrics.count_generated(stats)
                 sender.is_cancelled(ask_here=True)  # asked here, the decode loop rarely has to
 
-            send_coalesced(pieces, send, self.stream_interval_s)
+            text = send_coalesced(pieces, send, self.stream_interval_s)  # the last text rides on the final response
+            if text and stats.finish_reason == "cancelled":  # which may be an unload's error: the text first
+                send(text)
+                text = join_deltas([])
+            if entries is not None:
+                entries = text.logprobs or []
         else:
             done = join_deltas(list(pieces))
             text = call.echo + done
@@ -157,8 +162,8 @@ class TritonPythonModel:
                            stats.target_s)
         refuse_if_unloaded(stats, self.pool.closing.is_set(), self.name)
         outputs = [_text_tensor(text), _text_tensor(json.dumps(usage(call, stats)), "usage")]
-        if entries is not None:  # streamed: each response carried its tokens' entries
-            outputs.append(_text_tensor(json.dumps(entries if not call.stream else []), "logprobs"))
+        if entries is not None:  # streamed: each response carries its own text's entries
+            outputs.append(_text_tensor(json.dumps(entries), "logprobs"))
         sender.send(pb_utils.InferenceResponse(output_tensors=outputs), final=True)
 
     def finalize(self):

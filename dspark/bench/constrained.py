@@ -156,14 +156,15 @@ def run_constrained_bench(settings: ConstrainedSettings, log: Callable[[str], No
 
 
 def check_targets(result: BenchResult, slowdown_pct: float = 10.0, kept_pct: float = 90.0) -> list[str]:
-    """The rows that miss a target: 100 % valid; on SmolLM2 (spec_lm) greedy, a schema at most
-    ``slowdown_pct`` slower than plain and speculation keeping ``kept_pct`` of its speed-up."""
+    """The rows that miss a target: 100 % valid; on SmolLM2 (spec_lm), greedy and sampled, a
+    schema at most ``slowdown_pct`` slower than plain and speculation keeping ``kept_pct`` of
+    its speed-up."""
     missed = []
     for row in result.rows:
         where = f"{row['model']} {row['mode']}"
         if row["valid_pct"] < 100.0:
             missed.append(f"{where}: {row['valid_pct']:.0f} % schema-valid")
-        if row["model"] == "spec_lm" and row["mode"] == "greedy":
+        if row["model"] == "spec_lm":
             if row["json_slowdown_pct"] > slowdown_pct:
                 missed.append(f"{where}: the schema costs {row['json_slowdown_pct']:.1f} % of plain decoding's rate")
             if row["speedup_kept_pct"] < kept_pct:

@@ -40,8 +40,9 @@ class VerifyItem:
 
 class NewTokens(list):
     """A round's new tokens; ``logprobs``, when the request asked for them, has one
-    ``TokenLogprob`` per token."""
+    ``TokenLogprob`` per token; ``last``: the request ended with them."""
     logprobs: Optional[list[TokenLogprob]] = None
+    last: bool = False
 
 
 class Generation:
@@ -183,6 +184,7 @@ class Generation:
             self.finish("eos")
         elif self.generated >= self.sampling.max_tokens:
             self.finish("length")
+        new.last = self.done
         return new
 
     def stop(self) -> None:

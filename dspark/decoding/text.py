@@ -34,8 +34,9 @@ class Detokenizer:
 
 class Delta(str):
     """A text delta; ``logprobs`` (when the request asked for them): one entry per token whose
-    text ends in this delta (``TextGenerator.logprob_entry``)."""
+    text ends in this delta (``TextGenerator.logprob_entry``); ``final``: the text ends here."""
     logprobs: Optional[list[dict]] = None
+    final: bool = False
 
 
 def join_deltas(pieces: list[str]) -> str:
@@ -100,6 +101,7 @@ class TextGenerator:
 
         def delta(end: int, last: bool = False) -> str:
             piece = Delta(text[sent:end])
+            piece.final = last
             if want:
                 piece.logprobs = [e for start, e in pending if start < end or last]
                 pending[:] = [(start, e) for start, e in pending if not (start < end or last)]
@@ -121,7 +123,7 @@ class TextGenerator:
                     stats.finish_reason = "stop"
                     return
                 safe = len(text) - hold
-                if safe > sent:
+                if safe > sent and not new.last:  # the last tokens' text goes in the final delta
                     yield delta(safe)
                     sent = safe
             text += detokenizer.flush()
@@ -157,7 +159,7 @@ def _find_stop(text: str, stops: list[str], start: int) -> int | None:
 
 
 def send_coalesced(pieces: Iterable[str], send: Callable[[str], None],
-                   min_interval_s: float = 0.0) -> None:
+                   min_interval_s: float = 0.0) -> str:
     """Send ``pieces`` (produced on a helper thread) as one message per ``send`` call,
     joining whatever arrived while the previous send was in flight or within
     ``min_interval_s`` of it. Generation never waits for the transport, and each message's
@@ -165,14 +167,23 @@ def send_coalesced(pieces: Iterable[str], send: Callable[[str], None],
     piece goes out at once; an error while producing is raised here after the pieces before
     it were sent; if ``send`` raises, production stops at the next piece.
 
+    Returns the text that production ended with and that was not sent (a delta marked
+    ``final``, or what arrived after the last send), for the caller's final message: a short
+    reply then costs one message, not two.
+
     The sending thread sleeps until a message is due, and the producer wakes it only for a
     piece that arrives when one is, or at the end: never per piece, as on 2 cores each thread
     wake-up preempts a decoding thread."""
     state = _Coalescer(min_interval_s)
     producer = threading.Thread(target=state.produce, args=(pieces,), daemon=True)
     producer.start()
+    rest = Delta("")
     try:
-        while (text := state.next_message()) is not None:
+        while (message := state.next_message()) is not None:
+            text, last = message
+            if last:
+                rest = text
+                break
             send(text)
             state.sent()
     finally:
@@ -180,6 +191,7 @@ def send_coalesced(pieces: Iterable[str], send: Callable[[str], None],
     producer.join()
     if state.failure is not None:
         raise state.failure
+    return rest
 
 
 class _Coalescer:
@@ -200,7 +212,10 @@ class _Coalescer:
                     if self.stopped:
                         break
                     self.buffer.append(piece)
-                    if time.monotonic() >= self.last_sent + self.min_interval_s:
+                    if getattr(piece, "final", False):
+                        self.done = True  # the sender takes it with the rest, as the last
+                        self._ready.notify()
+                    elif time.monotonic() >= self.last_sent + self.min_interval_s:
                         self._ready.notify()
         except BaseException as error:  # noqa: BLE001 - handed to the sending thread
             self.failure = error
@@ -208,9 +223,9 @@ class _Coalescer:
             self.done = True
             self._ready.notify()
 
-    def next_message(self) -> Optional[str]:
-        """The text of the next message once it is due; None when production has ended and
-        everything was sent."""
+    def next_message(self) -> Optional[tuple[str, bool]]:
+        """The text of the next message once it is due, and whether production had ended when
+        it was taken (nothing comes after it); None when it has and everything was sent."""
         with self._ready:
             while not self.done:
                 wait = self.last_sent + self.min_interval_s - time.monotonic()
@@ -221,7 +236,7 @@ class _Coalescer:
             if not self.buffer:
                 return None
             text, self.buffer = join_deltas(self.buffer), []
-            return text
+            return text, self.done and self.failure is None
 
     def sent(self) -> None:
         with self._ready:

@@ -1,8 +1,13 @@
 """A draft pair made by `dspark llm import TARGET --name NAME --draft DRAFT` and served by a real
 tritonserver: SmolLM2-135M (the demo's GGUF) as its own draft model. Every method's greedy text
-over /generate and gRPC streaming is plain decoding's, and the draft's guesses are accepted."""
+over /generate and gRPC streaming is plain decoding's, and the draft's guesses are accepted;
+through the OpenAI API the draft methods give plain decoding's greedy, seeded and
+schema-constrained replies."""
 from __future__ import annotations
 
+import json
+
+import openai
 import pytest
 from click.testing import CliRunner
 
@@ -10,6 +15,7 @@ from dspark.cli.main import cli
 from dspark.llm.importer import import_source
 from dspark.paths import project_root
 from tests.conftest import serving
+from tests.integration.conftest import serve_openai
 from tests.integration.spec_client import completion, metric, stream_once
 
 pytestmark = pytest.mark.integration
@@ -41,3 +47,27 @@ def test_the_imported_pair_serves_every_method_with_plain_greedy_text(pair_serve
             assert metric(pair_server, MODEL, "dspark_speculative_accepted_total") >= accepted + 12, method
     streamed = stream_once(pair_server, MODEL, PROMPT, {"max_tokens": 24, "speculative": {"method": "tree"}})
     assert streamed.final and streamed.text == plain
+
+
+def test_the_draft_methods_through_the_openai_api_give_plain_decodings_replies(pair_server):
+    api = serve_openai(pair_server)
+    try:
+        client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=120)
+        schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                   "age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"]}
+        cases = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.8, "seed": 5},
+                 "schema": {"temperature": 0, "response_format": {"type": "json_schema",
+                                                "json_schema": {"name": "person", "schema": schema, "strict": True}}}}
+
+        def reply(method: str, case: str) -> str:
+            return client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Describe a person in JSON."}], max_tokens=40,
+                extra_body={"speculative": {"method": method, "adaptive": False}}, **cases[case]).choices[0].message.content
+
+        for case in cases:
+            plain = reply("none", case)
+            assert reply("draft", case) == plain and reply("tree", case) == plain, case
+        person = json.loads(reply("tree", "schema"))
+        assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+    finally:
+        api.stop()

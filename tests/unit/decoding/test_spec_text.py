@@ -93,14 +93,14 @@ def test_streamed_pieces_are_coalesced_but_never_lost_or_reordered():
         sent.append(text)
         time.sleep(0.01)
 
-    send_coalesced(_slow_pieces(pieces, 0.001), slow_send)
-    assert "".join(sent) == "".join(pieces)
+    rest = send_coalesced(_slow_pieces(pieces, 0.001), slow_send)  # the end: for the final message
+    assert "".join(sent) + rest == "".join(pieces)
     assert sent[0] == "<0>" and len(sent) < len(pieces) / 2
 
     sent.clear()
     started = time.monotonic()
-    send_coalesced(_slow_pieces(pieces, 0.002), sent.append, min_interval_s=0.03)
-    assert "".join(sent) == "".join(pieces) and sent[0] == "<0>"
+    rest = send_coalesced(_slow_pieces(pieces, 0.002), sent.append, min_interval_s=0.03)
+    assert "".join(sent) + rest == "".join(pieces) and sent[0] == "<0>"
     assert len(sent) <= (time.monotonic() - started) / 0.03 + 2  # at most one per interval
 
 
@@ -115,9 +115,31 @@ def test_a_piece_goes_out_when_its_interval_ends_not_with_the_next_piece():
         yield "c"
 
     sent = []
-    send_coalesced(pieces(), lambda text: sent.append((text, time.monotonic())), min_interval_s=0.03)
-    assert [text for text, _ in sent] == ["a", "b", "c"]
+    rest = send_coalesced(pieces(), lambda text: sent.append((text, time.monotonic())), min_interval_s=0.03)
+    assert [text for text, _ in sent] == ["a", "b"] and rest == "c"  # the last, after the generator ended
     assert 0.02 < sent[1][1] - sent[0][1] < 0.2  # "b" when the interval ended, not 0.3 s later
+
+
+def test_a_final_delta_is_returned_for_the_final_message_not_sent():
+    """A reply's last text rides on the final response: a one-token reply is one message."""
+    import time
+
+    from dspark.decoding.text import Delta
+
+    def pieces(final_after: float):
+        yield "a"
+        time.sleep(0.05)
+        last = Delta("b")
+        last.final = True
+        yield last
+        time.sleep(final_after)  # the generator's own end comes later still
+
+    sent = []
+    started = time.monotonic()
+    assert send_coalesced(pieces(0.0), sent.append) == "b" and sent == ["a"]
+    sent.clear()
+    assert send_coalesced(pieces(0.3), sent.append) == "b" and sent == ["a"]
+    assert time.monotonic() - started > 0.3  # the producer was waited for
 
 
 def test_a_failure_while_streaming_is_raised_after_the_text_before_it():
