@@ -10,9 +10,9 @@ from dspark.decoding.adaptive import AdaptiveDraftLength
 from dspark.decoding.proposers.base import BaseDrafter, DraftRequest, agreed
 from dspark.decoding.tree import DraftTree
 
-# A lookup costs nothing to propose; each guess adds a row to the target's pass, about this
-# fraction of a pass on these CPUs.
-ROW_COST = 0.05
+# A lookup's own cost per guess, relative to a target pass (a numpy search of the history); the
+# row each guess adds to the pass is priced by the target's measured cost (``verify_cost``).
+LOOKUP_COST = 0.01
 
 
 def lookup(history: list[int], depth: int, max_ngram: int, min_ngram: int = 1) -> list[int]:
@@ -43,12 +43,14 @@ class PromptLookupProposer:
 class PromptLookupDrafter(BaseDrafter):
     def __init__(self, request: DraftRequest, max_ngram: int, min_ngram: int):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.length = AdaptiveDraftLength(request.spec.num_speculative_tokens, ROW_COST,
-                                          request.spec.adaptive)
+        # the target's measured cost of a pass by rows: where rows are dear and lookups rarely
+        # right, guessing pauses (plain decoding) until a guessed round pays again
+        self.length = AdaptiveDraftLength(request.spec.num_speculative_tokens, LOOKUP_COST,
+                                          request.spec.adaptive, verify_cost=request.verify_cost)
         self.chain: list[int] = []
 
     def propose(self, history: list[int], max_depth: int, max_nodes: int) -> DraftTree:
-        depth = min(self.length.k, max_depth, max_nodes)
+        depth = min(self.length.k, max_depth, max_nodes) if self.length.should_draft() else 0
         self.chain = lookup(history, depth, self.max_ngram, self.min_ngram) if depth > 0 else []
         return DraftTree.chain(self.chain)
 

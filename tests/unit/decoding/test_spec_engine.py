@@ -132,6 +132,28 @@ def test_the_pass_cost_table_is_measured_at_load():
     assert cost(1) == 1.0 and cost(8) == pytest.approx(1 + 0.2 * 7)
 
 
+@pytest.mark.parametrize("row_cost,every,guessing", [(0.4, 4, False), (0.05, 4, True), (0.4, 1, True)])
+def test_prompt_lookup_guesses_only_where_its_rows_pay(row_cost, every, guessing):
+    """The same lookups, right in one round of four (only the first guess): where a pass's extra
+    rows are dear (0.4 of a row each, as SmolLM2 on an AVX2 CPU) prompt lookup pauses and the
+    rounds are plain; cheap rows, or guesses right in every round, keep it guessing."""
+    from dspark.decoding.proposers.base import DraftRequest
+    from dspark.decoding.proposers.ngram import PromptLookupProposer
+
+    history = [5, 6, 7, 8] * 16  # the lookup always finds four tokens
+    request = DraftRequest(history, SamplingParams(), SpeculativeParams("ngram"), np.random.default_rng(0),
+                           DecodeStats(), 1024, lambda n: 1 + row_cost * (n - 1))
+    drafter = PromptLookupProposer().start(request)
+    guessed = []
+    for i in range(60):
+        tree = drafter.propose(history, 4, 4)
+        guessed.append(bool(tree.tokens))
+        kept = tree.tokens[:1] if i % every == 0 else []
+        drafter.verified(tree, list(range(len(kept))), kept + [1], None, 0.01)
+    assert guessed[0]  # the first round guesses
+    assert all(guessed[20:]) if guessing else sum(guessed[20:]) <= 4, guessed
+
+
 def test_a_draft_that_does_not_pay_pauses_for_longer_each_time_and_resumes_when_it_pays():
     length = AdaptiveDraftLength(4, 0.05, verify_cost=lambda n: 1 + 0.05 * (n - 1))
     pauses, plain_rounds = [], 0
