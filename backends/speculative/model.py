@@ -18,7 +18,7 @@ import triton_python_backend_utils as pb_utils
 from dspark._ext import probes
 from dspark.decoding.sampling import SpeculativeParams
 from dspark.decoding.stats import DecodeStats
-from dspark.decoding.text import join_deltas, send_coalesced
+from dspark.decoding.text import Delta, join_deltas, send_coalesced
 from dspark.errors import RequestError, UnavailableError
 from dspark.params import parse_parameters
 from dspark.tensors import GENERATE_INPUTS, GENERATE_OUTPUTS
@@ -147,7 +147,7 @@ class TritonPythonModel:
             text = send_coalesced(pieces, send, self.stream_interval_s)  # the last text rides on the final response
             if text and stats.finish_reason == "cancelled":  # which may be an unload's error: the text first
                 send(text)
-                text = join_deltas([])
+                text = Delta("")
             if entries is not None:
                 entries = text.logprobs or []
         else:

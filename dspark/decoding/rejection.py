@@ -67,14 +67,11 @@ def _drawn_token(row: np.ndarray, sampling: SamplingParams, constraint: Optional
             return sample(p, rng)
         return sample_at(p, seeded_uniform(sampling.seed, position, stream))
 
-    if constraint is None:
-        return draw(distribution(row, sampling), 0)
-    if sampling.top_k == 0 and sampling.top_p == 1.0:
-        tok = draw(distribution(row, sampling), 0)
-        if constraint.allows(tok):
-            return tok
-        return draw(distribution(constraint.mask(row), sampling), 1)
-    return draw(distribution(constraint.mask(row), sampling), 0)
+    mask_first = constraint is not None and (sampling.top_k or sampling.top_p < 1.0)
+    tok = draw(distribution(constraint.mask(row) if mask_first else row, sampling), 0)
+    if constraint is None or mask_first or constraint.allows(tok):
+        return tok
+    return draw(distribution(constraint.mask(row), sampling), 1)
 
 
 def verify(logits: np.ndarray, tree: DraftTree, sampling: SamplingParams,
